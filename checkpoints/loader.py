@@ -1,0 +1,86 @@
+"""`load_model(spec)`: one entry point for every way a model reaches jaxserve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from checkpoints.hf_config import UnsupportedModelError, model_config_from_hf
+from checkpoints.loaded import LoadedModel, abstract_params, model_for
+from checkpoints.orbax_io import is_orbax_dir, restore_orbax
+from checkpoints.random_weights import NAMED_SHAPES, random_params
+from checkpoints.weights import load_hf_weights
+
+# The embedded default: stories260k ships inside the package, so nothing is ever downloaded.
+DEFAULT_MODEL_DIR = Path(__file__).parent / "stories260k"
+
+__all__ = ["DEFAULT_MODEL_DIR", "LoadedModel", "ModelLoadError", "load_model", "model_for"]
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message names the path or name and the reason."""
+
+
+def default_dtype():
+    """float32 on the CPU (XLA's bfloat16 matmuls are slow there), bfloat16 on accelerators."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def load_model(spec: str | Path | None = None, *, dtype=None, seed: int = 0) -> LoadedModel:
+    """Loads a model from a folder (Hugging Face or orbax) or a named random shape.
+
+    `spec` None means the embedded default model. Raises `ModelLoadError` with a one-line reason.
+    """
+    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
+    if spec is None:
+        spec = DEFAULT_MODEL_DIR
+    if isinstance(spec, str) and spec in NAMED_SHAPES:
+        config = NAMED_SHAPES[spec]
+        params = random_params(abstract_params(config, dtype), seed)
+        return LoadedModel(
+            config=config,
+            params=params,
+            tokenizer=None,
+            dtype=dtype,
+            source=f"random:{spec}:seed={seed}",
+        )
+    path = Path(spec)
+    if not path.exists():
+        raise ModelLoadError(
+            f"Model folder {str(path)!r} does not exist (and is not one of the named random "
+            f"shapes {sorted(NAMED_SHAPES)})."
+        )
+    if not path.is_dir():
+        raise ModelLoadError(f"Model path {str(path)!r} is a file; pass the model's folder.")
+    try:
+        if is_orbax_dir(path):
+            return restore_orbax(path, dtype=dtype)
+        return _load_hf(path, dtype)
+    except (UnsupportedModelError, FileNotFoundError, ValueError, OSError) as e:
+        raise ModelLoadError(f"Cannot load model from {str(path)!r}: {e}") from e
+
+
+def _load_hf(path: Path, dtype) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json (nor a jaxserve.json).")
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    eos: tuple[int, ...] = ()
+    if (path / "generation_config.json").exists():
+        gen = GenerationConfig.from_pretrained(path, local_files_only=True)
+        ids = gen.eos_token_id
+        eos = tuple([ids] if isinstance(ids, int) else (ids or []))
+    config = model_config_from_hf(hf_config, eos)
+    host = load_hf_weights(
+        path, abstract_params(config, dtype), tied_embeddings=config.tie_word_embeddings
+    )
+    params = jax.device_put(host)
+    tokenizer = None
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return LoadedModel(
+        config=config, params=params, tokenizer=tokenizer, dtype=dtype, source=str(path)
+    )

@@ -1,0 +1,85 @@
+"""orbax-checkpoint save and restore of converted models (params + config + tokenizer).
+
+Layout of a converted folder:
+    jaxserve.json   format version, model config, dtype, source
+    params/         the orbax checkpoint of the param tree
+    tokenizer/      the tokenizer's `save_pretrained` files (absent for random-weight models)
+
+Restoring with `shardings` places each array straight into its sharding (tensor parallelism)
+instead of first building the whole model on one device.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from checkpoints.loaded import (
+    LoadedModel,
+    abstract_params,
+    config_from_json,
+    config_to_json,
+)
+
+FORMAT = "jaxserve-orbax-1"
+MARKER = "jaxserve.json"
+
+
+def save_orbax(model: LoadedModel, out_dir: str | Path) -> Path:
+    """Writes `model` to `out_dir` (which must not hold a checkpoint already)."""
+    out = Path(out_dir).absolute()
+    if (out / MARKER).exists() or (out / "params").exists():
+        raise FileExistsError(f"{out} already holds a checkpoint; choose an empty folder.")
+    out.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(out / "params", model.params)
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(out / "tokenizer")
+    meta = {
+        "format": FORMAT,
+        "config": config_to_json(model.config),
+        "dtype": jnp.dtype(model.dtype).name,
+        "source": model.source,
+    }
+    # Written last: a folder with the marker is a complete checkpoint.
+    (out / MARKER).write_text(json.dumps(meta, indent=2))
+    return out
+
+
+def is_orbax_dir(path: Path) -> bool:
+    return (path / MARKER).exists()
+
+
+def restore_orbax(path: Path, *, dtype=None, shardings: Any = None) -> LoadedModel:
+    """Restores a `save_orbax` folder, optionally into `shardings` (a param-shaped tree)."""
+    meta = json.loads((path / MARKER).read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path / MARKER} has format {meta.get('format')!r}, expected {FORMAT!r}.")
+    config = config_from_json(meta["config"])
+    dtype = jnp.dtype(dtype or meta["dtype"])
+    target = abstract_params(config, dtype)
+    if shardings is None:
+        device = jax.devices()[0]
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), target)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings
+    )
+    with ocp.StandardCheckpointer() as ckpt:
+        params = ckpt.restore(path.absolute() / "params", target)
+    tokenizer = None
+    if (path / "tokenizer").exists():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", local_files_only=True)
+    return LoadedModel(
+        config=config,
+        params=params,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        source=meta.get("source", str(path)),
+    )

@@ -1,0 +1,127 @@
+"""Random-weight models of real shapes, for benchmarks (like vLLM's dummy load format).
+
+Weights are drawn N(0, 0.02) as Hugging Face initialises these models, norms are ones and biases
+zeros, deterministically from a seed, directly on the device: no file is read.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig, RopeConfig
+
+NAMED_SHAPES: dict[str, ModelConfig] = {
+    "llama-tiny": ModelConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=176,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        eos_token_ids=(2,),
+        bos_token_id=1,
+        architecture="llama",
+    ),
+    "qwen3-tiny": ModelConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=176,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=1e6),
+        qk_norm=True,
+        tie_word_embeddings=True,
+        eos_token_ids=(2,),
+        bos_token_id=1,
+        architecture="qwen3",
+    ),
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=100000.0),
+        tie_word_embeddings=True,
+        eos_token_ids=(0,),
+        bos_token_id=0,
+        architecture="llama",
+    ),
+    "llama3.2-1b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(
+            theta=500000.0,
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        tie_word_embeddings=True,
+        eos_token_ids=(128001, 128008, 128009),
+        bos_token_id=128000,
+        architecture="llama",
+    ),
+    "qwen3-0.6b": ModelConfig(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=1000000.0),
+        qk_norm=True,
+        tie_word_embeddings=True,
+        eos_token_ids=(151643, 151645),
+        bos_token_id=None,
+        architecture="qwen3",
+    ),
+}
+
+
+def random_params(abstract_params: dict, seed: int) -> dict:
+    """Fills a param tree of `jax.ShapeDtypeStruct`s with seeded random weights."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+    names = tuple(str(getattr(path[-1], "key", path[-1])) for path, _ in leaves)
+    shapes = tuple((a.shape, jnp.dtype(a.dtype)) for _, a in leaves)
+    values = _draw(seed, names, shapes)
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _draw(seed, names, shapes):
+    keys = jax.random.split(jax.random.key(seed), len(names))
+    out = []
+    for key, name, (shape, dtype) in zip(keys, names, shapes, strict=True):
+        if name == "scale":
+            out.append(jnp.ones(shape, dtype))
+        elif name == "bias":
+            out.append(jnp.zeros(shape, dtype))
+        else:
+            out.append((0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
+    return out

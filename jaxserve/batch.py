@@ -1,0 +1,103 @@
+"""The ragged step batch: what one model step reads besides params and the KV pool.
+
+One step runs any mix of prefill chunks and single decode tokens from different sequences. Their
+tokens are flattened into one row of `T` tokens (a bucket size), sequence `s` owning
+`token_ids[query_start[s]:query_start[s + 1]]`; sequences are padded to `S` rows (another bucket).
+Padding tokens write nowhere and padding sequences have no tokens, so the jitted step sees the same
+shapes for every plan that fits the bucket and never retraces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """Device-side metadata of one ragged step (all int32; numpy on the host, jax on device)."""
+
+    token_ids: jax.Array  # i32[T] tokens of all sequences, back to back, then padding (0)
+    positions: jax.Array  # i32[T] position of each token within its sequence (0 for padding)
+    slot_mapping: jax.Array  # i32[T] slot written (page * page_size + offset); padding: past end
+    query_start: jax.Array  # i32[S + 1] sequence s owns tokens [query_start[s], query_start[s + 1])
+    kv_lens: jax.Array  # i32[S] tokens in sequence s's cache after this step (0: padding)
+    page_tables: jax.Array  # i32[S, P] pages of sequence s in order; unused entries are 0
+    logits_indices: jax.Array  # i32[S] token index of each sequence's last token (0: padding)
+    num_seqs: jax.Array  # i32[] number of real sequences
+
+
+jax.tree_util.register_dataclass(
+    StepBatch,
+    data_fields=[f.name for f in dataclasses.fields(StepBatch)],
+    meta_fields=[],
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqChunk:
+    """Host description of one sequence's share of a step: the tokens it runs this step."""
+
+    token_ids: Sequence[int]  # new tokens this step: a prefill chunk, or the one decode token
+    start_pos: int  # position of token_ids[0]; equals the tokens already in the cache
+    page_table: Sequence[int]  # pages holding this sequence's cache, covering start_pos + len
+
+
+def pack_chunks(
+    chunks: Sequence[SeqChunk],
+    *,
+    page_size: int,
+    num_tokens: int,
+    num_seqs: int,
+    pages_per_seq: int,
+    num_pages: int,
+) -> StepBatch:
+    """Pads `chunks` into a numpy `StepBatch` of bucket shape (num_tokens, num_seqs)."""
+    total = sum(len(c.token_ids) for c in chunks)
+    if total > num_tokens or len(chunks) > num_seqs:
+        raise ValueError(
+            f"{len(chunks)} sequences with {total} tokens do not fit the bucket "
+            f"({num_tokens=}, {num_seqs=})."
+        )
+    # Padding tokens write to slot num_pages * page_size: out of range, so the scatter drops them.
+    token_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slot_mapping = np.full(num_tokens, num_pages * page_size, np.int32)
+    query_start = np.full(num_seqs + 1, total, np.int32)
+    kv_lens = np.zeros(num_seqs, np.int32)
+    page_tables = np.zeros((num_seqs, pages_per_seq), np.int32)
+    logits_indices = np.zeros(num_seqs, np.int32)
+    offset = 0
+    for s, chunk in enumerate(chunks):
+        n = len(chunk.token_ids)
+        if n < 1:
+            raise ValueError(f"Sequence {s} has no tokens to run in this step.")
+        end_pos = chunk.start_pos + n
+        if len(chunk.page_table) * page_size < end_pos or len(chunk.page_table) > pages_per_seq:
+            raise ValueError(
+                f"Sequence {s} needs {end_pos} cache slots but its page table has "
+                f"{len(chunk.page_table)} pages of {page_size} (at most {pages_per_seq})."
+            )
+        pos = np.arange(chunk.start_pos, end_pos, dtype=np.int32)
+        table = np.asarray(chunk.page_table, np.int32)
+        token_ids[offset : offset + n] = chunk.token_ids
+        positions[offset : offset + n] = pos
+        slot_mapping[offset : offset + n] = table[pos // page_size] * page_size + pos % page_size
+        query_start[s] = offset
+        kv_lens[s] = end_pos
+        page_tables[s, : len(table)] = table
+        logits_indices[s] = offset + n - 1
+        offset += n
+    return StepBatch(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start=query_start,
+        kv_lens=kv_lens,
+        page_tables=page_tables,
+        logits_indices=logits_indices,
+        num_seqs=np.int32(len(chunks)),
+    )

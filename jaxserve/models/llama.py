@@ -1,0 +1,175 @@
+"""The Llama family in Flax, as one functional step over a ragged batch and a paged KV pool.
+
+    hidden, kv = model.apply({"params": params}, kv, batch)          # hidden: [T, hidden_size]
+    logits = model.apply({"params": params}, hidden[rows], method="logits")
+
+Layers are scanned (`nn.scan`) so the compiled step has one layer body whatever the depth, and the
+KV pool rides in the scan carry so each layer writes its pages in place.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxserve.batch import StepBatch
+from jaxserve.config import ModelConfig
+from jaxserve.kv_pages import KVPages
+from jaxserve.models.attention import get_attention_fn, write_kv
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as Hugging Face's Llama does."""
+
+    eps: float
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # x: [..., dim]
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale * normed.astype(x.dtype)
+
+
+def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x: [T, heads, head_dim]; cos, sin: f32[T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    out = x.astype(jnp.float32) * cos[:, None, :] + rotated.astype(jnp.float32) * sin[:, None, :]
+    return out.astype(x.dtype)
+
+
+def _dense(features: int, use_bias: bool, dtype: jnp.dtype, name: str) -> nn.Dense:
+    # float32 models ask for full-precision matmuls so accelerators do not silently drop to TF32.
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    return nn.Dense(
+        features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, precision=precision, name=name
+    )
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    attention_backend: str
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, k_pool, v_pool, layer, batch: StepBatch, cos, sin):
+        c = self.config
+        t = x.shape[0]
+        q = _dense(c.num_heads * c.head_dim, c.qkv_bias, self.dtype, "q_proj")(x)
+        k = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, self.dtype, "k_proj")(x)
+        v = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, self.dtype, "v_proj")(x)
+        q = q.reshape(t, c.num_heads, c.head_dim)
+        k = k.reshape(t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, batch.slot_mapping)
+        out = get_attention_fn(self.attention_backend)(
+            q,
+            k_pool,
+            v_pool,
+            layer,
+            batch.query_start,
+            batch.kv_lens,
+            batch.page_tables,
+            batch.num_seqs,
+            sm_scale=c.head_dim**-0.5,
+            sliding_window=c.sliding_window,
+        )
+        out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(out.reshape(t, -1))
+        return out, k_pool, v_pool
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        gate = _dense(c.intermediate_size, c.mlp_bias, self.dtype, "gate_proj")(x)
+        up = _dense(c.intermediate_size, c.mlp_bias, self.dtype, "up_proj")(x)
+        return _dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj")(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block; its call signature is the `nn.scan` body over layers."""
+
+    config: ModelConfig
+    attention_backend: str
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, carry, batch: StepBatch, cos, sin):
+        h, k_pool, v_pool, layer = carry
+        c = self.config
+        attention = Attention(c, self.attention_backend, self.dtype, name="self_attn")
+        attn_out, k_pool, v_pool = attention(
+            RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(h),
+            k_pool,
+            v_pool,
+            layer,
+            batch,
+            cos,
+            sin,
+        )
+        h = h + attn_out
+        h = h + MLP(c, self.dtype, name="mlp")(
+            RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h)
+        )
+        return (h, k_pool, v_pool, layer + 1), None
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only Llama-family model over a ragged, paged batch."""
+
+    config: ModelConfig
+    attention_backend: str = "reference"
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        self.embed_tokens = nn.Embed(
+            c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype
+        )
+        self.layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            length=c.num_layers,
+        )(c, self.attention_backend, self.dtype)
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = _dense(c.vocab_size, False, self.dtype, "lm_head")
+
+    def __call__(self, kv: KVPages, batch: StepBatch) -> tuple[jax.Array, KVPages]:
+        """Runs every token of `batch`: final hidden states [T, hidden_size] and the new pool."""
+        batch = jax.tree.map(jnp.asarray, batch)  # host numpy batches work outside jit too
+        inv_freq = jnp.asarray(self.config.rope.inv_freq(self.config.head_dim))
+        freqs = batch.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+        angles = jnp.concatenate([freqs, freqs], axis=-1)  # f32[T, head_dim]
+        h = self.embed_tokens(batch.token_ids)
+        carry = (h, kv.k, kv.v, jnp.int32(0))
+        (h, k_pool, v_pool, _), _ = self.layers(carry, batch, jnp.cos(angles), jnp.sin(angles))
+        return self.norm(h), KVPages(k=k_pool, v=v_pool)
+
+    def init_all(self, kv: KVPages, batch: StepBatch) -> jax.Array:
+        """Touches every parameter (the forward and the head), for `init` and `eval_shape`."""
+        hidden, _ = self(kv, batch)
+        return self.logits(hidden)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits [N, vocab_size] of final hidden states [N, hidden_size]."""
+        if self.config.tie_word_embeddings:
+            precision = jax.lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
+            emb = self.embed_tokens.embedding
+            out = jnp.dot(hidden, emb.T, precision=precision)
+        else:
+            out = self.lm_head(hidden)
+        return out.astype(jnp.float32)

@@ -1,0 +1,1 @@
+"""Pallas attention kernels, each beside a pure-jnp reference with the same signature."""

@@ -1,0 +1,1 @@
+"""gRPC service for jaxserve: the .proto, generated stubs, server and client."""
