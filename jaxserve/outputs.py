@@ -1,0 +1,65 @@
+"""What the engine hands back: a `RequestOutput` delta per request per step that had news."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """Log-probability of a generated token, and the top-n alternatives when asked."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Per-request timings in seconds (time.monotonic clock) and derived latencies."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def queue_wait(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+    def tpot(self, num_output_tokens: int) -> float | None:
+        """Mean time per output token after the first."""
+        if self.finished_time is None or self.first_token_time is None or num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """New tokens and text of one request since its previous output (a streaming delta)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort", "error" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int  # all generated so far
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
