@@ -1,0 +1,234 @@
+"""`AsyncEngine`: the engine loop on a background thread, an asyncio stream per request.
+
+Concurrency:
+- One engine thread owns the `Engine` and is the only thread that touches it. It runs
+  `step()` while there is work and sleeps on a condition variable when idle.
+- asyncio callers never touch the engine: `generate()` posts an add command (and `abort` an
+  abort command) to a lock-protected list the engine thread drains between iterations, so a
+  request joins or leaves only at an iteration boundary.
+- Outputs travel back through `loop.call_soon_threadsafe` into one unbounded asyncio.Queue per
+  request; each holds at most the tokens of one request, so memory is bounded by the requests.
+- A consumer that stops iterating (break, cancel, disconnect) aborts its request.
+- `snapshot()` is an immutable `EngineSnapshot` the engine thread replaces after every
+  iteration, so any thread may read the gauges without touching the engine.
+- If the engine thread dies, every open stream (including one whose add is still pending)
+  receives the error at once and new requests are refused; `shutdown()` ends open streams the
+  same way. Nothing hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+from jaxserve.engine import Engine
+from jaxserve.engine_config import EngineConfig
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed (or was shut down); no request can run any more."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's gauges after an iteration; safe to read from any thread."""
+
+    iteration: int  # step() calls run so far
+    request_ids: frozenset[str]  # requests the scheduler holds (waiting or running)
+    num_running: int
+    num_waiting: int
+    slots_used: int
+    kv_pages_used: int
+    kv_pages_total: int
+
+
+@dataclasses.dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    accepted: asyncio.Future  # settled by the engine thread once add_request ran (or failed)
+
+
+class AsyncEngine:
+    """Thread-backed engine with per-request async iterators."""
+
+    def __init__(self, config: EngineConfig | None = None, *, engine: Engine | None = None):
+        self.engine = engine or Engine(config)
+        self._lock = threading.Condition()
+        self._commands: list[tuple] = []
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._closed = False  # set (under the lock) once the engine thread has ended
+        self.error: BaseException | None = None
+        self._live: set[str] = set()  # added and not yet reported finished (engine thread only)
+        self._iteration = 0
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs; raises what add_request raises (bad input, full queue)."""
+        request_id = request_id or f"async-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), loop.create_future())
+        with self._lock:
+            # Checked under the lock the engine thread closes under: a stream registered here
+            # is either refused now or reached by _close().
+            if self._closed:
+                raise EngineDeadError(self._dead_message())
+            if request_id in self._streams:
+                raise ValueError(f"A request with id {request_id!r} is already running.")
+            self._streams[request_id] = stream
+            self._commands.append(("add", stream, request_id, prompt, sampling_params, priority))
+            self._lock.notify()
+        try:
+            await stream.accepted  # add_request's ValueError / QueueFull surface here
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            with self._lock:
+                if self._streams.pop(request_id, None) is not None and not self._closed:
+                    self._commands.append(("abort", request_id))
+                    self._lock.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._commands.append(("abort", request_id))
+            self._lock.notify()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stops the engine thread (after the iteration in progress); open streams end with
+        EngineDeadError."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        self._thread.join(timeout)
+
+    def _dead_message(self) -> str:
+        if self.error is not None:
+            return f"The engine has failed: {self.error!r}"
+        return "The engine was shut down."
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # every open stream must learn that the engine died
+            logger.exception("engine thread failed")
+            self.error = e
+        self._close()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._commands and not self.engine.has_unfinished():
+                    if self._stopping:
+                        return
+                    self._lock.wait()
+                if self._stopping:
+                    return
+                commands, self._commands = self._commands, []
+            for command in commands:
+                self._apply(command)
+            if self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        self._live.discard(out.request_id)
+                    self._deliver(out.request_id, out)
+                self._iteration += 1
+                self._publish()
+
+    def _close(self) -> None:
+        """Ends every open stream, pending adds included, with EngineDeadError."""
+        with self._lock:
+            self._closed = True
+            streams = list(self._streams.values())
+            self._commands = []
+        error = EngineDeadError(self._dead_message())
+        for stream in streams:
+            self._resolve(stream.accepted, error)
+            self._put(stream, error)
+
+    def _publish(self) -> None:
+        s = self.engine.scheduler
+        self._snapshot = EngineSnapshot(
+            iteration=self._iteration,
+            request_ids=frozenset(r for r in self._live if s.get_request(r) is not None),
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            slots_used=s.num_slots_used,
+            kv_pages_used=s.num_pages_used,
+            kv_pages_total=self.engine.runner.config.num_pages,
+        )
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "abort":
+            self.engine.abort(command[1])
+            return
+        _, stream, request_id, prompt, params, priority = command
+        with self._lock:
+            if self._streams.get(request_id) is not stream:  # its consumer left before the add
+                return
+        try:
+            self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
+        except Exception as e:  # bad input ends this request alone
+            self._resolve(stream.accepted, e)
+            return
+        self._live.add(request_id)
+        self._resolve(stream.accepted, None)
+
+    def _resolve(self, future: asyncio.Future, error: BaseException | None) -> None:
+        def settle():
+            if future.done():
+                return
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+        self._call_soon(future.get_loop(), settle)
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            self._put(stream, item)
+
+    def _put(self, stream: _Stream, item) -> None:
+        self._call_soon(stream.loop, stream.queue.put_nowait, item)
+
+    @staticmethod
+    def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the consumer's event loop is closed: nobody is listening
+            logger.debug("dropped an output for a closed event loop")

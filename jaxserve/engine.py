@@ -1,0 +1,329 @@
+"""`Engine`: the iteration loop, and the only module that sees both scheduler and runner.
+
+    engine = Engine(EngineConfig())
+    engine.add_request("Once upon a time", SamplingParams(max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+One `step()` waits for the step in flight, hands its sampled tokens to the scheduler, schedules
+and dispatches the next step, and only then detokenizes and checks stop strings for the finished
+one: that host work runs while the device computes (JAX dispatch is asynchronous). A stop string
+found then finishes the request one step late; the extra token it ran is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from checkpoints import LoadedModel, load_model
+from jaxserve.batch import SeqChunk
+from jaxserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from jaxserve.engine_config import EngineConfig
+from jaxserve.kv_pages import kv_bytes_per_page
+from jaxserve.metrics import EngineMetrics
+from jaxserve.model_runner import ModelRunner, RunnerConfig, bucket_ladder, enable_compilation_cache
+from jaxserve.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from jaxserve.request import FinishReason, Request
+from jaxserve.sampling import SamplingBatch
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """Engine-side state of one request: its text pipeline."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    stops: StopStringMatcher
+    seed: int
+    emitted_tokens: int = 0
+
+
+@dataclasses.dataclass
+class _InFlight:
+    plan: SchedulerOutput
+    out: object  # SampleOutput of device arrays
+    dispatched_at: float
+    padded_tokens: int
+
+
+class Engine:
+    """Continuous batching over one model on one device mesh."""
+
+    def __init__(self, config: EngineConfig | None = None, model: LoadedModel | None = None):
+        self.config = config = config or EngineConfig()
+        if config.compilation_cache_dir:
+            enable_compilation_cache(config.compilation_cache_dir)
+        self.model = model or load_model(config.model, dtype=config.dtype, seed=config.seed)
+        self.tokenizer = self.model.tokenizer
+        mc = self.model.config
+        self.max_model_len = min(
+            config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN),
+            mc.max_position_embeddings,
+        )
+        pages_per_seq = math.ceil(self.max_model_len / config.page_size)
+        num_pages = config.num_pages or min(
+            config.max_num_seqs * pages_per_seq,
+            int(config.kv_cache_memory_gb * 2**30)
+            // kv_bytes_per_page(mc, config.page_size, self.model.dtype),
+        )
+        self.runner = ModelRunner(
+            self.model,
+            RunnerConfig(
+                num_pages=num_pages,
+                page_size=config.page_size,
+                max_model_len=self.max_model_len,
+                token_buckets=bucket_ladder(
+                    min(config.min_token_bucket, config.max_num_batched_tokens),
+                    config.max_num_batched_tokens,
+                    config.token_bucket_factor,
+                ),
+                seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
+                attention_backend=config.attention_backend,
+            ),
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                num_pages=num_pages,
+                page_size=config.page_size,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                policy=config.policy,
+                batching=config.batching,
+                batch_size=config.batch_size or config.max_num_seqs,
+                dynamic_timeout_s=config.dynamic_timeout_s,
+                max_waiting_requests=config.max_waiting_requests,
+            )
+        )
+        self.metrics = EngineMetrics(config.ttft_slo_s, config.tpot_slo_s)
+        self._tracked: dict[str, _Tracked] = {}
+        self._inflight: _InFlight | None = None
+        self._last_result_at: float | None = None
+        self._idle_pending = 0.0
+        self._next_id = 0
+        self._warm_compiles = 0
+        if config.precompile:
+            seconds = self.runner.precompile(progress=config.show_progress)
+            logger.info("compiled %d buckets in %.1fs", len(self.runner.config.buckets()), seconds)
+        self._warm_compiles = self.runner.num_compiles
+        self._refresh_gauges()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt (with the tokenizer's BOS, as the model was trained)."""
+        if self.tokenizer is None:
+            raise ValueError(
+                f"Model {self.model.source} has no tokenizer; send prompt token ids instead."
+            )
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queues a request; raises ValueError (or scheduler's RequestRejected) if it cannot run."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("The prompt is empty.")
+            ids = self.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("The prompt has no tokens.")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+        if request_id in self._tracked:
+            raise ValueError(f"A request with id {request_id!r} is already running.")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+            eos_token_ids=self.model.config.eos_token_ids,
+        )
+        self.scheduler.add_request(request)  # raises when it can never fit or the queue is full
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
+        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        self._tracked[request_id] = _Tracked(request, detok, StopStringMatcher(params.stop), seed)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request at the next iteration boundary, freeing its slot and pages."""
+        if request_id in self._tracked:
+            self.scheduler.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._tracked) or self._inflight is not None
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one iteration; returns the outputs of requests that made progress or finished."""
+        updates = []
+        if self._inflight is None:
+            updates += self._dispatch(self.scheduler.schedule())
+        if self._inflight is not None:
+            updates += self._collect()
+            updates += self._dispatch(self.scheduler.schedule())
+        outputs = self._outputs(updates)  # overlaps with the step just dispatched
+        self._refresh_gauges()
+        return outputs
+
+    def _dispatch(self, plan: SchedulerOutput) -> list:
+        """Packs the plan and starts it on the device, without waiting.
+
+        An empty plan has nothing to run but may carry aborts: it is closed at once.
+        """
+        if not plan.seqs:
+            self._inflight = None
+            return self.scheduler.update(plan, StepResult(sampled_token_ids=[]))
+        chunks = [SeqChunk(s.token_ids, s.start_pos, s.page_table) for s in plan.seqs]
+        batch = self.runner.pack(chunks)
+        sampling = self._sampling_batch(plan, len(batch.kv_lens))
+        now = time.perf_counter()
+        out = self.runner.execute(batch, sampling)
+        # The device sat idle from the previous result until this dispatch (host preparation).
+        self._idle_pending = now - self._last_result_at if self._last_result_at else 0.0
+        self._inflight = _InFlight(plan, out, now, len(batch.token_ids))
+        return []
+
+    def _sampling_batch(self, plan: SchedulerOutput, num_rows: int) -> SamplingBatch:
+        sb = SamplingBatch.empty(num_rows)
+        want_top = False
+        for row, seq in enumerate(plan.seqs):
+            tracked = self._tracked[seq.request_id]
+            p = tracked.request.sampling_params
+            sb.temperature[row], sb.top_k[row] = p.temperature, p.top_k
+            sb.top_p[row], sb.min_p[row] = p.top_p, p.min_p
+            sb.seeds[row] = tracked.seed
+            sb.positions[row] = seq.start_pos + len(seq.token_ids)
+            want_top |= bool(seq.sample and p.logprobs)
+        return dataclasses.replace(sb, want_top_logprobs=np.bool_(want_top))
+
+    def _collect(self):
+        """Waits for the step in flight and applies its tokens to the scheduler."""
+        flight = self._inflight
+        host = jax.device_get(flight.out)  # the one device-to-host copy of the step
+        done = time.perf_counter()
+        self._last_result_at = done
+        plan = flight.plan
+        sampled = [int(host.token_ids[i]) if s.sample else None for i, s in enumerate(plan.seqs)]
+        logprobs = [
+            self._logprob_of(host, i, s.request_id) if s.sample else None
+            for i, s in enumerate(plan.seqs)
+        ]
+        updates = self.scheduler.update(
+            plan, StepResult(sampled_token_ids=sampled, logprobs=logprobs), now=time.monotonic()
+        )
+        real = sum(len(s.token_ids) for s in plan.seqs)
+        self.metrics.on_step(
+            real_tokens=real,
+            padded_tokens=flight.padded_tokens,
+            prompt_tokens=sum(len(s.token_ids) for s in plan.seqs if not s.sample)
+            + sum(len(s.token_ids) - 1 for s in plan.seqs if s.sample),
+            generated=sum(t is not None for t in sampled),
+            busy_s=done - flight.dispatched_at,
+            idle_s=self._idle_pending,
+        )
+        self._inflight = None
+        return updates
+
+    def _logprob_of(self, host, row: int, request_id: str) -> TokenLogprob | None:
+        tracked = self._tracked.get(request_id)
+        n = tracked.request.sampling_params.logprobs if tracked else None
+        if n is None:
+            return None
+        top = [(int(host.top_ids[row, j]), float(host.top_logprobs[row, j])) for j in range(n)]
+        return TokenLogprob(int(host.token_ids[row]), float(host.logprobs[row]), top)
+
+    # ---- outputs --------------------------------------------------------------------------
+
+    def _outputs(self, updates) -> list[RequestOutput]:
+        outputs = []
+        for update in updates:
+            tracked = self._tracked.get(update.request.request_id)
+            if tracked is None:
+                continue
+            outputs.append(self._output(tracked, update))
+        return outputs
+
+    def _output(self, tracked: _Tracked, update) -> RequestOutput:
+        request = tracked.request
+        new_ids = list(update.new_token_ids)
+        visible = [t for t in new_ids if not _is_stop_token(request, t)]
+        if tracked.detokenizer is not None:
+            tracked.stops.add(tracked.detokenizer.add(visible))
+        if tracked.stops.matched is not None and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, FinishReason.STOP)
+        finished = request.is_finished
+        text = tracked.stops.take(final=finished)
+        logprobs = None
+        if request.sampling_params.logprobs is not None:
+            logprobs = [lp for lp in (update.logprobs or []) if lp is not None]
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finished_time=request.finished_time,
+            num_preemptions=request.num_preemptions,
+        )
+        reason = str(request.finish_reason) if finished else None
+        if finished:
+            del self._tracked[request.request_id]
+            self.metrics.on_finished(reason, metrics, request.num_output_tokens)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            text_delta=text,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            metrics=metrics,
+            logprobs=logprobs,
+        )
+
+    def _refresh_gauges(self) -> None:
+        s = self.scheduler
+        self.metrics.set_gauges(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            slots_used=s.num_slots_used,
+            kv_pages_used=s.num_pages_used,
+            kv_pages_total=self.runner.config.num_pages,
+        )
+        self.metrics.on_preemptions(s.num_preemptions)
+        self.metrics.on_compiles(
+            self.runner.num_compiles, self.runner.num_compiles - self._warm_compiles
+        )
+
+
+def _is_stop_token(request: Request, token_id: int) -> bool:
+    return request.is_stop_token(token_id)

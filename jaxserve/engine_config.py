@@ -1,0 +1,72 @@
+"""`EngineConfig`: every knob of an engine, validated once, frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+
+BATCHING_MODES = ("continuous", "static", "dynamic")
+POLICIES = ("fcfs", "priority")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How one engine serves one model. Defaults suit the CPU and the embedded model."""
+
+    model: str | None = None  # folder or named random shape; None: the embedded default
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on accelerators
+    seed: int = 0  # weight seed of named random shapes
+    max_num_seqs: int = 32  # slots: rows of the decode batch
+    max_num_batched_tokens: int = 256  # token budget of one iteration (largest token bucket)
+    max_model_len: int | None = None  # None: the model's context, capped at 4096
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    batching: str = "continuous"
+    batch_size: int | None = None  # static/dynamic group size; None: max_num_seqs
+    dynamic_timeout_s: float = 0.05
+    max_waiting_requests: int = 4096
+    attention_backend: str = "reference"
+    min_token_bucket: int = 8
+    token_bucket_factor: int = 2
+    seq_bucket_factor: int = 2
+    precompile: bool = True
+    compilation_cache_dir: str | None = None
+    show_progress: bool = True
+    ttft_slo_s: float | None = None  # goodput targets: a request meeting both counts as good
+    tpot_slo_s: float | None = None
+
+    def __post_init__(self):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "page_size",
+            "min_token_bucket",
+            "max_waiting_requests",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_num_seqs={self.max_num_seqs}: every running request needs a token a step."
+            )
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching={self.batching!r} must be one of {BATCHING_MODES}.")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}.")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages={self.num_pages} must be >= 1 (or None to size it).")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} must be > 0.")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2.")
+        if self.token_bucket_factor < 2 or self.seq_bucket_factor < 2:
+            raise ValueError(
+                f"Bucket factors must be >= 2: {self.token_bucket_factor=}, "
+                f"{self.seq_bucket_factor=}."
+            )
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

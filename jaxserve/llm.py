@@ -1,0 +1,63 @@
+"""`LLM.generate`: offline generation over a list of prompts on the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jaxserve.engine import Engine
+from jaxserve.engine_config import EngineConfig
+from jaxserve.outputs import RequestMetrics, TokenLogprob
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class Completion:
+    """A finished request: all its tokens and text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = None
+
+
+class LLM:
+    """Runs batches of prompts to completion, with continuous batching underneath."""
+
+    def __init__(self, config: EngineConfig | None = None, *, engine: Engine | None = None):
+        self.engine = engine or Engine(config)
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Generates for every prompt; results come back in the prompts' order."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"Got {len(sampling_params)} SamplingParams for {len(prompts)} prompts."
+            )
+        engine = self.engine
+        ids, results = [], {}
+        for prompt, params in zip(prompts, sampling_params, strict=True):
+            prompt_ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = engine.add_request(prompt_ids, params)
+            ids.append(rid)
+            results[rid] = Completion(rid, prompt_ids, [], "", "", None)
+        while engine.has_unfinished():
+            for out in engine.step():
+                done = results.get(out.request_id)
+                if done is None:
+                    continue
+                done.token_ids += out.new_token_ids
+                done.text += out.text_delta
+                if out.logprobs is not None:
+                    done.logprobs = (done.logprobs or []) + out.logprobs
+                if out.finished:
+                    done.finish_reason, done.metrics = out.finish_reason, out.metrics
+        return [results[rid] for rid in ids]

@@ -1,0 +1,134 @@
+"""One request's state on the host, owned and changed only by the scheduler.
+
+The scheduler needs two numbers per request, `num_computed_tokens` (already in the KV cache) and
+`num_tokens` (prompt plus outputs so far), and decides every iteration how many of the difference
+to run; there is no prefill or decode mode. Plain Python, no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Sequence
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request, ordered so that `status > PREEMPTED` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue, to recompute its prompt and outputs
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request finished, as clients see it."""
+
+    STOP = "stop"  # an EOS token, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens, or the model's max_model_len
+    ABORT = "abort"  # cancelled by the client
+    ERROR = "error"  # the engine could not serve it
+
+    @property
+    def status(self) -> RequestStatus:
+        return _STATUS_OF[self]
+
+
+_STATUS_OF = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+}
+_REASON_OF = {status: reason for reason, status in _STATUS_OF.items()}
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class Request:
+    """A prompt, how to sample it, and everything the scheduler tracks while serving it."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    priority: int = 0  # lower is more important (vLLM's convention); only the priority policy
+    eos_token_ids: tuple[int, ...] = ()  # the model's; ignored when sampling_params.ignore_eos
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose keys and values are in the KV cache
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None  # row of the decode batch, held while RUNNING
+    stop_reason: int | str | None = None  # the token id or stop string that stopped it
+    # Timing, in the scheduler's clock (time.monotonic unless tests pass `now`), for metrics.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id={self.request_id!r} must be a non-empty string.")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"Request {self.request_id!r} has an empty prompt.")
+        if any(not isinstance(t, int) or t < 0 for t in self.prompt_token_ids):
+            raise ValueError(
+                f"Request {self.request_id!r} has prompt token ids that are not ints >= 0."
+            )
+        if not isinstance(self.priority, int):
+            raise ValueError(f"priority={self.priority!r} must be an integer.")
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        params = self.sampling_params
+        eos = () if params.ignore_eos else self.eos_token_ids
+        self._stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Prompt plus the most outputs it may produce: what admission must be able to hold."""
+        return len(self.prompt_token_ids) + self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _REASON_OF.get(self.status)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + outputs, without building the whole list each step."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def is_stop_token(self, token_id: int) -> bool:
+        """EOS (unless ignore_eos) or one of the request's stop_token_ids."""
+        return token_id in self._stop_ids

@@ -1,0 +1,88 @@
+"""How one request wants its tokens chosen and when it wants to stop.
+
+`SamplingParams` is frozen and validated here, at submission, so a bad value is refused with a
+message naming the field before it can reach the device: the runner turns these values into
+per-row arrays and never checks them again. Plain Python, no jax: the scheduler reads it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+SEED_LIMIT = 2**32  # seeds become uint32 PRNG key data on the device
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but `top_k=True` is a mistake, not a number.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling and stopping options (the vLLM/OpenAI names and meanings)."""
+
+    max_tokens: int = 16  # output tokens at most
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 turns top-k off
+    top_p: float = 1.0  # 1 turns top-p off
+    min_p: float = 0.0  # 0 turns min-p off
+    seed: int | None = None  # None: the engine draws one, so outputs differ between runs
+    stop: tuple[str, ...] = ()  # stop strings, matched by the engine on the detokenized text
+    stop_token_ids: tuple[int, ...] = ()  # stop even when ignore_eos is set
+    ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
+    logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n
+
+    def __post_init__(self):
+        # Lists are accepted for convenience but stored as tuples, so params stay hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._check_numbers()
+        self._check_stops()
+
+    def _check_numbers(self) -> None:
+        max_tokens, temperature, top_k = self.max_tokens, self.temperature, self.top_k
+        top_p, min_p, seed, logprobs = self.top_p, self.min_p, self.seed, self.logprobs
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise ValueError(f"{max_tokens=} must be an integer >= 1.")
+        if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"{temperature=} must be a finite number >= 0 (0 means greedy).")
+        if not _is_int(top_k) or top_k < 0:
+            raise ValueError(f"{top_k=} must be an integer >= 0 (0 turns top-k off).")
+        if not _is_real(top_p) or not 0 < top_p <= 1:
+            raise ValueError(f"{top_p=} must be in (0, 1] (1 turns top-p off).")
+        if not _is_real(min_p) or not 0 <= min_p <= 1:
+            raise ValueError(f"{min_p=} must be in [0, 1] (0 turns min-p off).")
+        if seed is not None and (not _is_int(seed) or not 0 <= seed < SEED_LIMIT):
+            raise ValueError(f"{seed=} must be None or an integer in [0, {SEED_LIMIT}).")
+        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"{logprobs=} must be None or an integer in [0, {MAX_LOGPROBS}].")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False.")
+
+    def _check_stops(self) -> None:
+        stop, stop_token_ids = self.stop, self.stop_token_ids
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"{len(stop)} stop strings given; at most {MAX_STOP_STRINGS} allowed.")
+        for s in stop:
+            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"Stop string {s!r} must be a non-empty str of at most "
+                    f"{MAX_STOP_STRING_CHARS} characters."
+                )
+        for t in stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"{stop_token_ids=} must hold integers >= 0; {t!r} is not.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,546 @@
+"""Iteration-level scheduling: which requests run how many tokens in the next model step.
+
+Every iteration hands out a token budget (`max_num_batched_tokens`): first one token to each
+running request that is decoding, then the rest of each running request's prompt (chunked when
+the budget is short), then prefill chunks of waiting requests, in policy order, while a slot, the
+pages and the budget allow. There are no prefill and decode modes (DESIGN.md, decisions 1 and 2).
+When pages run out the least important running request is preempted: its pages and slot are
+freed and it waits to recompute its prompt and outputs later. Static and dynamic batching, for
+comparison, admit fixed groups that run until all members finish; they emit the same plans, so
+one runner serves all three modes.
+
+The scheduler is plain Python without jax, so it runs in microseconds and is tested without a
+model. It is driven from one thread in strict turns, `schedule()` then `update()`; only
+`abort_request` merely records an id, for the next `schedule()` to act on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+import numbers
+import time
+from typing import Any
+
+from jaxserve.kv_cache_manager import KVCacheManager
+from jaxserve.request import FinishReason, Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams
+
+POLICIES = ("fcfs", "priority")
+BATCHING_MODES = ("continuous", "static", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Limits of one engine: batch rows, tokens per step, KV pages, and the scheduling mode."""
+
+    max_num_seqs: int = 64  # slots: rows of the decode batch
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    num_pages: int  # KV pool size, in pages
+    page_size: int = 16  # tokens per page
+    max_model_len: int  # prompt + output tokens of one request, at most
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # 'fcfs' or 'priority' (lower Request.priority first)
+    batching: str = "continuous"  # 'continuous', or 'static' / 'dynamic' groups for comparison
+    batch_size: int | None = None  # group size of static/dynamic batching; None: max_num_seqs
+    dynamic_timeout_s: float = 0.05  # dynamic: start a short group once its oldest waited this
+    max_waiting_requests: int | None = None  # None: unbounded; else QueueFull beyond it
+
+    def __post_init__(self):
+        if self.batch_size is None:
+            object.__setattr__(self, "batch_size", self.max_num_seqs)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_pages", "page_size"):
+            _check_positive_int(name, getattr(self, name))
+        _check_positive_int("max_model_len", self.max_model_len)
+        _check_positive_int("batch_size", self.batch_size)
+        max_num_seqs, max_num_batched_tokens = self.max_num_seqs, self.max_num_batched_tokens
+        max_model_len, batch_size = self.max_model_len, self.batch_size
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"{max_num_batched_tokens=} must be >= {max_num_seqs=}.")
+        if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"Without chunked prefill a whole prompt must fit one step: "
+                f"{max_num_batched_tokens=} must be >= {max_model_len=}."
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}.")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching={self.batching!r} must be one of {BATCHING_MODES}.")
+        if batch_size > max_num_seqs:
+            raise ValueError(f"{batch_size=} must be <= {max_num_seqs=}.")
+        timeout = self.dynamic_timeout_s
+        if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout < 0:
+            raise ValueError(f"dynamic_timeout_s={timeout!r} must be a finite number >= 0.")
+        if self.max_waiting_requests is not None:
+            _check_positive_int("max_waiting_requests", self.max_waiting_requests)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"SchedulerConfig.{name}={value!r} must be an integer >= 1.")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ScheduledSeq:
+    """One request's share of a step; reads like `batch.SeqChunk`, so pack() takes it as is.
+
+    Read-only by convention: not frozen, because a frozen init costs a microsecond per row.
+    """
+
+    request_id: str
+    slot: int  # batch row the request holds while running
+    token_ids: list[int]  # tokens to run now: a prefill chunk, or the one last token when decoding
+    start_pos: int  # position of token_ids[0] = tokens already in the cache
+    page_table: list[int]  # the request's pages, covering start_pos + len(token_ids) slots
+    sample: bool  # this chunk reaches the last known token, so the step samples a new one
+    sampling_params: SamplingParams  # per-row temperature, seed, ... for device sampling
+
+    @property
+    def end_pos(self) -> int:
+        """Cache length after the step; also the position of the token sampled from it."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclasses.dataclass(kw_only=True)
+class SchedulerOutput:
+    """The plan of one step: host ints and lists only."""
+
+    seqs: list[ScheduledSeq]
+    num_batched_tokens: int  # sum of len(seq.token_ids): picks the token bucket
+    preempted_ids: list[str]  # preempted in this iteration, back in the waiting queue
+    aborted_ids: list[str]  # aborts that took effect at this boundary (reported by update())
+    step: int  # 1 for the first plan, counting up
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepResult:
+    """What the runner returns for a plan, row for row with `plan.seqs`."""
+
+    sampled_token_ids: list[int | None]  # None where the row's `sample` is False
+    logprobs: list[Any] | None = None  # opaque per-row objects, passed through to the updates
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RequestUpdate:
+    """What one step did to one request: the engine builds its RequestOutput from this."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+    logprobs: list[Any] | None = None  # row objects from StepResult, one per new token
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.request.finish_reason
+
+
+class RequestRejected(ValueError):
+    """Refused at submission: the request could never be served (the client's error)."""
+
+
+class QueueFull(RequestRejected):
+    """Refused at submission because max_waiting_requests are already waiting (retry later)."""
+
+
+class _WaitQueue:
+    """Waiting requests, popped in key order: (arrival, n) for fcfs, (priority, arrival, n).
+
+    A preempted request re-enters with its old key, so it goes back to the front: ahead of
+    every request that arrived after it.
+    """
+
+    def __init__(self):
+        self._heap: list[tuple[tuple, Request]] = []
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (req for _, req in self._heap)
+
+    def push(self, key: tuple, req: Request) -> None:
+        heapq.heappush(self._heap, (key, req))
+
+    def peek(self) -> Request:
+        return self._heap[0][1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, req: Request) -> bool:
+        """O(n), but only aborts and stop strings of queued requests take this path."""
+        for i, (_, queued) in enumerate(self._heap):
+            if queued is req:
+                self._heap[i] = self._heap[-1]
+                self._heap.pop()
+                heapq.heapify(self._heap)
+                return True
+        return False
+
+
+@dataclasses.dataclass
+class _Plan:
+    """The step being built: its seqs by request id, the budget left and who was preempted."""
+
+    budget: int
+    seqs: dict[str, ScheduledSeq] = dataclasses.field(default_factory=dict)
+    preempted: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, seq: ScheduledSeq) -> None:
+        self.seqs[seq.request_id] = seq
+        self.budget -= len(seq.token_ids)
+
+    def drop(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.budget += len(seq.token_ids)
+
+
+class Scheduler:
+    """Owns the request state, slots and KV pages; turns them into one plan per step."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.kv = KVCacheManager(config.num_pages, config.page_size, config.max_pages_per_seq)
+        self._requests: dict[str, Request] = {}  # every unfinished request, by id
+        self._keys: dict[str, tuple] = {}  # admission order; the largest key is preempted first
+        self._counter = itertools.count()
+        self._waiting = _WaitQueue()
+        self._running: list[Request] = []  # in admission order
+        self._free_slots = list(range(config.max_num_seqs))  # a heap: lowest slot first
+        # Static/dynamic batching: ids of the current group's unfinished members, and those of
+        # them that wait for (re)admission. None: no group (always None when continuous).
+        self._group: set[str] | None = None
+        self._group_waiting = _WaitQueue()
+        self._aborts: dict[str, None] = {}  # ids to abort at the next schedule(), in order
+        self._reports: list[RequestUpdate] = []  # finishes the next update() must return
+        self._outstanding: SchedulerOutput | None = None  # planned, not yet updated
+        self._step = 0
+        self.num_preemptions = 0  # total, for metrics
+
+    # Gauges, for metrics and tests.
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._group_waiting)
+
+    @property
+    def num_slots_used(self) -> int:
+        return self.config.max_num_seqs - len(self._free_slots)
+
+    @property
+    def num_pages_used(self) -> int:
+        return self.kv.num_used_pages
+
+    def has_unfinished(self) -> bool:
+        """True while a request is unfinished or a finish is still to be reported by update()."""
+        return bool(self._requests or self._reports)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def add_request(self, req: Request) -> None:
+        """Queues `req`; raises RequestRejected (QueueFull) now rather than fail it later."""
+        if req.request_id in self._requests:
+            raise RequestRejected(f"Request id {req.request_id!r} is already in use.")
+        if req.status != RequestStatus.WAITING or req.output_token_ids:
+            raise RequestRejected(f"Request {req.request_id!r} was already served ({req.status}).")
+        self._check_fits(req)
+        limit = self.config.max_waiting_requests
+        if limit is not None and self.num_waiting >= limit:
+            raise QueueFull(
+                f"{self.num_waiting} requests are waiting (max_waiting_requests={limit})."
+            )
+        self._requests[req.request_id] = req
+        key = (req.arrival_time, next(self._counter))
+        self._keys[req.request_id] = (
+            (req.priority, *key) if self.config.policy == "priority" else key
+        )
+        self._waiting.push(self._keys[req.request_id], req)
+
+    def _check_fits(self, req: Request) -> None:
+        cfg, rid = self.config, req.request_id
+        if req.max_num_tokens > cfg.max_model_len:
+            raise RequestRejected(
+                f"Request {rid!r} asks for {req.num_prompt_tokens} prompt + "
+                f"{req.sampling_params.max_tokens} output tokens = {req.max_num_tokens}, more "
+                f"than max_model_len={cfg.max_model_len}."
+            )
+        # The last sampled token is never run through the model, so it needs no cache slot.
+        pages = self.kv.pages_for(req.max_num_tokens - 1)
+        if pages > cfg.num_pages:
+            raise RequestRejected(
+                f"Request {rid!r} may need {pages} KV pages of {cfg.page_size} tokens, more than "
+                f"the whole pool of num_pages={cfg.num_pages}."
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Marks a request to abort at the next schedule(); False if unknown or finished.
+
+        Only records the id (one dict store), so a step in flight is never disturbed; the
+        next schedule() frees its slot and pages and the next update() reports it finished.
+        """
+        if request_id not in self._requests:
+            return False
+        self._aborts[request_id] = None
+        return True
+
+    def finish_request(
+        self, request_id: str, reason: FinishReason, now: float | None = None
+    ) -> bool:
+        """Finishes a request at once (e.g. the engine matched a stop string); not reported."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, reason.status, _now(now))
+        return True
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Plans the next step: what every scheduled request runs, within all the limits."""
+        if self._outstanding is not None:
+            raise RuntimeError(f"Step {self._outstanding.step} was planned but never updated.")
+        now = _now(now)
+        aborted = self._apply_aborts(now)
+        if self.config.batching != "continuous":
+            self._form_group(now)
+        plan = _Plan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:  # pages are short: admitting now would only preempt again
+            self._admit(plan, now)
+        self._step += 1
+        self._outstanding = SchedulerOutput(
+            seqs=list(plan.seqs.values()),
+            num_batched_tokens=self.config.max_num_batched_tokens - plan.budget,
+            preempted_ids=plan.preempted,
+            aborted_ids=aborted,
+            step=self._step,
+        )
+        return self._outstanding
+
+    def _apply_aborts(self, now: float) -> list[str]:
+        aborts, self._aborts = self._aborts, {}
+        done = []
+        for request_id in aborts:
+            req = self._requests.get(request_id)
+            if req is None:  # finished while the abort was pending
+                continue
+            self._finish(req, RequestStatus.FINISHED_ABORTED, now)
+            self._reports.append(RequestUpdate(request=req, new_token_ids=[], finished=True))
+            done.append(request_id)
+        return done
+
+    def _form_group(self, now: float) -> None:
+        """Static/dynamic batching: the next group forms only when the last one is done."""
+        if self._group or not self._waiting:
+            return
+        cfg = self.config
+        if cfg.batching == "dynamic" and len(self._waiting) < cfg.batch_size:
+            oldest = min(req.arrival_time for req in self._waiting)
+            if now - oldest < cfg.dynamic_timeout_s:
+                return
+        self._group = set()
+        while self._waiting and len(self._group) < cfg.batch_size:
+            req = self._waiting.pop()
+            self._group.add(req.request_id)
+            self._group_waiting.push(self._keys[req.request_id], req)
+
+    def _schedule_running(self, plan: _Plan) -> None:
+        # Decodes first: one token each always fits (max_num_batched_tokens >= max_num_seqs),
+        # so a long prompt being prefilled never stalls the streams of the others.
+        decoding, prefilling = [], []
+        for req in self._running:
+            todo = req.num_tokens - req.num_computed_tokens
+            (decoding if todo == 1 else prefilling).append(req)
+        prefilling.sort(key=lambda r: self._keys[r.request_id])
+        for req in decoding + prefilling:
+            if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
+                continue
+            n = self._chunk_len(req, plan.budget)
+            if n and self._allocate_or_preempt(req, req.num_computed_tokens + n, plan):
+                plan.add(self._scheduled(req, n))
+
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        """Tokens `req` may run within `budget`: all it has, a chunk, or 0 to wait a step."""
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _allocate_or_preempt(self, req: Request, num_tokens: int, plan: _Plan) -> bool:
+        """Pages for `req`, preempting the least important running requests until they fit.
+
+        Returns False when `req` itself was the least important and got preempted. It always
+        fits alone: add_request refused anything larger than the pool.
+        """
+        while not self.kv.allocate(req.request_id, num_tokens):
+            victim = max(self._running, key=lambda r: self._keys[r.request_id])
+            self._preempt(victim, plan)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, plan: _Plan) -> None:
+        self._release(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0  # recompute prompt + outputs; the outputs are kept
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        plan.drop(req.request_id)
+        plan.preempted.append(req.request_id)
+        queue = self._group_waiting if self._group is not None else self._waiting
+        queue.push(self._keys[req.request_id], req)
+
+    def _admit(self, plan: _Plan, now: float) -> None:
+        """Starts waiting requests in order while a slot, the budget and pages allow."""
+        if self.config.batching != "continuous" and not self._group:
+            return
+        queue = self._group_waiting if self._group is not None else self._waiting
+        while queue and self._free_slots and plan.budget > 0:
+            req = queue.peek()
+            n = self._chunk_len(req, plan.budget)
+            # Head of line blocks the rest: skipping it for smaller ones could starve it.
+            if not n or not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                return
+            queue.pop()
+            req.status = RequestStatus.RUNNING
+            req.slot = heapq.heappop(self._free_slots)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self._running.append(req)
+            plan.add(self._scheduled(req, n))
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        return ScheduledSeq(
+            request_id=req.request_id,
+            slot=req.slot,
+            token_ids=req.token_ids(start, end),
+            start_pos=start,
+            page_table=self.kv.page_table(req.request_id),
+            sample=end == req.num_tokens,
+            sampling_params=req.sampling_params,
+        )
+
+    def update(
+        self, plan: SchedulerOutput, result: StepResult, now: float | None = None
+    ) -> list[RequestUpdate]:
+        """Applies a step's sampled tokens; returns what changed, finished requests included.
+
+        Must follow every schedule(), even of an empty plan (it also delivers aborts). A row
+        whose request finished since the plan (finish_request) is ignored.
+        """
+        if plan is not self._outstanding:
+            raise RuntimeError(f"update() got plan {plan.step}, not the outstanding one.")
+        self._check_result(plan, result)
+        self._outstanding = None
+        now = _now(now)
+        updates, self._reports = self._reports, []
+        logprobs = result.logprobs or [None] * len(plan.seqs)
+        for seq, token, row_logprobs in zip(
+            plan.seqs, result.sampled_token_ids, logprobs, strict=True
+        ):
+            req = self._requests.get(seq.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = seq.end_pos
+            if seq.sample:
+                updates.append(self._append_token(req, token, row_logprobs, now))
+        return updates
+
+    def _check_result(self, plan: SchedulerOutput, result: StepResult) -> None:
+        # Checked before anything changes, so a runner bug cannot leave half an update behind.
+        rows = len(plan.seqs)
+        if len(result.sampled_token_ids) != rows or (
+            result.logprobs is not None and len(result.logprobs) != rows
+        ):
+            raise ValueError(f"StepResult rows do not match the plan's {rows} sequences.")
+        for seq, token in zip(plan.seqs, result.sampled_token_ids, strict=True):
+            if seq.sample and not isinstance(token, numbers.Integral):
+                raise ValueError(
+                    f"Request {seq.request_id!r} needed a sampled token, got {token!r}."
+                )
+
+    def _append_token(self, req: Request, token: int, logprobs: Any, now: float) -> RequestUpdate:
+        token = int(token)  # numpy ints from the runner's array become plain ints
+        req.output_token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        status = None
+        if req.is_stop_token(token):
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif (
+            req.num_output_tokens >= req.sampling_params.max_tokens
+            or req.num_tokens >= self.config.max_model_len  # add_request makes this redundant
+        ):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self._finish(req, status, now)
+        return RequestUpdate(
+            request=req,
+            new_token_ids=[token],
+            finished=status is not None,
+            logprobs=None if logprobs is None else [logprobs],
+        )
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self._release(req)
+        elif not self._waiting.remove(req):
+            self._group_waiting.remove(req)
+        req.status = status
+        req.finished_time = now
+        del self._requests[req.request_id]
+        del self._keys[req.request_id]
+        self._aborts.pop(req.request_id, None)
+        if self._group is not None:
+            self._group.discard(req.request_id)
+
+    def _release(self, req: Request) -> None:
+        """Gives back a running request's pages and slot."""
+        self.kv.free(req.request_id)
+        heapq.heappush(self._free_slots, req.slot)
+        req.slot = None
+        self._running.remove(req)
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the books disagree; tests call it after every step."""
+        self.kv.check_invariants()
+        slots = [r.slot for r in self._running]
+        if sorted(slots + self._free_slots) != list(range(self.config.max_num_seqs)):
+            raise AssertionError(f"Slots {slots} in use and {self._free_slots} free disagree.")
+        for req in self._running:
+            pages = self.kv.num_pages_of(req.request_id)
+            if req.status != RequestStatus.RUNNING or pages < self.kv.pages_for(
+                req.num_computed_tokens
+            ):
+                raise AssertionError(f"Running request {req.request_id!r} is inconsistent.")
+        queued = [*self._waiting, *self._group_waiting]
+        for req in queued:
+            if req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                raise AssertionError(f"Queued request {req.request_id!r} is {req.status!r}.")
+            if (
+                req.slot is not None
+                or req.num_computed_tokens
+                or self.kv.num_pages_of(req.request_id)
+            ):
+                raise AssertionError(f"Queued request {req.request_id!r} holds a slot or pages.")
+        ids = [r.request_id for r in [*self._running, *queued]]
+        if len(ids) != len(set(ids)) or set(ids) != set(self._requests):
+            raise AssertionError("Every unfinished request must be running or queued, once.")
+
+
+def _now(now: float | None) -> float:
+    return time.monotonic() if now is None else now
