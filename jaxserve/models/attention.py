@@ -9,16 +9,65 @@ import jax
 
 from pallas_kernels.ragged_paged_attention import reference
 
-ATTENTION_BACKENDS = ("reference",)
+# reference: pure jnp, runs anywhere (the CPU default). pallas: the platform's kernel (TPU or GPU),
+# an error on the CPU. auto: pallas on TPU and GPU, reference on the CPU. pallas_tpu / pallas_gpu
+# name one kernel; the *_interpret forms run it in Pallas interpret mode on the CPU (slow: tests).
+ATTENTION_BACKENDS = (
+    "reference",
+    "pallas",
+    "auto",
+    "pallas_tpu",
+    "pallas_gpu",
+    "pallas_tpu_interpret",
+    "pallas_gpu_interpret",
+)
 
 AttentionFn = Callable[..., jax.Array]
 
+_KERNEL_PLATFORMS = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
+
 
 def get_attention_fn(backend: str) -> AttentionFn:
-    """The ragged paged attention function of `backend` (see pallas_kernels for the signature)."""
+    """The ragged paged attention function of `backend` (see pallas_kernels for the signature).
+
+    The platform is `jax.default_backend()`, read when the model is traced. Kernels are imported
+    here, not at module import, so a CPU-only process never loads the Pallas backends it skips.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={backend!r} is not one of {ATTENTION_BACKENDS}.")
+    platform = jax.default_backend()
+    if backend == "auto":
+        backend = _KERNEL_PLATFORMS.get(platform, "reference")
+    elif backend == "pallas":
+        if platform not in _KERNEL_PLATFORMS:
+            raise ValueError(
+                f"attention_backend='pallas' needs a TPU or GPU, but JAX runs on {platform!r}. "
+                "Use 'auto' or 'reference' there, or 'pallas_tpu_interpret' / "
+                "'pallas_gpu_interpret' to run a kernel in interpret mode (slow; for tests)."
+            )
+        backend = _KERNEL_PLATFORMS[platform]
     if backend == "reference":
         return reference.ragged_paged_attention
-    raise ValueError(f"attention_backend={backend!r} is not one of {ATTENTION_BACKENDS}.")
+    kernel_platform = "tpu" if backend.startswith("pallas_tpu") else "gpu"
+    interpret = backend.endswith("_interpret")
+    if not interpret and _KERNEL_PLATFORMS.get(platform, "").removeprefix("pallas_") != (
+        kernel_platform
+    ):
+        raise ValueError(
+            f"attention_backend={backend!r} needs a {kernel_platform.upper()}, but JAX runs on "
+            f"{platform!r}; use '{backend}_interpret' to run it in interpret mode instead."
+        )
+    if kernel_platform == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        from pallas_kernels.ragged_paged_attention import tpu_kernel
+
+        fn = tpu_kernel.ragged_paged_attention
+        return functools.partial(fn, interpret=pltpu.InterpretParams()) if interpret else fn
+    from pallas_kernels.ragged_paged_attention import gpu_kernel
+
+    fn = gpu_kernel.ragged_paged_attention
+    return functools.partial(fn, interpret=True) if interpret else fn
 
 
 @functools.partial(jax.named_call, name="write_kv")

@@ -1,0 +1,349 @@
+"""Ragged paged attention as a Pallas Mosaic TPU kernel, with the reference's signature.
+
+Grid and data movement
+- The grid runs over blocks of query tokens (`block_tokens` consecutive rows of the flattened
+  batch, whatever sequences they belong to). Queries arrive grouped, [num_kv_heads, rows, D] with
+  the `group` query heads of a KV head on consecutive rows, so a block is one VMEM tile per KV head.
+- Scalars ride in SMEM by scalar prefetch: the layer, query_start, kv_lens, the flattened page
+  tables, and per block the first and last sequence it holds (computed by XLA beforehand, a
+  searchsorted over query_start).
+- The pools stay in HBM (`pl.ANY`). A grid step walks its sequences in order and each sequence's
+  key blocks (`pages_per_block` pages) in order, as one flat loop; pages are copied by DMA from
+  `pool[layer, page]` (the layer indexed inside the kernel, so no layer slice of the pool is ever
+  materialised) into one of two VMEM buffers, the next block's copy starting before this block is
+  computed (double buffering, across sequence boundaries too). Only pages that hold keys some
+  query of the block can see are copied.
+- Softmax is online (flash attention): running max, sum and f32 accumulator per query row live in
+  VMEM scratch across the loop; rows of other sequences are masked out of each block, so a block
+  that mixes decode tokens of many sequences still reads each sequence's pages once per block.
+- Causality is per token: query t of a q_len chunk of sequence s sits at kv_lens[s] - q_len + i.
+
+Why the new keys and values are not written here: `write_kv` scatters them into the pool with
+XLA before attention runs, and that is the better tool. The write is T * num_kv_heads * D
+elements, tiny beside what attention reads, and with the pool donated XLA does it in place.
+Fusing it would make the pool an aliased output of every layer's kernel and would order writes
+against reads across grid steps: a prefill chunk split over two query blocks has the second block
+read keys the first block's tokens write, which "parallel" grid semantics (both TensorCores of a
+v4/v5p chip) do not order. Keeping the write outside keeps the grid parallel and the kernel
+read-only.
+
+Not yet run on a TPU (written and tested in interpret mode on the CPU, and lowered to Mosaic by
+the tests): block layouts (a KV head's [pages, page_size, D] slice of the page buffer, a strided
+read) and the VMEM budget are the things to check on hardware first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention import common, tuning
+
+# A finite "minus infinity", as in the reference: a row with no visible key keeps max -1e30 and
+# sum 0 instead of turning into inf - inf = NaN.
+_MASKED = -1e30
+
+
+def _when(cond: jax.Array, *fns) -> None:
+    """Calls each of `fns` (DMA starts or waits) in a branch taken when `cond` holds."""
+
+    @pl.when(cond)
+    def _():
+        for fn in fns:
+            fn()
+
+
+def _kernel(
+    # Scalar prefetch (SMEM).
+    layer_ref,  # i32[1]
+    query_start_ref,  # i32[S + 1]
+    kv_lens_ref,  # i32[S]
+    page_tables_ref,  # i32[S * P]: flat, since a 2-d SMEM array is padded to whole tiles
+    first_seq_ref,  # i32[num_blocks] first sequence with rows in each query block
+    last_seq_ref,  # i32[num_blocks] last one; < first_seq for a block of padding only
+    # Inputs.
+    q_ref,  # [num_kv_heads, rows, D] VMEM: this block's queries, grouped
+    k_hbm,  # [num_layers, num_pages, page_size, num_kv_heads, D] HBM
+    v_hbm,  # same as k_hbm
+    # Output.
+    o_ref,  # [num_kv_heads, rows, D] VMEM
+    # Scratch.
+    k_buf,  # [2, pages_per_block, page_size, num_kv_heads, D] VMEM: double buffer
+    v_buf,  # same as k_buf
+    sems,  # DMA semaphores [2 (k, v), 2 (buffer)]
+    m_ref,  # f32[num_kv_heads, rows, 1] running max
+    l_ref,  # f32[num_kv_heads, rows, 1] running sum
+    acc_ref,  # f32[num_kv_heads, rows, D] running numerator
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    group: int,
+    block_tokens: int,
+    pages_per_seq: int,
+):
+    block = pl.program_id(0)
+    _, pages_per_block, page_size, num_kv_heads, head_dim = k_buf.shape
+    rows = q_ref.shape[1]
+    block_kv = pages_per_block * page_size
+    q_lo = block * block_tokens  # first token of this block
+    first, last = first_seq_ref[block], last_seq_ref[block]
+
+    def span(s):
+        """Sequence s within this block: its tokens [t_lo, t_hi), the keys they see."""
+        q_start, q_end = query_start_ref[s], query_start_ref[s + 1]
+        t_lo = jnp.maximum(q_start, q_lo)
+        t_hi = jnp.minimum(q_end, q_lo + block_tokens)
+        pos_offset = kv_lens_ref[s] - q_end  # token t sits at position t + pos_offset
+        kv_end = t_hi + pos_offset  # one past the last token's position
+        kv_start = 0
+        if sliding_window is not None:
+            kv_start = jnp.maximum(0, t_lo + pos_offset - sliding_window + 1)
+        return t_lo, t_hi, pos_offset, kv_start, kv_end
+
+    def kv_blocks(s):
+        t_lo, t_hi, _, kv_start, kv_end = span(s)
+        lo = kv_start // block_kv
+        return lo, jnp.where(t_hi > t_lo, pl.cdiv(kv_end, block_kv), lo)
+
+    def copies(s, j, slot):
+        """The DMAs of key block j of sequence s into buffer `slot`: (needed, k copy, v copy)."""
+        _, _, _, kv_start, kv_end = span(s)
+        layer = layer_ref[0]
+        out = []
+        for p in range(pages_per_block):
+            index = j * pages_per_block + p
+            page = page_tables_ref[s * pages_per_seq + jnp.minimum(index, pages_per_seq - 1)]
+            k_copy = pltpu.make_async_copy(
+                k_hbm.at[layer, page], k_buf.at[slot, p], sems.at[0, slot]
+            )
+            v_copy = pltpu.make_async_copy(
+                v_hbm.at[layer, page], v_buf.at[slot, p], sems.at[1, slot]
+            )
+            # Pages wholly before a sliding window may have been recycled: never read them.
+            needed = (index * page_size < kv_end) & ((index + 1) * page_size > kv_start)
+            out.append((needed, k_copy, v_copy))
+        return out
+
+    def start_fetch(s, j, slot):
+        for needed, k_copy, v_copy in copies(s, j, slot):
+            _when(needed, k_copy.start, v_copy.start)
+
+    def wait_fetch(s, j, slot):
+        for needed, k_copy, v_copy in copies(s, j, slot):
+            _when(needed, k_copy.wait, v_copy.wait)
+
+    def advance(s, j):
+        """The key block after (s, j): the next one of s, else the first of the next sequence."""
+        hi = kv_blocks(s)[1]
+
+        def is_empty(t):
+            t_safe = jnp.minimum(t, last)  # `&` does not short-circuit: keep reads in bounds
+            return (t <= last) & (query_start_ref[t_safe + 1] <= query_start_ref[t_safe])
+
+        s_next = lax.while_loop(is_empty, lambda t: t + 1, s + 1)
+        j_next = kv_blocks(jnp.minimum(s_next, last))[0]
+        stay = j + 1 < hi
+        return jnp.where(stay, s, s_next), jnp.where(stay, j + 1, j_next)
+
+    def compute(s, j, slot):
+        t_lo, t_hi, pos_offset, kv_start, kv_end = span(s)
+        # Row r holds token q_lo + r // group; compare r with multiples of group instead of
+        # dividing, since vector integer division is slow or missing on the VPU.
+        r = lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0)
+        c = j * block_kv + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)  # key position
+        mask = (r >= (t_lo - q_lo) * group) & (r < (t_hi - q_lo) * group)
+        mask &= (c - pos_offset - q_lo) * group <= r  # causal: c <= position of the row's token
+        if sliding_window is not None:
+            mask &= (c - pos_offset - q_lo + sliding_window) * group > r
+        # Keys past kv_end were not fetched this block (stale buffer) or are unwritten slots:
+        # zero their values, since a masked probability of 0 times NaN is still NaN.
+        c_col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+        visible = (c_col >= kv_start) & (c_col < kv_end)
+        precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+        for h in range(num_kv_heads):
+            q = q_ref[h]  # [rows, D]
+            k = k_buf[slot, :, :, h, :].reshape(block_kv, head_dim)
+            v = v_buf[slot, :, :, h, :].reshape(block_kv, head_dim)
+            v = jnp.where(visible, v, jnp.zeros((), v.dtype))
+            scores = lax.dot_general(
+                q,
+                k,
+                (((1,), (1,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
+            scores = jnp.where(mask, scores * sm_scale, _MASKED)
+            m_prev = m_ref[h]
+            m_next = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
+            probs = jnp.where(mask, jnp.exp(scores - m_next), 0.0)
+            alpha = jnp.exp(m_prev - m_next)
+            m_ref[h] = m_next
+            l_ref[h] = alpha * l_ref[h] + probs.sum(axis=1, keepdims=True)
+            pv = lax.dot_general(
+                probs.astype(v.dtype),
+                v,
+                (((1,), (0,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
+            )
+            acc_ref[h] = alpha * acc_ref[h] + pv
+
+    m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    # The first sequence of a block has rows in it (see _block_sequences), so it is never empty.
+    j_first = kv_blocks(first)[0]
+
+    @pl.when(first <= last)
+    def _():
+        start_fetch(first, j_first, 0)
+
+    def body(carry):
+        s, j, slot = carry
+        s_next, j_next = advance(s, j)
+
+        @pl.when(s_next <= last)
+        def _():
+            start_fetch(s_next, j_next, 1 - slot)
+
+        wait_fetch(s, j, slot)
+        compute(s, j, slot)
+        return s_next, j_next, 1 - slot
+
+    lax.while_loop(lambda carry: carry[0] <= last, body, (first, j_first, jnp.int32(0)))
+
+    for h in range(num_kv_heads):
+        denom = l_ref[h]
+        # Rows of no sequence (padding) kept a sum of 0 and acc = 0: they output 0.
+        o_ref[h] = (acc_ref[h] / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
+
+
+def _block_sequences(
+    query_start: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[]
+    block_tokens: int,
+    num_blocks: int,
+) -> tuple[jax.Array, jax.Array]:  # i32[num_blocks] each
+    """First and last sequence with rows in each query block (last < first: padding only)."""
+    num_slots = query_start.shape[0] - 1
+    total = query_start[num_seqs]
+    lo = jnp.arange(num_blocks, dtype=jnp.int32) * block_tokens
+    hi = jnp.minimum(lo + block_tokens, total)  # one past the block's last real row
+    ends = query_start[1:]
+    first = jnp.searchsorted(ends, lo, side="right").astype(jnp.int32)
+    last = jnp.searchsorted(ends, hi - 1, side="right").astype(jnp.int32)
+    last = jnp.minimum(last, num_seqs - 1)
+    # Clamped so that even a padding block reads its first sequence's scalars in bounds.
+    first = jnp.minimum(first, num_slots - 1)
+    return first, jnp.where(lo < total, last, -1)
+
+
+# Mosaic's default scoped VMEM limit on v4/v5e (v6e has 32 MiB; a table row may raise it).
+_DEFAULT_SCOPED_VMEM = 16 * 2**20
+
+
+def _vmem_bytes(rows, pages_per_block, page_size, num_kv_heads, head_dim, q_dtype, kv_dtype) -> int:
+    """VMEM one grid step holds: page buffers, q and out blocks, softmax state."""
+    kv = 2 * 2 * pages_per_block * page_size * num_kv_heads * head_dim  # k, v; two buffers each
+    q_out = 2 * 2 * num_kv_heads * rows * head_dim  # Pallas double-buffers the q and out blocks
+    state = num_kv_heads * rows * (head_dim + 2 * 128)  # acc; max and sum pad to 128 lanes
+    return kv * jnp.dtype(kv_dtype).itemsize + q_out * jnp.dtype(q_dtype).itemsize + state * 4
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret")
+)
+def ragged_paged_attention(
+    q: jax.Array,  # [T, num_heads, head_dim]
+    k_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    v_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    layer: jax.Array,  # i32[] which layer of the pool to read
+    query_start: jax.Array,  # i32[S + 1]
+    kv_lens: jax.Array,  # i32[S]
+    page_tables: jax.Array,  # i32[S, P]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    block_sizes: tuning.TpuBlockSizes | None = None,
+    interpret: pltpu.InterpretParams | bool = False,
+) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
+    """The reference's attention as a Mosaic TPU kernel (conventions in reference.py).
+
+    `block_sizes` defaults to this device kind's row of `tuning.TPU_TABLE`. `interpret` runs
+    the kernel on the CPU (`pltpu.InterpretParams()`), for tests.
+    """
+    common.check_args(q, k_pool, v_pool, query_start, kv_lens, page_tables, sliding_window)
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, _ = k_pool.shape
+    num_slots, pages_per_seq = page_tables.shape
+    group = num_heads // num_kv_heads
+    sizes = block_sizes or tuning.tpu_block_sizes()
+
+    sublanes = 8 * 4 // jnp.dtype(q.dtype).itemsize  # rows per VMEM tile: 8 f32, 16 bf16
+    block_tokens = tuning.tpu_query_block_tokens(num_tokens, group, sizes.q_rows, sublanes)
+    num_blocks = pl.cdiv(num_tokens, block_tokens)
+    pages_per_block = max(1, min(sizes.kv_tokens // page_size, pages_per_seq))
+    rows = block_tokens * group
+    budget = (sizes.vmem_limit_bytes or _DEFAULT_SCOPED_VMEM) * 3 // 4
+    while pages_per_block > 1 and budget < _vmem_bytes(
+        rows, pages_per_block, page_size, num_kv_heads, head_dim, q.dtype, k_pool.dtype
+    ):
+        pages_per_block //= 2  # many KV heads (MHA) or big pages: fewer pages per block
+    # Padded to whole blocks so that the last block's tile is in bounds; padding rows output 0.
+    q_grouped = common.group_queries(q, num_kv_heads, num_blocks * block_tokens)
+    first_seq, last_seq = _block_sequences(query_start, num_seqs, block_tokens, num_blocks)
+
+    kernel = functools.partial(
+        _kernel,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        group=group,
+        block_tokens=block_tokens,
+        pages_per_seq=pages_per_seq,
+    )
+    q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda i, *_: (0, i, 0))
+    buf = pltpu.VMEM((2, pages_per_block, page_size, num_kv_heads, head_dim), k_pool.dtype)
+    stats = pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(num_blocks,),
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=q_spec,
+            scratch_shapes=[
+                buf,
+                buf,
+                pltpu.SemaphoreType.DMA((2, 2)),
+                stats,
+                stats,
+                pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q_grouped.shape, q.dtype),
+        # Each grid step fetches its own pages and keeps no state for the next: parallel, so
+        # chips with two TensorCores split the query blocks.
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",), vmem_limit_bytes=sizes.vmem_limit_bytes
+        ),
+        interpret=interpret,
+        name="ragged_paged_attention_tpu",
+    )(
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        query_start.astype(jnp.int32),
+        kv_lens.astype(jnp.int32),
+        page_tables.reshape(num_slots * pages_per_seq).astype(jnp.int32),
+        first_seq,
+        last_seq,
+        q_grouped,
+        k_pool,
+        v_pool,
+    )
+    return common.ungroup_outputs(out, num_tokens, group)
