@@ -1,0 +1,82 @@
+"""`jaxserve generate` and `jaxserve convert` as a user runs them: real processes, real output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from checkpoints import DEFAULT_MODEL_DIR
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_generate_prints_the_story():
+    proc = run_cli("generate", "Once upon a time", "--max-tokens", "40")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(
+        "Once upon a time, there was a little girl named Lily. She loved to play outside"
+    )
+    assert "Traceback" not in proc.stderr
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("jaxserve: error:")
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_missing_model_folder_is_one_line_error(tmp_path):
+    missing = tmp_path / "no_such_model"
+    _assert_one_line_error(
+        run_cli("generate", "hi", "--model", str(missing)), str(missing), "does not exist"
+    )
+
+
+def test_unsupported_architecture_is_one_line_error(tmp_path):
+    folder = tmp_path / "gpt2"
+    shutil.copytree(DEFAULT_MODEL_DIR, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (folder / "config.json").write_text(json.dumps(config))
+    _assert_one_line_error(
+        run_cli("generate", "hi", "--model", str(folder)),
+        "Unsupported architecture",
+        "GPT2LMHeadModel",
+    )
+
+
+def test_prompt_longer_than_context_is_one_line_error():
+    prompt = "Once upon a time " * 200
+    _assert_one_line_error(run_cli("generate", prompt), "context is 512 tokens")
+
+
+@pytest.mark.parametrize("args", [["--max-tokens", "0"], ["--temperature", "-1"]])
+def test_bad_sampling_flags_are_one_line_errors(args):
+    _assert_one_line_error(run_cli("generate", "hi", *args))
+
+
+def test_convert_then_generate_from_the_orbax_folder(tmp_path):
+    out = tmp_path / "converted"
+    proc = run_cli("convert", str(DEFAULT_MODEL_DIR), str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "jaxserve.json").exists()
+    proc = run_cli("generate", "Once upon a time", "--max-tokens", "12", "--model", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Once upon a time, there was a little girl named Lily")
+    again = run_cli("convert", str(DEFAULT_MODEL_DIR), str(out))
+    _assert_one_line_error(again, "already holds a checkpoint")
