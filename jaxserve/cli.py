@@ -7,6 +7,7 @@ end with one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -41,26 +42,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from jaxserve.engine_config import EngineConfig
     from jaxserve.sampling_params import SamplingParams
 
+    # Checked before the model loads, so a bad flag fails at once.
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
     model = _load(args)
+    if model.tokenizer is None:
+        raise UserError(f"Model {model.source} has random weights and no tokenizer to read text.")
     engine = Engine(
         EngineConfig(
             max_num_seqs=1, max_num_batched_tokens=256, precompile=False, show_progress=False
         ),
         model=model,
     )
-    if model.tokenizer is None:
-        raise UserError(f"Model {model.source} has random weights and no tokenizer to read text.")
     prompt_ids = engine.encode(args.prompt)
     context = engine.max_model_len
     if len(prompt_ids) >= context:
         raise UserError(
             f"The prompt has {len(prompt_ids)} tokens but the model's context is {context} tokens."
         )
+    # The reply may use what the prompt leaves of the context.
     max_tokens = min(args.max_tokens, context - len(prompt_ids))
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
-    )
-    engine.add_request(prompt_ids, params)
+    engine.add_request(prompt_ids, dataclasses.replace(params, max_tokens=max_tokens))
     sys.stdout.write(args.prompt)
     while engine.has_unfinished():
         for out in engine.step():
