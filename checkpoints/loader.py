@@ -33,7 +33,7 @@ def load_model(spec: str | Path | None = None, *, dtype=None, seed: int = 0) -> 
 
     `spec` None means the embedded default model. Raises `ModelLoadError` with a one-line reason.
     """
-    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
+    dtype = jnp.dtype(dtype if dtype is not None else default_dtype())
     if spec is None:
         spec = DEFAULT_MODEL_DIR
     if isinstance(spec, str) and spec in NAMED_SHAPES:

@@ -1,0 +1,118 @@
+"""AsyncEngine streams and cancellation, and the metrics an engine publishes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import generate_latest
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine import Engine
+from jaxserve.engine_config import EngineConfig
+from jaxserve.llm import LLM
+from jaxserve.sampling_params import SamplingParams
+
+TINY = dict(max_num_seqs=4, max_num_batched_tokens=16, seq_bucket_factor=4, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def async_engine(stories_engine):
+    engine = AsyncEngine(engine=Engine(EngineConfig(**TINY), model=stories_engine.model))
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine: AsyncEngine, prompt, params):
+    outs = []
+    async for out in engine.generate(prompt, params):
+        outs.append(out)
+    return outs
+
+
+def test_concurrent_streams_match_offline_outputs(async_engine, stories_engine):
+    prompts = ["Once upon a time", "Tom had a red ball", "The little dog", "A cat", "Sam"]
+    params = SamplingParams(max_tokens=16, temperature=0)
+
+    async def main():
+        return await asyncio.gather(*(_collect(async_engine, p, params) for p in prompts))
+
+    streamed = asyncio.run(main())
+    offline = LLM(engine=stories_engine).generate(prompts, params)
+    for outs, want in zip(streamed, offline, strict=True):
+        assert [t for o in outs for t in o.new_token_ids] == want.token_ids
+        assert "".join(o.text_delta for o in outs) == want.text
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+
+
+def test_consumer_that_stops_iterating_aborts_its_request(async_engine):
+    inner = async_engine.engine
+
+    async def main():
+        stream = async_engine.generate(
+            "Once upon a time", SamplingParams(max_tokens=400, ignore_eos=True)
+        )
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.aclose()
+        for _ in range(200):  # the abort lands at the next iteration boundary
+            if inner.scheduler.num_slots_used == 0 and not inner.has_unfinished():
+                return seen
+            await asyncio.sleep(0.01)
+        return None
+
+    assert asyncio.run(main()) == 3
+    assert inner.scheduler.num_pages_used == 0
+
+
+def test_bad_request_fails_alone(async_engine):
+    async def main():
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await _collect(async_engine, [1, 10**6], SamplingParams(max_tokens=2))
+        return await _collect(async_engine, "Once", SamplingParams(max_tokens=3, temperature=0))
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].num_output_tokens == 3
+
+
+def test_metrics_object_and_prometheus(stories_engine):
+    engine = stories_engine
+    before = engine.metrics.stats.finished.get("length", 0)
+    LLM(engine=engine).generate(
+        ["Once upon a time"] * 3, SamplingParams(max_tokens=6, ignore_eos=True)
+    )
+    stats = engine.metrics.stats
+    assert stats.finished["length"] == before + 3
+    assert 0 < stats.padding_efficiency <= 1
+    assert 0 <= stats.device_idle_share < 1
+    assert stats.kv_pages_used == 0 and stats.num_running == 0
+    text = generate_latest(engine.metrics.registry).decode()
+    for name in (
+        "jaxserve_ttft_seconds_count",
+        "jaxserve_tpot_seconds_count",
+        "jaxserve_e2e_seconds_count",
+        "jaxserve_queue_wait_seconds_count",
+        "jaxserve_kv_pages_total",
+        "jaxserve_compiles_total",
+        'jaxserve_requests_finished_total{reason="length"}',
+    ):
+        assert name in text
+
+
+def test_goodput_counts_only_requests_within_targets():
+    from jaxserve.metrics import EngineMetrics
+    from jaxserve.outputs import RequestMetrics
+
+    m = EngineMetrics(ttft_slo_s=0.5, tpot_slo_s=0.1)
+    fast = RequestMetrics(
+        arrival_time=0, first_scheduled_time=0, first_token_time=0.2, finished_time=1.0
+    )  # ttft 0.2, tpot 0.8/9
+    slow_start = RequestMetrics(arrival_time=0, first_token_time=0.9, finished_time=1.5)
+    slow_tokens = RequestMetrics(arrival_time=0, first_token_time=0.1, finished_time=5.0)
+    for metrics in (fast, slow_start, slow_tokens):
+        m.on_finished("length", metrics, num_output_tokens=10)
+    m.on_finished("abort", fast, num_output_tokens=10)
+    assert m.stats.good_requests == 1

@@ -1,0 +1,258 @@
+"""Shared pieces of the model tests: tiny transformers models and a paged session over them.
+
+`build_hf_model(family)` makes a 2-layer random model with transformers, with every weight (norms
+and biases included) redrawn so that a mis-mapped or dropped tensor changes the logits visibly.
+`PagedSession` runs jaxserve's paged step over a shuffled page pool whose unused pages hold NaN,
+so a wrong slot, page table or mask shows as a wrong or NaN logit. The reference is always
+transformers' own PyTorch forward or `generate`, never a copy of our code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+
+from checkpoints import LoadedModel, model_for
+from jaxserve.batch import SeqChunk, pack_chunks
+from jaxserve.config import ModelConfig
+from jaxserve.kv_pages import KVPages
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# One token, one sequence, room for 208 tokens: the bucket the stories260k tests decode with.
+STORIES_BUCKET = dict(num_tokens=1, num_seqs=1, page_size=16, pages_per_seq=13, num_pages=32)
+
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,  # explicit and != hidden_size // num_heads (12), so a derived head_dim fails
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    # No BOS/EOS: generate() must run the full length, like our loop, whatever it samples.
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+# Each family's switches; between them they cover tied and untied heads, llama3 and linear RoPE
+# scaling, q/k/v(/o) and MLP biases, a sliding window shorter than the prompts, Qwen3's q/k norm.
+_FAMILY = {
+    "llama": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                # Small, so positions in the tests fall in the scaled and smoothed bands.
+                original_max_position_embeddings=32,
+            ),
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(
+            sliding_window=6,
+            rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(tie_word_embeddings=False),  # q/k/v biases are built into Qwen2
+    ),
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+            attention_bias=True,  # rare in released Qwen3s, but it biases o_proj too
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+
+def build_hf_model(family: str, *, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """A tiny float32 transformers model of `family` with every parameter randomly redrawn."""
+    config_cls, model_cls, switches = _FAMILY[family]
+    config = config_cls(**{**_COMMON, **switches, **overrides})
+    config._attn_implementation = "eager"  # the plainest reference
+    model = model_cls(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * noise)  # not all ones, so a dropped norm weight shows
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * noise)
+            elif name.endswith("embed_tokens.weight"):
+                # Small embeddings and large layer weights keep greedy decoding from settling
+                # into repeating one token, so the 32 greedy steps test positions and the cache.
+                p.copy_(0.05 * noise)
+            else:
+                p.copy_(1.5 * noise * p.shape[-1] ** -0.5)
+    return model
+
+
+def save_hf(model: transformers.PreTrainedModel, path: Path, **kwargs) -> Path:
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def torch_one_thread() -> Iterator[None]:
+    """Runs torch on one thread: on a shared 2-core machine, torch's second thread spin-waits
+    for a core and makes these tiny forwards several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def hf_logits(model: transformers.PreTrainedModel, ids: list[int]) -> np.ndarray:
+    """transformers' float32 logits f32[len(ids), vocab] of one sequence."""
+    with torch_one_thread():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
+    """The `n` tokens `model.generate(do_sample=False)` appends to `prompt`."""
+    ids = torch.tensor([prompt])
+    with torch_one_thread():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@functools.partial(jax.jit, static_argnames=("config", "dtype"), donate_argnames=("kv",))
+def paged_step(config: ModelConfig, dtype: str, params: dict, kv: KVPages, batch):
+    """One ragged step: logits of every token f32[T, vocab] and the updated pool."""
+    model = model_for(config, jnp.dtype(dtype))
+    hidden, kv = model.apply({"params": params}, kv, batch)
+    return model.apply({"params": params}, hidden, method="logits"), kv
+
+
+@dataclasses.dataclass
+class _Seq:
+    pages: list[int]
+    tokens: list[int] = dataclasses.field(default_factory=list)  # all tokens run so far
+
+
+class PagedSession:
+    """Host bookkeeping of several sequences over one shuffled, NaN-initialised page pool.
+
+    Every step is packed to the same (num_tokens, num_seqs) bucket, so a session compiles once.
+    Page 0 is never handed out: unused page-table entries point at it and it stays NaN.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        num_tokens: int = 32,
+        num_seqs: int = 4,
+        page_size: int = 4,
+        pages_per_seq: int = 12,
+        num_pages: int = 64,
+        seed: int = 0,
+    ):
+        c = loaded.config
+        self.loaded = loaded
+        self.bucket = dict(
+            page_size=page_size,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            pages_per_seq=pages_per_seq,
+            num_pages=num_pages,
+        )
+        shape = (c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
+        # Params and pool committed to one device: orbax restores committed arrays and the HF
+        # loader uncommitted ones, and jit compiles each kind apart; committing both shares one.
+        device = jax.devices()[0]
+        self.params = jax.device_put(loaded.params, device)
+        nan = np.full(shape, np.nan, loaded.dtype)
+        self.kv = KVPages(k=jax.device_put(nan, device), v=jax.device_put(nan, device))
+        order = np.random.default_rng(seed).permutation(num_pages)
+        self._free = [int(p) for p in order if p != 0]
+        self._pages_per_seq = pages_per_seq
+        self.seqs: list[_Seq] = []
+
+    def add_seq(self) -> int:
+        """A new empty sequence owning `pages_per_seq` scattered pages; returns its id."""
+        n = self._pages_per_seq
+        if len(self._free) < n:
+            raise ValueError("The test pool is too small for another sequence.")
+        pages, self._free = self._free[:n], self._free[n:]
+        self.seqs.append(_Seq(pages=pages))
+        return len(self.seqs) - 1
+
+    def step(self, chunks: list[tuple[int, list[int]]]) -> list[np.ndarray]:
+        """Runs (seq id, new tokens) chunks in one ragged step; logits f32[len, vocab] of each."""
+        seq_chunks = []
+        for seq_id, tokens in chunks:
+            seq = self.seqs[seq_id]
+            seq_chunks.append(SeqChunk(list(tokens), len(seq.tokens), seq.pages))
+        batch = pack_chunks(seq_chunks, **self.bucket)
+        logits, self.kv = paged_step(
+            self.loaded.config,
+            jnp.dtype(self.loaded.dtype).name,
+            self.params,
+            self.kv,
+            batch,
+        )
+        logits = np.asarray(logits)
+        out = []
+        for s, (seq_id, tokens) in enumerate(chunks):
+            self.seqs[seq_id].tokens.extend(tokens)
+            out.append(logits[batch.query_start[s] : batch.query_start[s + 1]])
+        return out
+
+
+def sequence_logits(loaded: LoadedModel, tokens: list[int], **bucket) -> np.ndarray:
+    """Logits f32[len(tokens), vocab] of one sequence, run in chunks of the bucket's num_tokens."""
+    session = PagedSession(loaded, **bucket)
+    seq = session.add_seq()
+    size = session.bucket["num_tokens"]
+    chunks = [tokens[i : i + size] for i in range(0, len(tokens), size)]
+    return np.concatenate([session.step([(seq, chunk)])[0] for chunk in chunks])
+
+
+def paged_greedy(
+    loaded: LoadedModel, prompts: list[list[int]], n: int, **bucket
+) -> list[list[int]]:
+    """Greedy continuation of every prompt: one ragged prefill step, then batched decode steps."""
+    session = PagedSession(loaded, **bucket)
+    ids = [session.add_seq() for _ in prompts]
+    logits = session.step(list(zip(ids, prompts, strict=True)))
+    out = [[int(lg[-1].argmax())] for lg in logits]
+    for _ in range(n - 1):
+        logits = session.step([(i, [o[-1]]) for i, o in zip(ids, out, strict=True)])
+        for o, lg in zip(out, logits, strict=True):
+            o.append(int(lg[-1].argmax()))
+    return out
