@@ -25,7 +25,7 @@ class LoadedModel:
     source: str  # where it came from, for logs and GetModelInfo
 
 
-def model_for(config: ModelConfig, dtype=jnp.float32, attention_backend: str = "reference"):
+def model_for(config: ModelConfig, dtype=jnp.float32, attention_backend: str = "auto"):
     """The flax module of `config`."""
     return LlamaForCausalLM(config, attention_backend=attention_backend, dtype=dtype)
 

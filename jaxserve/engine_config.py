@@ -27,7 +27,7 @@ class EngineConfig:
     batch_size: int | None = None  # static/dynamic group size; None: max_num_seqs
     dynamic_timeout_s: float = 0.05
     max_waiting_requests: int = 4096
-    attention_backend: str = "reference"
+    attention_backend: str = "auto"  # xla on the CPU, the Pallas kernel on TPU/GPU
     min_token_bucket: int = 8
     token_bucket_factor: int = 2
     seq_bucket_factor: int = 2

@@ -57,7 +57,7 @@ class RunnerConfig:
     max_model_len: int
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
-    attention_backend: str = "reference"
+    attention_backend: str = "auto"
 
     def __post_init__(self):
         if self.num_pages < 1 or self.page_size < 1:

@@ -7,13 +7,15 @@ from collections.abc import Callable
 
 import jax
 
-from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention import reference, xla_blocked
 
-# reference: pure jnp, runs anywhere (the CPU default). pallas: the platform's kernel (TPU or GPU),
-# an error on the CPU. auto: pallas on TPU and GPU, reference on the CPU. pallas_tpu / pallas_gpu
-# name one kernel; the *_interpret forms run it in Pallas interpret mode on the CPU (slow: tests).
+# reference: the dense pure-jnp oracle (cost follows max_model_len). xla: pure jnp blocked over
+# the real context (the CPU's production path). pallas: the platform's kernel (TPU or GPU), an
+# error on the CPU. auto: pallas on TPU and GPU, xla on the CPU. pallas_tpu / pallas_gpu name one
+# kernel; the *_interpret forms run it in Pallas interpret mode on the CPU (slow: tests).
 ATTENTION_BACKENDS = (
     "reference",
+    "xla",
     "pallas",
     "auto",
     "pallas_tpu",
@@ -37,7 +39,7 @@ def get_attention_fn(backend: str) -> AttentionFn:
         raise ValueError(f"attention_backend={backend!r} is not one of {ATTENTION_BACKENDS}.")
     platform = jax.default_backend()
     if backend == "auto":
-        backend = _KERNEL_PLATFORMS.get(platform, "reference")
+        backend = _KERNEL_PLATFORMS.get(platform, "xla")
     elif backend == "pallas":
         if platform not in _KERNEL_PLATFORMS:
             raise ValueError(
@@ -48,6 +50,8 @@ def get_attention_fn(backend: str) -> AttentionFn:
         backend = _KERNEL_PLATFORMS[platform]
     if backend == "reference":
         return reference.ragged_paged_attention
+    if backend == "xla":
+        return xla_blocked.ragged_paged_attention
     kernel_platform = "tpu" if backend.startswith("pallas_tpu") else "gpu"
     interpret = backend.endswith("_interpret")
     if not interpret and _KERNEL_PLATFORMS.get(platform, "").removeprefix("pallas_") != (

@@ -17,6 +17,7 @@ from jaxserve.batch import StepBatch
 from jaxserve.config import ModelConfig
 from jaxserve.kv_pages import KVPages
 from jaxserve.models.attention import get_attention_fn, write_kv
+from jaxserve.sharding import ShardingPlan, attention_over_heads
 
 
 class RMSNorm(nn.Module):
@@ -53,6 +54,7 @@ class Attention(nn.Module):
     config: ModelConfig
     attention_backend: str
     dtype: jnp.dtype
+    plan: ShardingPlan | None = None  # tensor parallel: attention runs on each device's heads
 
     @nn.compact
     def __call__(self, x, k_pool, v_pool, layer, batch: StepBatch, cos, sin):
@@ -69,7 +71,7 @@ class Attention(nn.Module):
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, batch.slot_mapping)
-        out = get_attention_fn(self.attention_backend)(
+        out = attention_over_heads(get_attention_fn(self.attention_backend), self.plan)(
             q,
             k_pool,
             v_pool,
@@ -103,12 +105,13 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     attention_backend: str
     dtype: jnp.dtype
+    plan: ShardingPlan | None = None
 
     @nn.compact
     def __call__(self, carry, batch: StepBatch, cos, sin):
         h, k_pool, v_pool, layer = carry
         c = self.config
-        attention = Attention(c, self.attention_backend, self.dtype, name="self_attn")
+        attention = Attention(c, self.attention_backend, self.dtype, self.plan, name="self_attn")
         attn_out, k_pool, v_pool = attention(
             RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(h),
             k_pool,
@@ -129,8 +132,9 @@ class LlamaForCausalLM(nn.Module):
     """Decoder-only Llama-family model over a ragged, paged batch."""
 
     config: ModelConfig
-    attention_backend: str = "reference"
+    attention_backend: str = "auto"
     dtype: jnp.dtype = jnp.float32
+    plan: ShardingPlan | None = None  # the mesh the step is split over (None: one device)
 
     def setup(self):
         c = self.config
@@ -143,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
             split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
             length=c.num_layers,
-        )(c, self.attention_backend, self.dtype)
+        )(c, self.attention_backend, self.dtype, self.plan)
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = _dense(c.vocab_size, False, self.dtype, "lm_head")

@@ -86,10 +86,10 @@ def test_tpu_kernel_gives_the_reference_tokens(stories):
 
 
 def test_backend_dispatch_on_the_cpu():
-    from pallas_kernels.ragged_paged_attention import reference
+    from pallas_kernels.ragged_paged_attention import reference, xla_blocked
 
     assert jax.default_backend() == "cpu"
-    assert get_attention_fn("auto") is reference.ragged_paged_attention
+    assert get_attention_fn("auto") is xla_blocked.ragged_paged_attention
     assert get_attention_fn("reference") is reference.ragged_paged_attention
     for backend in ("pallas", "pallas_tpu", "pallas_gpu"):
         with pytest.raises(ValueError, match="interpret"):
