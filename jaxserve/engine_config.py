@@ -19,8 +19,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 256  # token budget of one iteration (largest token bucket)
     max_model_len: int | None = None  # None: the model's context, capped at 4096
     page_size: int = 16
-    num_pages: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    num_pages: int | None = None  # None: sized from free device memory (or kv_cache_memory_gb)
+    kv_cache_memory_gb: float = 1.0  # per device, where JAX reports no device memory (the CPU)
+    kv_cache_memory_fraction: float = 0.9  # of each device's memory free once params are placed
+    tensor_parallel: int = 1  # devices the model is split over (jaxserve/sharding.py)
+    mesh_shape: tuple[int, int] | None = None  # (data, model); given, it wins over tensor_parallel
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     batching: str = "continuous"
@@ -28,7 +31,7 @@ class EngineConfig:
     dynamic_timeout_s: float = 0.05
     max_waiting_requests: int = 4096
     attention_backend: str = "auto"  # xla on the CPU, the Pallas kernel on TPU/GPU
-    min_token_bucket: int = 8
+    min_token_bucket: int = 1  # decode-only steps then run exactly as many tokens as seqs
     token_bucket_factor: int = 2
     seq_bucket_factor: int = 2
     precompile: bool = True
@@ -60,6 +63,14 @@ class EngineConfig:
             raise ValueError(f"num_pages={self.num_pages} must be >= 1 (or None to size it).")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} must be > 0.")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(
+                f"kv_cache_memory_fraction={self.kv_cache_memory_fraction} must be in (0, 1]."
+            )
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel={self.tensor_parallel} must be >= 1.")
+        if self.mesh_shape is not None and (len(self.mesh_shape) != 2 or min(self.mesh_shape) < 1):
+            raise ValueError(f"mesh_shape={self.mesh_shape} must be (data, model), both >= 1.")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2.")
         if self.token_bucket_factor < 2 or self.seq_bucket_factor < 2:

@@ -7,7 +7,13 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 
-TINY = dict(max_num_seqs=4, max_num_batched_tokens=16, seq_bucket_factor=4, show_progress=False)
+TINY = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    min_token_bucket=8,
+    seq_bucket_factor=4,
+    show_progress=False,
+)
 
 
 def test_preempted_requests_finish_with_the_tokens_they_would_have_had(stories_engine):
