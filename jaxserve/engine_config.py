@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-BATCHING_MODES = ("continuous", "static", "dynamic")
-POLICIES = ("fcfs", "priority")
+from jaxserve.scheduler_types import BATCHING_MODES, POLICIES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,137 @@
+"""The scheduler's typed messages and config: what crosses between scheduler and engine.
+
+Plain dataclasses of host ints and lists (never device arrays), kept apart from the scheduling
+logic so readers of the engine, the runner and the tests find the contract in one short file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jaxserve.request import FinishReason, Request
+from jaxserve.sampling_params import SamplingParams
+
+POLICIES = ("fcfs", "priority")
+BATCHING_MODES = ("continuous", "static", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Limits of one engine: batch rows, tokens per step, KV pages, and the scheduling mode."""
+
+    max_num_seqs: int = 64  # slots: rows of the decode batch
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    num_pages: int  # KV pool size, in pages
+    page_size: int = 16  # tokens per page
+    max_model_len: int  # prompt + output tokens of one request, at most
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # 'fcfs' or 'priority' (lower Request.priority first)
+    batching: str = "continuous"  # 'continuous', or 'static' / 'dynamic' groups for comparison
+    batch_size: int | None = None  # group size of static/dynamic batching; None: max_num_seqs
+    dynamic_timeout_s: float = 0.05  # dynamic: start a short group once its oldest waited this
+    max_waiting_requests: int | None = None  # None: unbounded; else QueueFull beyond it
+
+    def __post_init__(self):
+        if self.batch_size is None:
+            object.__setattr__(self, "batch_size", self.max_num_seqs)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_pages", "page_size"):
+            _check_positive_int(name, getattr(self, name))
+        _check_positive_int("max_model_len", self.max_model_len)
+        _check_positive_int("batch_size", self.batch_size)
+        max_num_seqs, max_num_batched_tokens = self.max_num_seqs, self.max_num_batched_tokens
+        max_model_len, batch_size = self.max_model_len, self.batch_size
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"{max_num_batched_tokens=} must be >= {max_num_seqs=}.")
+        if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"Without chunked prefill a whole prompt must fit one step: "
+                f"{max_num_batched_tokens=} must be >= {max_model_len=}."
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}.")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching={self.batching!r} must be one of {BATCHING_MODES}.")
+        if batch_size > max_num_seqs:
+            raise ValueError(f"{batch_size=} must be <= {max_num_seqs=}.")
+        timeout = self.dynamic_timeout_s
+        if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout < 0:
+            raise ValueError(f"dynamic_timeout_s={timeout!r} must be a finite number >= 0.")
+        if self.max_waiting_requests is not None:
+            _check_positive_int("max_waiting_requests", self.max_waiting_requests)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"SchedulerConfig.{name}={value!r} must be an integer >= 1.")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ScheduledSeq:
+    """One request's share of a step; reads like `batch.SeqChunk`, so pack() takes it as is.
+
+    Read-only by convention: not frozen, because a frozen init costs a microsecond per row.
+    """
+
+    request_id: str
+    slot: int  # batch row the request holds while running
+    token_ids: list[int]  # tokens to run now: a prefill chunk, or the one last token when decoding
+    start_pos: int  # position of token_ids[0] = tokens already in the cache
+    page_table: list[int]  # the request's pages, covering start_pos + len(token_ids) slots
+    sample: bool  # this chunk reaches the last known token, so the step samples a new one
+    sampling_params: SamplingParams  # per-row temperature, seed, ... for device sampling
+
+    @property
+    def end_pos(self) -> int:
+        """Cache length after the step; also the position of the token sampled from it."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclasses.dataclass(kw_only=True)
+class SchedulerOutput:
+    """The plan of one step: host ints and lists only."""
+
+    seqs: list[ScheduledSeq]
+    num_batched_tokens: int  # sum of len(seq.token_ids): picks the token bucket
+    preempted_ids: list[str]  # preempted in this iteration, back in the waiting queue
+    aborted_ids: list[str]  # aborts that took effect at this boundary (reported by update())
+    step: int  # 1 for the first plan, counting up
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepResult:
+    """What the runner returns for a plan, row for row with `plan.seqs`."""
+
+    sampled_token_ids: list[int | None]  # None where the row's `sample` is False
+    logprobs: list[Any] | None = None  # opaque per-row objects, passed through to the updates
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RequestUpdate:
+    """What one step did to one request: the engine builds its RequestOutput from this."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+    logprobs: list[Any] | None = None  # row objects from StepResult, one per new token
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.request.finish_reason
+
+
+class RequestRejected(ValueError):
+    """Refused at submission: the request could never be served (the client's error)."""
+
+
+class QueueFull(RequestRejected):
+    """Refused at submission because max_waiting_requests are already waiting (retry later)."""
