@@ -12,7 +12,8 @@ Concurrency:
 - `snapshot()` is an immutable `EngineSnapshot` the engine thread replaces after every
   iteration, so any thread may read the gauges without touching the engine.
 - If the engine thread dies, every open stream (including one whose add is still pending)
-  receives the error at once and new requests are refused; `shutdown()` ends open streams the
+  receives the error at once and new requests are refused. `shutdown()` aborts the requests
+  left (so the engine is idle, its pages free, and it can be reused) and ends open streams the
   same way. Nothing hangs.
 """
 
@@ -125,8 +126,8 @@ class AsyncEngine:
             self._lock.notify()
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Stops the engine thread (after the iteration in progress); open streams end with
-        EngineDeadError."""
+        """Stops the engine thread after the iteration in progress, aborting what is left; open
+        streams end with EngineDeadError."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
@@ -155,17 +156,28 @@ class AsyncEngine:
                         return
                     self._lock.wait()
                 if self._stopping:
-                    return
+                    break
                 commands, self._commands = self._commands, []
             for command in commands:
                 self._apply(command)
             if self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        self._live.discard(out.request_id)
-                    self._deliver(out.request_id, out)
-                self._iteration += 1
-                self._publish()
+                self._step()
+        # Stopping with requests left: abort them so the engine is idle and its pages free
+        # (aborts finish within two iterations; the bound only guards against a bug).
+        for request_id in list(self._live):
+            self.engine.abort(request_id)
+        for _ in range(16):
+            if not self.engine.has_unfinished():
+                break
+            self._step()
+
+    def _step(self) -> None:
+        for out in self.engine.step():
+            if out.finished:
+                self._live.discard(out.request_id)
+            self._deliver(out.request_id, out)
+        self._iteration += 1
+        self._publish()
 
     def _close(self) -> None:
         """Ends every open stream, pending adds included, with EngineDeadError."""

@@ -1,0 +1,345 @@
+"""The gRPC server: jaxserve.v1.JaxServe over an AsyncEngine, with health, reflection, metrics.
+
+Lifecycle: WARMING (the port is open, health says NOT_SERVING, calls get UNAVAILABLE while the
+model loads and the buckets compile) -> SERVING -> DRAINING (on SIGTERM/SIGINT or `stop()`:
+health NOT_SERVING, new calls UNAVAILABLE, calls in flight finish within the grace period, then
+the rest are cancelled) -> STOPPED. If the engine thread dies: FAILED, health NOT_SERVING, every
+open stream ends with INTERNAL at once and new calls get INTERNAL.
+
+Concurrency:
+- One asyncio event loop (grpc.aio) runs every handler, the health and reflection services and
+  the lifecycle. Handlers never block it: they check and tokenize a request (well under a
+  millisecond for prompts that fit the context), then await their AsyncEngine stream.
+- One engine thread (AsyncEngine) owns the Engine. Handlers reach it only through
+  `AsyncEngine.generate()` and read it only through values fixed at start-up (model config,
+  limits) and `snapshot()`. The tokenizer is the exception: handlers encode on the loop while
+  the engine thread decodes; the Rust tokenizer takes shared borrows for both.
+- Warm-up (model load, bucket compilation) runs on its own daemon thread so the loop keeps
+  answering health checks meanwhile, and a SIGTERM during warm-up is not held up by it.
+- prometheus_client serves /metrics from its own HTTP thread; the registries it reads are
+  thread-safe.
+- A cancelled, disconnected or expired call cancels its handler task; closing the handler's
+  engine stream posts an abort, and the engine frees the slot and pages at its next iteration.
+- Bounded: the engine's waiting queue (max_waiting_requests, beyond it RESOURCE_EXHAUSTED) and
+  one output queue per open stream, holding at most that request's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from jaxserve.async_engine import AsyncEngine
+from service.auth import BearerTokenInterceptor
+from service.logs import configure_logging, log
+from service.servicer import SERVICE_NAME, JaxServeServicer, State
+
+__all__ = ["JaxServeServer", "ServeError", "ServerOptions", "State", "configure_logging", "serve"]
+
+logger = logging.getLogger("jaxserve.server")
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+class ServeError(RuntimeError):
+    """The server could not start (a port in use, a model that does not load)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerOptions:
+    """Where and how the server listens. Defaults: loopback only, plain text, no token."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port (see JaxServeServer.port)
+    metrics_port: int | None = 9400  # None: no metrics endpoint; 0: any free port
+    grace_s: float = 30.0  # how long calls in flight may run on after a drain begins
+    tls_cert: bytes | None = None  # PEM certificate chain; TLS when given with tls_key
+    tls_key: bytes | None = None
+    auth_token: str | None = None
+
+    def __post_init__(self):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and a key (tls_cert and tls_key).")
+        for name in ("port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name}={port} must be in [0, 65535].")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s={self.grace_s} must be >= 0.")
+
+
+class JaxServeServer:
+    """One grpc.aio server over one AsyncEngine.
+
+    Given an AsyncEngine, it serves at once and leaves the engine running when it stops (the
+    caller owns it). Given a factory, it calls it during warm-up and shuts the engine down.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine | Callable[[], AsyncEngine],
+        options: ServerOptions | None = None,
+    ):
+        self.options = options or ServerOptions()
+        self._engine_source = engine
+        self._owns_engine = not isinstance(engine, AsyncEngine)  # built here: stopped here
+        self.engine: AsyncEngine | None = None
+        self.state = State.WARMING
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.warmup_error: BaseException | None = None
+        self._ready = asyncio.Event()  # serving, or warm-up failed
+        self._force = asyncio.Event()  # end the drain now
+        self._tasks: set[asyncio.Task] = set()
+        self._health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._metrics_http = None
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(self))
+        self.servicer = JaxServeServicer(self, self.registry)
+        self._serving_gauge = Gauge(
+            "jaxserve_serving", "1 while health says SERVING.", registry=self.registry
+        )
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Opens the port (health NOT_SERVING) and starts warm-up; returns without waiting."""
+        opts = self.options
+        for name in ("", SERVICE_NAME):  # the servicer starts out saying SERVING for ""
+            await self._health.set(name, _NOT_SERVING)
+        interceptors = [BearerTokenInterceptor(opts.auth_token)] if opts.auth_token else []
+        # so_reuseport off: a second server on a taken port must fail, not share it.
+        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers((self.servicer.generic_handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        address = f"{opts.host}:{opts.port}"
+        try:
+            if opts.tls_cert is not None:
+                creds = grpc.ssl_server_credentials([(opts.tls_key, opts.tls_cert)])
+                self.port = server.add_secure_port(address, creds)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise ServeError(f"Cannot listen on {address}: {e} (is the port in use?)") from e
+        if opts.auth_token and opts.tls_cert is None and opts.host not in _LOOPBACK:
+            logger.warning(
+                "an auth token is set without TLS on %s: it travels in the clear", address
+            )
+        await server.start()
+        self._server = server
+        if opts.metrics_port is not None:
+            try:
+                self._metrics_http, _ = start_http_server(
+                    opts.metrics_port, addr=opts.host, registry=self.registry
+                )
+            except OSError as e:
+                await server.stop(0)
+                raise ServeError(
+                    f"Cannot serve metrics on {opts.host}:{opts.metrics_port}: {e}"
+                ) from e
+            self.metrics_port = self._metrics_http.server_port
+        _log(
+            logging.INFO,
+            "listening",
+            host=opts.host,
+            port=self.port,
+            metrics_port=self.metrics_port,
+            tls=opts.tls_cert is not None,
+            auth=bool(opts.auth_token),
+        )
+        if isinstance(self._engine_source, AsyncEngine):
+            await self._start_serving(self._engine_source, 0.0)
+        else:
+            self._spawn(self._warm_up(self._engine_source))
+
+    async def wait_ready(self) -> None:
+        """Returns once serving; raises the warm-up's error if it failed."""
+        await self._ready.wait()
+        if self.warmup_error is not None:
+            raise self.warmup_error
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drains: refuses new calls, lets those in flight finish within the grace period."""
+        if self.state in (State.DRAINING, State.STOPPED):
+            return
+        grace = self.options.grace_s if grace_s is None else grace_s
+        self.state = State.DRAINING
+        self._serving_gauge.set(0)
+        await self._health.enter_graceful_shutdown()  # NOT_SERVING for every service, for good
+        active = self.servicer.active
+        _log(logging.INFO, "draining", calls_in_flight=active, grace_s=grace)
+        waits = [asyncio.ensure_future(e.wait()) for e in (self.servicer.idle, self._force)]
+        await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if self.servicer.active:
+            _log(logging.WARNING, "drain cut short", calls_in_flight=self.servicer.active)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(
+            # Cancels the calls left; closing their engine streams aborts their requests.
+            *([self._server.stop(0)] if self._server is not None else []),
+            # Off the loop: it waits up to half a second for the HTTP thread's next poll.
+            *([asyncio.to_thread(self._close_metrics)] if self._metrics_http is not None else []),
+        )
+        if self.engine is not None and self._owns_engine:
+            await asyncio.to_thread(self.engine.shutdown)
+        self.state = State.STOPPED
+        self._ready.set()
+        _log(logging.INFO, "stopped")
+
+    def _close_metrics(self) -> None:
+        self._metrics_http.shutdown()
+        self._metrics_http.server_close()
+
+    def force_stop(self) -> None:
+        """Ends a drain in progress now (a second SIGTERM/SIGINT)."""
+        self._force.set()
+
+    async def _warm_up(self, factory: Callable[[], AsyncEngine]) -> None:
+        loop = asyncio.get_running_loop()
+        built: asyncio.Future = loop.create_future()
+        start = time.perf_counter()
+
+        def work():  # a daemon thread, not the loop's executor: shutdown never waits on it
+            try:
+                result, error = factory(), None
+            except BaseException as e:
+                result, error = None, e
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(_settle, built, result, error)
+
+        threading.Thread(target=work, name="jaxserve-warmup", daemon=True).start()
+        try:
+            engine = await built
+        except Exception as e:
+            self.warmup_error = e
+            self.state = State.FAILED
+            _log(logging.ERROR, "warm-up failed", error=str(e))
+            self._ready.set()
+            return
+        await self._start_serving(engine, time.perf_counter() - start)
+
+    async def _start_serving(self, engine: AsyncEngine, warmup_s: float) -> None:
+        self.engine = engine
+        if self.state is not State.WARMING:  # stopped while warming up
+            await asyncio.to_thread(engine.shutdown)
+            return
+        self.state = State.SERVING
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, _SERVING)
+        self._serving_gauge.set(1)
+        e = engine.engine
+        _log(
+            logging.INFO,
+            "serving",
+            model=str(e.model.source),
+            warmup_s=round(warmup_s, 3),
+            max_model_len=e.max_model_len,
+            compiles=e.runner.num_compiles,
+        )
+        self._spawn(self._watch_engine())
+        self._ready.set()
+
+    async def _watch_engine(self) -> None:
+        """Notices an engine death even when no call is open to see it."""
+        while self.state is State.SERVING:
+            if not self.engine.is_alive:
+                await self.engine_failed()
+                return
+            await asyncio.sleep(0.1)
+
+    async def engine_failed(self) -> None:
+        """Health turns NOT_SERVING for good; calls get INTERNAL from now on."""
+        if self.state is not State.SERVING:
+            return
+        self.state = State.FAILED
+        self._serving_gauge.set(0)
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, _NOT_SERVING)
+        _log(logging.ERROR, "engine failed", error=repr(self.engine.error))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class _EngineCollector:
+    """Exposes the engine's own registry through the server's, once the engine exists."""
+
+    def __init__(self, server: JaxServeServer):
+        self._server = server
+
+    def describe(self):
+        return []  # names unknown until warm-up; nothing to check for clashes
+
+    def collect(self):
+        engine = self._server.engine
+        if engine is not None:
+            yield from engine.engine.metrics.registry.collect()
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _log(level: int, message: str, **fields) -> None:
+    log(logger, level, message, **fields)
+
+
+# ---- process entry point ------------------------------------------------------------------
+
+
+async def serve(factory: Callable[[], AsyncEngine], options: ServerOptions) -> int:
+    """Serves until SIGTERM/SIGINT, then drains; returns the exit status (0 after a drain).
+
+    A second signal during the drain cancels the calls still running.
+    """
+    server = JaxServeServer(factory, options)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    ready = asyncio.ensure_future(server.wait_ready())
+    first = asyncio.ensure_future(signals.get())
+    await asyncio.wait({ready, first}, return_when=asyncio.FIRST_COMPLETED)
+    if ready.done() and ready.exception() is not None and not first.done():
+        first.cancel()
+        await server.stop(0)
+        raise ServeError(str(ready.exception())) from ready.exception()
+    sig = await first
+    _log(logging.INFO, "signal received", signal=sig.name)
+    stopping = asyncio.ensure_future(server.stop())
+    second = asyncio.ensure_future(signals.get())
+    await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
+    if second.done():
+        _log(logging.WARNING, "second signal: stopping now", signal=second.result().name)
+        server.force_stop()
+    second.cancel()
+    ready.cancel()
+    await stopping
+    return 0

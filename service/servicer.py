@@ -1,0 +1,257 @@
+"""The jaxserve.v1.JaxServe calls: admission by server state, status codes, call logs and metrics.
+
+Runs on the server's event loop (see service/server.py for the concurrency). Each call is
+checked and tokenized here, then streams from `AsyncEngine.generate()`; the stream is closed
+however the call ends (finished, failed, cancelled, deadline expired), and closing it aborts
+the request in the engine.
+
+Status codes: INVALID_ARGUMENT for a request that cannot run as sent (convert.InvalidRequest,
+the engine's RequestRejected); RESOURCE_EXHAUSTED when the waiting queue is full; UNAVAILABLE
+while warming up or draining; INTERNAL once the engine has failed. Every message names the
+field and the value at fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from jaxserve.async_engine import EngineDeadError
+from jaxserve.scheduler import QueueFull
+from service import convert
+from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
+from service.logs import log
+
+if TYPE_CHECKING:
+    from service.server import JaxServeServer
+
+logger = logging.getLogger("jaxserve.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
+
+
+class State(enum.Enum):
+    """Where the server is in its life (see service/server.py)."""
+
+    WARMING = "warming"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class Refused(Exception):
+    """A call the server's state does not let in."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclasses.dataclass
+class _Call:
+    """What the call's log line and metrics say."""
+
+    method: str
+    peer: str
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    fields: dict = dataclasses.field(default_factory=dict)
+
+    def finished(self, out) -> None:
+        m = out.metrics
+        self.fields.update(
+            finish_reason=out.finish_reason,
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens,
+            queue_wait_s=_round(m.queue_wait),
+            ttft_s=_round(m.ttft),
+            e2e_s=_round(m.e2e),
+        )
+
+
+class JaxServeServicer:
+    """Answers calls according to `server.state`; counts the calls in flight for the drain."""
+
+    def __init__(self, server: JaxServeServer, registry: CollectorRegistry):
+        self.server = server
+        self.active = 0
+        self.idle = asyncio.Event()  # set while no call is in flight
+        self.idle.set()
+        self._calls = Counter(
+            "jaxserve_grpc_calls",
+            "gRPC calls by method and status code.",
+            ["method", "code"],
+            registry=registry,
+        )
+        self._in_flight = Gauge(
+            "jaxserve_grpc_calls_in_flight", "jaxserve.v1 calls running.", registry=registry
+        )
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        # Lenient deserializers: malformed UTF-8 becomes INVALID_ARGUMENT, not INTERNAL.
+        def unary(name, body, request_cls, response_cls):
+            return grpc.unary_unary_rpc_method_handler(
+                self._rpc(name, body), convert.lenient(request_cls), response_cls.SerializeToString
+            )
+
+        generate = grpc.unary_stream_rpc_method_handler(
+            self._rpc("Generate", self._generate),
+            convert.lenient(pb.GenerateRequest),
+            pb.GenerateResponse.SerializeToString,
+        )
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Generate": generate,
+                "GenerateUnary": unary(
+                    "GenerateUnary", self._generate_unary, pb.GenerateRequest, pb.GenerateResponse
+                ),
+                "Tokenize": unary(
+                    "Tokenize", self._tokenize, pb.TokenizeRequest, pb.TokenizeResponse
+                ),
+                "GetModelInfo": unary(
+                    "GetModelInfo", self._model_info, pb.GetModelInfoRequest, pb.ModelInfo
+                ),
+            },
+        )
+
+    def _rpc(self, method: str, body):
+        """Wraps a call's body: admission, in-flight count, status code, log line, metrics."""
+
+        async def handler(request, context: grpc.aio.ServicerContext):
+            call = _Call(method, context.peer())
+            try:
+                self._admit()
+                if isinstance(request, convert.MalformedRequest):
+                    raise convert.InvalidRequest(request.message)
+                self._begin()
+                try:
+                    return await body(request, context, call)
+                finally:
+                    self._end()
+            except asyncio.CancelledError:  # the client cancelled, left, or its deadline passed
+                remaining = context.time_remaining()
+                expired = remaining is not None and remaining <= 0
+                call.code = (
+                    grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+                )
+                raise
+            except Exception as e:
+                call.code, message = await self._status_of(e)
+                call.fields["error"] = message
+                await context.abort(call.code, message)
+            finally:
+                self._calls.labels(method=method, code=call.code.name).inc()
+                level = logging.ERROR if call.code is grpc.StatusCode.INTERNAL else logging.INFO
+                duration = _round(time.perf_counter() - call.start)
+                log(
+                    logger,
+                    level,
+                    "call",
+                    method=method,
+                    code=call.code.name,
+                    peer=call.peer,
+                    duration_s=duration,
+                    **call.fields,
+                )
+
+        return handler
+
+    def _begin(self) -> None:
+        self.active += 1
+        self.idle.clear()
+        self._in_flight.inc()
+
+    def _end(self) -> None:
+        self.active -= 1
+        self._in_flight.dec()
+        if not self.active:
+            self.idle.set()
+
+    def _admit(self) -> None:
+        server = self.server
+        if server.state is State.SERVING:
+            return
+        if server.state is State.WARMING:
+            raise Refused(
+                grpc.StatusCode.UNAVAILABLE,
+                "The server is warming up (loading the model, compiling); retry shortly.",
+            )
+        if server.state is State.FAILED and server.engine is not None:
+            error = server.engine.error
+            raise EngineDeadError(
+                f"The engine has failed: {error!r}" if error else "The engine was shut down."
+            )
+        if server.state is State.FAILED:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"Warm-up failed: {server.warmup_error}")
+        raise Refused(
+            grpc.StatusCode.UNAVAILABLE,
+            "The server is shutting down (draining); send new requests to another replica.",
+        )
+
+    async def _status_of(self, e: Exception) -> tuple[grpc.StatusCode, str]:
+        if isinstance(e, Refused):
+            return e.code, str(e)
+        if isinstance(e, QueueFull):
+            return (
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"The waiting queue is full: {e} Retry later.",
+            )
+        if isinstance(e, ValueError):  # InvalidRequest, RequestRejected, add_request's checks
+            return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        if isinstance(e, EngineDeadError):
+            await self.server.engine_failed()
+            return grpc.StatusCode.INTERNAL, str(e)
+        logger.exception("unexpected error in a call")
+        return grpc.StatusCode.INTERNAL, f"Internal error: {e!r}"
+
+    # ---- the calls ------------------------------------------------------------------------
+
+    def _stream(self, request: pb.GenerateRequest, call: _Call):
+        async_engine = self.server.engine
+        engine = async_engine.engine
+        ids = convert.prompt_ids(request, engine)
+        params = convert.sampling_params(request.sampling, len(ids), engine)
+        request_id = convert.request_id(request) or f"grpc-{uuid.uuid4().hex[:16]}"
+        call.fields.update(
+            request_id=request_id, prompt_tokens=len(ids), max_tokens=params.max_tokens
+        )
+        return async_engine.generate(ids, params, request_id=request_id, priority=request.priority)
+
+    async def _generate(self, request, context, call: _Call) -> None:
+        async with contextlib.aclosing(self._stream(request, call)) as stream:
+            async for out in stream:
+                await context.write(convert.response(out))
+                if out.finished:
+                    call.finished(out)
+
+    async def _generate_unary(self, request, context, call: _Call) -> pb.GenerateResponse:
+        ids, text, logprobs, last = [], [], [], None
+        async with contextlib.aclosing(self._stream(request, call)) as stream:
+            async for last in stream:
+                ids += last.new_token_ids
+                text.append(last.text_delta)
+                logprobs += last.logprobs or []
+        call.finished(last)
+        return convert.response(last, token_ids=ids, text="".join(text), logprobs=logprobs)
+
+    async def _tokenize(self, request, context, call: _Call) -> pb.TokenizeResponse:
+        ids = convert.encode("text", request.text, self.server.engine.engine)
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def _model_info(self, request, context, call: _Call) -> pb.ModelInfo:
+        return convert.model_info(self.server.engine.engine)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
