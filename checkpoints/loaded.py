@@ -25,9 +25,9 @@ class LoadedModel:
     source: str  # where it came from, for logs and GetModelInfo
 
 
-def model_for(config: ModelConfig, dtype=jnp.float32, attention_backend: str = "auto"):
-    """The flax module of `config`."""
-    return LlamaForCausalLM(config, attention_backend=attention_backend, dtype=dtype)
+def model_for(config: ModelConfig, dtype=jnp.float32, attention_backend: str = "auto", plan=None):
+    """The flax module of `config`; `plan` (a jaxserve.sharding.ShardingPlan) splits it."""
+    return LlamaForCausalLM(config, attention_backend=attention_backend, dtype=dtype, plan=plan)
 
 
 def abstract_params(config: ModelConfig, dtype) -> dict:

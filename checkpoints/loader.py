@@ -11,7 +11,7 @@ from checkpoints.hf_config import UnsupportedModelError, model_config_from_hf
 from checkpoints.loaded import LoadedModel, abstract_params, model_for
 from checkpoints.orbax_io import is_orbax_dir, restore_orbax
 from checkpoints.random_weights import NAMED_SHAPES, random_params
-from checkpoints.weights import load_hf_weights
+from checkpoints.weights import load_hf_weights, place_hf_weights
 
 # The embedded default: stories260k ships inside the package, so nothing is ever downloaded.
 DEFAULT_MODEL_DIR = Path(__file__).parent / "stories260k"
@@ -28,17 +28,22 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def load_model(spec: str | Path | None = None, *, dtype=None, seed: int = 0) -> LoadedModel:
+def load_model(
+    spec: str | Path | None = None, *, dtype=None, seed: int = 0, mesh=None
+) -> LoadedModel:
     """Loads a model from a folder (Hugging Face or orbax) or a named random shape.
 
     `spec` None means the embedded default model. Raises `ModelLoadError` with a one-line reason.
+    With `mesh` (jaxserve.sharding.make_mesh) each device receives only its shard of the params,
+    as jaxserve.sharding decides: the whole model is never built on one device.
     """
     dtype = jnp.dtype(dtype if dtype is not None else default_dtype())
     if spec is None:
         spec = DEFAULT_MODEL_DIR
     if isinstance(spec, str) and spec in NAMED_SHAPES:
         config = NAMED_SHAPES[spec]
-        params = random_params(abstract_params(config, dtype), seed)
+        abstract = abstract_params(config, dtype)
+        params = random_params(abstract, seed, _shardings(mesh, config, abstract))
         return LoadedModel(
             config=config,
             params=params,
@@ -56,13 +61,21 @@ def load_model(spec: str | Path | None = None, *, dtype=None, seed: int = 0) -> 
         raise ModelLoadError(f"Model path {str(path)!r} is a file; pass the model's folder.")
     try:
         if is_orbax_dir(path):
-            return restore_orbax(path, dtype=dtype)
-        return _load_hf(path, dtype)
+            return restore_orbax(path, dtype=dtype, mesh=mesh)
+        return _load_hf(path, dtype, mesh)
     except (UnsupportedModelError, FileNotFoundError, ValueError, OSError) as e:
         raise ModelLoadError(f"Cannot load model from {str(path)!r}: {e}") from e
 
 
-def _load_hf(path: Path, dtype) -> LoadedModel:
+def _shardings(mesh, config, abstract) -> dict | None:
+    if mesh is None:
+        return None
+    from jaxserve.sharding import ShardingPlan
+
+    return ShardingPlan.create(mesh, config).params(abstract)
+
+
+def _load_hf(path: Path, dtype, mesh=None) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     if not (path / "config.json").exists():
@@ -74,10 +87,13 @@ def _load_hf(path: Path, dtype) -> LoadedModel:
         ids = gen.eos_token_id
         eos = tuple([ids] if isinstance(ids, int) else (ids or []))
     config = model_config_from_hf(hf_config, eos)
-    host = load_hf_weights(
-        path, abstract_params(config, dtype), tied_embeddings=config.tie_word_embeddings
-    )
-    params = jax.device_put(host)
+    abstract = abstract_params(config, dtype)
+    tied = config.tie_word_embeddings
+    if mesh is None:
+        params = jax.device_put(load_hf_weights(path, abstract, tied_embeddings=tied))
+    else:  # each device's shard read from the memory-mapped files
+        shardings = _shardings(mesh, config, abstract)
+        params = place_hf_weights(path, abstract, shardings, tied_embeddings=tied)
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

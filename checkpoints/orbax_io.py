@@ -55,14 +55,19 @@ def is_orbax_dir(path: Path) -> bool:
     return (path / MARKER).exists()
 
 
-def restore_orbax(path: Path, *, dtype=None, shardings: Any = None) -> LoadedModel:
-    """Restores a `save_orbax` folder, optionally into `shardings` (a param-shaped tree)."""
+def restore_orbax(path: Path, *, dtype=None, shardings: Any = None, mesh=None) -> LoadedModel:
+    """Restores a `save_orbax` folder, optionally into `shardings` (a param-shaped tree) or into
+    the shardings jaxserve.sharding decides for this model on `mesh`."""
     meta = json.loads((path / MARKER).read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path / MARKER} has format {meta.get('format')!r}, expected {FORMAT!r}.")
     config = config_from_json(meta["config"])
     dtype = jnp.dtype(dtype or meta["dtype"])
     target = abstract_params(config, dtype)
+    if shardings is None and mesh is not None:
+        from jaxserve.sharding import ShardingPlan
+
+        shardings = ShardingPlan.create(mesh, config).params(target)
     if shardings is None:
         device = jax.devices()[0]
         shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), target)

@@ -6,8 +6,6 @@ zeros, deterministically from a seed, directly on the device: no file is read.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -104,17 +102,25 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
 }
 
 
-def random_params(abstract_params: dict, seed: int) -> dict:
-    """Fills a param tree of `jax.ShapeDtypeStruct`s with seeded random weights."""
+def random_params(abstract_params: dict, seed: int, shardings: dict | None = None) -> dict:
+    """Fills a param tree of `jax.ShapeDtypeStruct`s with seeded random weights.
+
+    With `shardings` (a like-shaped tree) each device draws only its own shard; the values do not
+    depend on the sharding (JAX's partitionable threefry), so a split model equals the whole one.
+    """
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
     names = tuple(str(getattr(path[-1], "key", path[-1])) for path, _ in leaves)
     shapes = tuple((a.shape, jnp.dtype(a.dtype)) for _, a in leaves)
-    values = _draw(seed, names, shapes)
+    if shardings is None:
+        values = _draw(seed, names, shapes)
+    else:
+        out_shardings = treedef.flatten_up_to(shardings)
+        draw = jax.jit(_draw_impl, static_argnums=(1, 2), out_shardings=out_shardings)
+        values = draw(seed, names, shapes)
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _draw(seed, names, shapes):
+def _draw_impl(seed, names, shapes):
     keys = jax.random.split(jax.random.key(seed), len(names))
     out = []
     for key, name, (shape, dtype) in zip(keys, names, shapes, strict=True):
@@ -125,3 +131,6 @@ def _draw(seed, names, shapes):
         else:
             out.append((0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
     return out
+
+
+_draw = jax.jit(_draw_impl, static_argnums=(1, 2))

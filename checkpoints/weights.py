@@ -9,7 +9,6 @@ exactly once, so a renamed or missing tensor fails loudly instead of leaving ran
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from pathlib import Path
 
 import jax
@@ -63,19 +62,19 @@ def map_name(name: str) -> tuple[tuple[str, ...], int | None, bool] | None:
     raise KeyError(name)
 
 
-def _get(tree: dict, path: tuple[str, ...]):
-    for key in path:
-        tree = tree[key]
-    return tree
+Layout = dict[tuple[str, ...], dict[int | None, np.ndarray]]
 
 
-def load_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings: bool) -> dict:
-    """Reads the safetensors tensors of `model_dir` into numpy arrays like `abstract_params`.
+def index_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings: bool) -> Layout:
+    """Where each param's values are: {param path: {layer (None if unstacked): array}}.
 
-    `abstract_params` is the model's `jax.eval_shape` param tree (shapes and target dtypes).
+    The arrays are memory-mapped views, already transposed to jaxserve's layout, so nothing is read
+    until a loader slices them. Checks what the loaders rely on: every tensor is known, every
+    param filled, every shape as the config says. `abstract_params` is the model's
+    `jax.eval_shape` param tree.
     """
-    out = jax.tree.map(lambda a: np.empty(a.shape, a.dtype), abstract_params)
-    filled: dict[tuple[str, ...], set[int | None]] = {}
+    shapes = {_path(kp): leaf.shape for kp, leaf in _leaves(abstract_params)}
+    found: Layout = {}
     unexpected: list[str] = []
     for file in weight_files(model_dir):
         for name, tensor in iter_tensors(file):
@@ -87,33 +86,71 @@ def load_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings: 
             if mapped is None or (tied_embeddings and name == "lm_head.weight"):
                 continue
             path, layer, transpose = mapped
-            try:
-                target = _get(out, path)
-            except KeyError:
+            if path not in shapes:
                 unexpected.append(name)
                 continue
             value = tensor.T if transpose else tensor
-            dest = target if layer is None else target[layer]
-            if value.shape != dest.shape:
+            expected = shapes[path] if layer is None else shapes[path][1:]
+            if value.shape != tuple(expected):
                 raise ValueError(
-                    f"Tensor {name!r} has shape {tuple(tensor.shape)}; expected {dest.shape} "
+                    f"Tensor {name!r} has shape {tuple(tensor.shape)}; expected {tuple(expected)} "
                     f"(after transpose={transpose}) from the model config."
                 )
-            dest[...] = value.astype(dest.dtype)
-            filled.setdefault(path, set()).add(layer)
+            found.setdefault(path, {})[layer] = value
     if unexpected:
         raise ValueError(f"{model_dir} holds tensors jaxserve does not know: {unexpected[:8]}.")
-    missing = _missing(out, filled)
+    missing = []
+    for path, shape in shapes.items():
+        expected_layers = range(shape[0]) if path[0] == "layers" else [None]
+        done = found.get(path, {})
+        missing += [f"{'/'.join(path)}[{i}]" for i in expected_layers if i not in done]
     if missing:
         raise ValueError(f"{model_dir} lacks weights for {missing[:8]}.")
+    return found
+
+
+def load_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings: bool) -> dict:
+    """Reads the safetensors tensors of `model_dir` into numpy arrays like `abstract_params`."""
+    layout = index_hf_weights(model_dir, abstract_params, tied_embeddings=tied_embeddings)
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, leaf: read_slice(layout[_path(kp)], leaf.dtype, (slice(None),) * leaf.ndim),
+        abstract_params,
+    )
+
+
+def place_hf_weights(
+    model_dir: Path, abstract_params: dict, shardings: dict, *, tied_embeddings: bool
+) -> dict:
+    """Loads `model_dir` straight into `shardings`: each device's shard is read from the file.
+
+    No host or device ever holds more than its own shards (plus one shard in flight), so a
+    model larger than one device loads onto a mesh of them.
+    """
+    layout = index_hf_weights(model_dir, abstract_params, tied_embeddings=tied_embeddings)
+
+    def place(kp, leaf, sharding):
+        parts = layout[_path(kp)]
+        return jax.make_array_from_callback(
+            leaf.shape, sharding, lambda index: read_slice(parts, leaf.dtype, index)
+        )
+
+    return jax.tree_util.tree_map_with_path(place, abstract_params, shardings)
+
+
+def read_slice(parts: dict[int | None, np.ndarray], dtype, index: tuple[slice, ...]) -> np.ndarray:
+    """`index` of one param, cast to `dtype`, reading only those bytes of the mapped tensors."""
+    if None in parts:
+        return np.asarray(parts[None][index]).astype(dtype)
+    layers = range(len(parts))[index[0]]
+    out = np.empty((len(layers), *parts[0][index[1:]].shape), dtype)
+    for i, layer in enumerate(layers):
+        out[i] = parts[layer][index[1:]]  # casts while copying: one buffer, in the target dtype
     return out
 
 
-def _missing(params: dict, filled: dict[tuple[str, ...], set[int | None]]) -> list[str]:
-    missing = []
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        path = tuple(k.key for k in keypath)
-        expected: Iterable[int | None] = range(leaf.shape[0]) if path[0] == "layers" else [None]
-        done = filled.get(path, set())
-        missing += [f"{'/'.join(path)}[{i}]" for i in expected if i not in done]
-    return missing
+def _leaves(tree: dict):
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _path(keypath) -> tuple[str, ...]:
+    return tuple(k.key for k in keypath)

@@ -27,14 +27,16 @@ from checkpoints import LoadedModel, load_model
 from jaxserve.batch import SeqChunk
 from jaxserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from jaxserve.engine_config import EngineConfig
-from jaxserve.kv_pages import kv_bytes_per_page
+from jaxserve.kv_pages import kv_bytes_per_page, pages_that_fit
 from jaxserve.metrics import EngineMetrics
 from jaxserve.model_runner import ModelRunner, RunnerConfig, bucket_ladder, enable_compilation_cache
+from jaxserve.multihost import agree_min
 from jaxserve.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.request import FinishReason, Request
 from jaxserve.sampling import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
+from jaxserve.sharding import ShardingPlan, make_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,11 @@ class Engine:
         self.config = config = config or EngineConfig()
         if config.compilation_cache_dir:
             enable_compilation_cache(config.compilation_cache_dir)
-        self.model = model or load_model(config.model, dtype=config.dtype, seed=config.seed)
+        mesh = make_mesh(config.tensor_parallel, config.mesh_shape)
+        model = model or load_model(config.model, dtype=config.dtype, seed=config.seed, mesh=mesh)
+        self.plan = ShardingPlan.create(mesh, model.config)
+        # Params into their shardings (a no-op when loaded there) before free memory is measured.
+        self.model = dataclasses.replace(model, params=self.plan.place(model.params))
         self.tokenizer = self.model.tokenizer
         mc = self.model.config
         self.max_model_len = min(
@@ -75,11 +81,15 @@ class Engine:
             mc.max_position_embeddings,
         )
         pages_per_seq = math.ceil(self.max_model_len / config.page_size)
-        num_pages = config.num_pages or min(
-            config.max_num_seqs * pages_per_seq,
-            int(config.kv_cache_memory_gb * 2**30)
-            // kv_bytes_per_page(mc, config.page_size, self.model.dtype),
+        # Each device holds 1 / kv_shards of every page; all hosts must agree on one pool shape.
+        page_bytes = kv_bytes_per_page(mc, config.page_size, self.model.dtype)
+        fit = pages_that_fit(
+            page_bytes // self.plan.kv_shards,
+            list(mesh.devices.flat),
+            fraction=config.kv_cache_memory_fraction,
+            fallback_gb=config.kv_cache_memory_gb,
         )
+        num_pages = config.num_pages or min(config.max_num_seqs * pages_per_seq, agree_min(fit))
         self.runner = ModelRunner(
             self.model,
             RunnerConfig(
@@ -94,6 +104,7 @@ class Engine:
                 seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
                 attention_backend=config.attention_backend,
             ),
+            self.plan,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -203,6 +214,8 @@ class Engine:
         """
         if not plan.seqs:
             self._inflight = None
+            # Idle for want of work, not waiting on the host: not device idle time.
+            self._last_result_at = None
             return self.scheduler.update(plan, StepResult(sampled_token_ids=[]))
         chunks = [SeqChunk(s.token_ids, s.start_pos, s.page_table) for s in plan.seqs]
         batch = self.runner.pack(chunks)

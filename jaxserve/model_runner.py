@@ -23,7 +23,9 @@ import jax
 from checkpoints.loaded import LoadedModel, model_for
 from jaxserve.batch import SeqChunk, StepBatch, pack_chunks
 from jaxserve.kv_pages import KVPages, init_kv_pages
+from jaxserve.multihost import StepLink, is_leader
 from jaxserve.sampling import SampleOutput, SamplingBatch, sample
+from jaxserve.sharding import ShardingPlan, make_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -85,19 +87,41 @@ class RunnerConfig:
 class ModelRunner:
     """Holds params and the KV pool on the device and runs bucketed steps."""
 
-    def __init__(self, model: LoadedModel, config: RunnerConfig):
+    def __init__(self, model: LoadedModel, config: RunnerConfig, plan: ShardingPlan | None = None):
         self.model = model
         self.config = config
-        self.module = model_for(model.config, model.dtype, config.attention_backend)
+        # One device unless a plan splits the model over a mesh (jaxserve/sharding.py).
+        self.plan = plan or ShardingPlan.create(make_mesh(1), model.config)
+        self.module = model_for(model.config, model.dtype, config.attention_backend, self.plan)
+        self.params = self.plan.place(model.params)  # a no-op when loaded into the plan
         self.kv: KVPages = init_kv_pages(
             model.config,
             num_pages=config.num_pages,
             page_size=config.page_size,
             dtype=model.dtype,
+            sharding=self.plan.kv_pages,
         )
         self.num_compiles = 0
         # The pool is donated: the step updates it in place instead of copying it every step.
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        # Shardings are pinned, so the pool keeps its split from step to step (no recompiles) and
+        # the sampled tokens come back replicated (one small copy to the host).
+        rep, kv = self.plan.replicated, self.plan.kv_pages
+        self._step = jax.jit(
+            self._step_impl,
+            donate_argnums=(1,),
+            in_shardings=(self.plan.params(self.params), kv, rep, rep),
+            out_shardings=(rep, kv),
+        )
+        # Multi-host: process 0 sends every step to the others (jaxserve/multihost.py).
+        self.lockstep = None
+        if jax.process_count() > 1:
+            self.lockstep = StepLink(
+                page_size=config.page_size,
+                pages_per_seq=config.pages_per_seq,
+                num_pages=config.num_pages,
+                max_tokens=config.token_buckets[-1],
+                max_seqs=config.seq_buckets[-1],
+            )
 
     def _step_impl(self, params, kv: KVPages, batch: StepBatch, sampling: SamplingBatch):
         self.num_compiles += 1  # runs only while tracing: counts compilations
@@ -109,8 +133,27 @@ class ModelRunner:
 
     def execute(self, batch: StepBatch, sampling: SamplingBatch) -> SampleOutput:
         """Dispatches one step; returns device arrays without waiting for them."""
-        out, self.kv = self._step(self.model.params, self.kv, batch, sampling)
+        if self.lockstep is not None:  # the other hosts must run this same step
+            self.lockstep.send(batch, sampling)
+        return self._dispatch(batch, sampling)
+
+    def _dispatch(self, batch: StepBatch, sampling: SamplingBatch) -> SampleOutput:
+        out, self.kv = self._step(self.params, self.kv, batch, sampling)
+        if jax.process_count() > 1:  # this host's copy of the replicated result, readable here
+            out = jax.tree.map(lambda a: a.addressable_data(0), out)
         return out
+
+    def follow(self) -> None:
+        """Processes other than 0 of a multi-host mesh: runs process 0's steps until released."""
+        if self.lockstep is None or is_leader():
+            raise RuntimeError("Only processes other than 0 of a multi-host mesh follow.")
+        while (step := self.lockstep.receive()) is not None:
+            self._dispatch(*step)
+
+    def stop_followers(self) -> None:
+        """Process 0, at exit: lets the other processes' `follow` return (no-op on one host)."""
+        if self.lockstep is not None and is_leader():
+            self.lockstep.stop()
 
     def pack(self, chunks: Sequence[SeqChunk]) -> StepBatch:
         """Pads host chunks to the smallest bucket that holds them."""
@@ -143,8 +186,11 @@ class ModelRunner:
                 pages_per_seq=self.config.pages_per_seq,
                 num_pages=self.config.num_pages,
             )
-            out = self.execute(batch, SamplingBatch.empty(num_seqs))
+            # Every process compiles the same buckets in the same order: nothing to send.
+            out = self._dispatch(batch, SamplingBatch.empty(num_seqs))
             jax.block_until_ready(out.token_ids)
+        if self.lockstep is not None:
+            self.lockstep.warm_up()
         return time.perf_counter() - start
 
 

@@ -1,0 +1,244 @@
+"""Every `NamedSharding` of the engine, decided in one place: the mesh, the params, the KV pool.
+
+    mesh = make_mesh(tensor_parallel=4)            # axes ("data", "model"), shape (1, 4)
+    plan = ShardingPlan.create(mesh, model_config)
+    params = plan.place(params)                    # or load straight into plan.params(abstract)
+    kv = init_kv_pages(..., sharding=plan.kv_pages)
+
+Tensor parallelism over the "model" axis, Megatron-style: q/k/v and gate/up are split by output
+columns (whole attention heads), o and down by input rows, so each layer needs one all-reduce after
+attention and one after the MLP, and XLA's SPMD partitioner inserts them: the step stays one
+jitted function, with no communication code of ours. The embedding and the LM head are split by
+vocabulary rows, so the logits arrive split by vocabulary; sampling reduces over it.
+
+The KV pool is split by KV head, and each device must hold the KV heads its query heads read.
+Query head h reads KV head h // g (g = num_heads // num_kv_heads), and the q heads are split into
+N contiguous blocks, so:
+- num_kv_heads % N == 0: each device holds num_kv_heads / N whole GQA groups.
+- N % num_kv_heads == 0 (N exceeds the KV heads): each KV head is replicated on N / num_kv_heads
+  devices, each holding a slice of that head's group of query heads.
+- otherwise: the pool (and k/v projections) is replicated on every device; still correct, XLA
+  moves the query heads where they are needed.
+To say this with NamedShardings the plan factors the model axis into ("model_kv", "model_rep"):
+KV tensors are split over "model_kv" only, everything else over both (in row-major order, so the
+query block of device (i, j) is i * rep + j, which reads KV block i).
+
+The "data" axis is kept in the mesh's name and shape for what comes later, but must be 1: data
+parallelism inside one engine would need a scheduler that keeps each request's pages on its data
+shard. More throughput comes from replicas behind a load balancer (DESIGN.md, "Scale-out").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "model")
+KV_AXIS, REP_AXIS = "model_kv", "model_rep"
+MODEL = (KV_AXIS, REP_AXIS)  # split over both: the whole model axis, device order preserved
+
+
+def parse_mesh_shape(text: str) -> tuple[int, int]:
+    """'1x4' or '1,4' (data x model) -> (1, 4); ValueError with the text otherwise."""
+    parts = re.split(r"[x,]", text.strip().lower())
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"Mesh shape {text!r} must be DATAxMODEL with positive sizes, e.g. 1x4.")
+    return shape
+
+
+def make_mesh(
+    tensor_parallel: int = 1,
+    mesh_shape: Sequence[int] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A ("data", "model") mesh over the first data * model devices (all of them when multi-host).
+
+    `mesh_shape` (data, model) wins over `tensor_parallel` (which means (1, tensor_parallel)).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = tuple(mesh_shape) if mesh_shape is not None else (1, tensor_parallel)
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"mesh_shape={shape} must be (data, model) with positive sizes.")
+    data, model = shape
+    if data != 1:
+        raise ValueError(
+            f"mesh_shape={shape}: a data axis of {data} is not supported inside one engine (its "
+            "scheduler would have to keep each request's KV pages on its data shard); run "
+            f"{data} engines of (1, {model}) behind a load balancer instead."
+        )
+    n = data * model
+    if n > len(devices):
+        raise ValueError(
+            f"The mesh {shape} needs {n} devices but JAX sees {len(devices)}: "
+            f"{sorted({d.platform for d in devices})}."
+        )
+    if jax.process_count() > 1 and n != len(devices):
+        raise ValueError(
+            f"With {jax.process_count()} processes the mesh must span all {len(devices)} devices "
+            f"(every process drives its own), not {n}."
+        )
+    try:
+        # Topology-aware order on TPU slices (neighbours on the interconnect are neighbours here).
+        grid = _topology_grid(shape, devices[:n])
+    except Exception:  # e.g. a subset of a slice it cannot lay out: any order is correct
+        grid = np.asarray(devices[:n], dtype=object).reshape(shape)
+    return Mesh(grid, MESH_AXES)
+
+
+def _topology_grid(shape: tuple[int, int], devices: Sequence[jax.Device]) -> np.ndarray:
+    from jax.experimental import mesh_utils
+
+    return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+
+
+def kv_split(tensor_parallel: int, num_kv_heads: int) -> int:
+    """Over how many devices the KV heads are split (the rest of the model axis replicates them)."""
+    if num_kv_heads % tensor_parallel == 0:
+        return tensor_parallel
+    if tensor_parallel % num_kv_heads == 0:
+        return num_kv_heads
+    return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """The shardings of one model on one mesh. Hashable, so the model may hold its mesh."""
+
+    mesh: Mesh  # axes ("data", "model_kv", "model_rep")
+    config: ModelConfig
+
+    @staticmethod
+    def create(mesh: Mesh, config: ModelConfig) -> ShardingPlan:
+        """Factors `mesh`'s model axis for `config`'s KV heads (see the module docstring)."""
+        if tuple(mesh.axis_names) != MESH_AXES:
+            raise ValueError(f"The mesh has axes {mesh.axis_names}; expected {MESH_AXES}.")
+        data, tp = mesh.devices.shape
+        kv = kv_split(tp, config.num_kv_heads)
+        devices = mesh.devices.reshape(data, kv, tp // kv)
+        plan = ShardingPlan(Mesh(devices, ("data", KV_AXIS, REP_AXIS)), config)
+        if tp > 1:
+            logger.info(
+                "tensor parallel %d: KV heads split %d ways, each replicated %d times; %s",
+                tp,
+                kv,
+                tp // kv,
+                "attention local" if plan.attention_is_local else "attention resharded by XLA",
+            )
+        return plan
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.mesh.shape[KV_AXIS] * self.mesh.shape[REP_AXIS]
+
+    @property
+    def kv_shards(self) -> int:
+        """Distinct KV-head shards: each device holds num_kv_heads / kv_shards heads."""
+        return self.mesh.shape[KV_AXIS]
+
+    @property
+    def attention_is_local(self) -> bool:
+        """Each device's query heads read only the KV heads it holds (no resharding needed)."""
+        c, tp = self.config, self.tensor_parallel
+        return c.num_heads % tp == 0 and (self.kv_shards == tp or self.kv_shards == c.num_kv_heads)
+
+    def sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return self.sharding(P())
+
+    @property
+    def kv_pages(self) -> NamedSharding:
+        # [num_layers, num_pages, page_size, num_kv_heads, head_dim], split by KV head.
+        return self.sharding(P(None, None, None, KV_AXIS, None))
+
+    def param_spec(self, path: str, ndim: int) -> P:
+        """The PartitionSpec of the param at `path` ('layers/self_attn/q_proj/kernel')."""
+        c, tp = self.config, self.tensor_parallel
+        heads_split = c.num_heads % tp == 0
+        for pattern, dim, axes, ok in (
+            # Vocabulary-parallel embedding [V, H] and head [H, V].
+            (r"embed_tokens/embedding", 0, MODEL, c.vocab_size % tp == 0),
+            (r"lm_head/kernel", -1, MODEL, c.vocab_size % tp == 0),
+            # Column-split (output features; biases follow their kernel's columns).
+            (r"self_attn/q_proj/(kernel|bias)", -1, MODEL, heads_split),
+            (r"self_attn/[kv]_proj/(kernel|bias)", -1, KV_AXIS, True),
+            (r"mlp/(gate|up)_proj/(kernel|bias)", -1, MODEL, c.intermediate_size % tp == 0),
+            # Row-split (input features): the partial sums meet in one all-reduce.
+            (r"self_attn/o_proj/kernel", -2, MODEL, heads_split),
+            (r"mlp/down_proj/kernel", -2, MODEL, c.intermediate_size % tp == 0),
+            # Replicated: norms, and biases added after a row-split matmul's all-reduce.
+            (r"\w*norm/scale|(o_proj|down_proj)/bias", None, None, True),
+        ):
+            if re.search(rf"(^|/)({pattern})$", path):
+                if dim is None or not ok or tp == 1:
+                    return P()
+                spec = [None] * ndim
+                spec[dim] = axes
+                return P(*spec)
+        raise ValueError(f"No sharding rule for param {path!r}; add one to jaxserve/sharding.py.")
+
+    def params(self, abstract_params: Any) -> Any:
+        """A NamedSharding for every leaf of a param tree (arrays or ShapeDtypeStructs)."""
+
+        def one(keypath, leaf):
+            path = "/".join(str(getattr(k, "key", k)) for k in keypath)
+            return self.sharding(self.param_spec(path, len(leaf.shape)))
+
+        return jax.tree_util.tree_map_with_path(one, abstract_params)
+
+    def place(self, params: Any) -> Any:
+        """Moves params into their shardings (a no-op for params loaded straight into them)."""
+        return jax.device_put(params, self.params(params))
+
+
+def bytes_per_device(tree: Any) -> dict[jax.Device, int]:
+    """Bytes each device holds of a tree of arrays: to check that a split model is split."""
+    out: dict[jax.Device, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
+
+
+def attention_over_heads(fn: Callable[..., jax.Array], plan: ShardingPlan | None):
+    """`fn` (a ragged paged attention) run by each device on its own heads, with `shard_map`.
+
+    Heads are independent, so nothing crosses devices. XLA's partitioner could not split a Pallas
+    kernel (a custom call) by itself: without this it would gather the whole pool onto every
+    device. When the plan's split is not head-local, `fn` runs as is and XLA reshards.
+    """
+    if plan is None or plan.tensor_parallel == 1 or not plan.attention_is_local:
+        return fn
+    heads = P(None, MODEL, None)  # q and the output: [T, num_heads, head_dim]
+    pool = P(None, None, None, KV_AXIS, None)  # [num_layers, num_pages, page_size, Hkv, head_dim]
+
+    def call(q, k_pool, v_pool, layer, query_start, kv_lens, page_tables, num_seqs, **static):
+        local = jax.shard_map(
+            functools.partial(fn, **static),
+            mesh=plan.mesh,
+            in_specs=(heads, pool, pool, P(), P(), P(), P(), P()),
+            out_specs=heads,
+            check_vma=False,  # Pallas kernels carry no varying-axes types
+        )
+        return local(q, k_pool, v_pool, layer, query_start, kv_lens, page_tables, num_seqs)
+
+    return call

@@ -1,0 +1,53 @@
+"""The multi-host path on one machine: two controller processes (2 CPU devices each) joined by
+jax.distributed serve one tensor-parallel-4 engine; process 0 schedules and sends each step,
+process 1 follows. Their tokens equal a one-process, one-device engine's."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from jaxserve.engine import Engine
+from jaxserve.engine_config import EngineConfig
+from tests.scaleout import multihost_worker
+from tests.scaleout.conftest import HERE, with_device_flag
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_serve_one_tensor_parallel_engine(tmp_path):
+    port, out = _free_port(), tmp_path / "tokens.json"
+    env = with_device_flag(dict(os.environ), devices=2)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.scaleout.multihost_worker", str(port), str(i), str(out)],
+            cwd=HERE.parent.parent,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i}:\n{logs[i][-4000:] if i < len(logs) else ''}"
+    got = json.loads(out.read_text())
+
+    alone = Engine(EngineConfig(**multihost_worker.CONFIG))  # one process, one device
+    assert got["tokens"] == multihost_worker.generate(alone)
+    assert got["num_pages"] == alone.runner.config.num_pages

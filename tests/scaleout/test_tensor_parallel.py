@@ -1,0 +1,181 @@
+"""Tensor parallel = 1, 2, 4 give the same logits (within 1e-5) and greedy tokens, and split the
+params: llama and qwen3 tiny shapes with 4 and with 8 KV heads, plus the shapes whose KV heads
+are fewer than the devices (replicated) or do not divide them.
+
+Each run places the same random weights into its sharding and runs one ragged prefill of three
+prompts then batched decode steps, all in one bucket: one compile per (shape, tensor_parallel).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints import NAMED_SHAPES, model_for
+from checkpoints.loaded import abstract_params
+from jaxserve.batch import SeqChunk, pack_chunks
+from jaxserve.config import ModelConfig
+from jaxserve.kv_pages import init_kv_pages
+from jaxserve.sharding import ShardingPlan, bytes_per_device, make_mesh
+
+LLAMA, QWEN3 = NAMED_SHAPES["llama-tiny"], NAMED_SHAPES["qwen3-tiny"]
+SHAPES = {
+    "llama-kv4": LLAMA.replace(num_heads=8, num_kv_heads=4),
+    "llama-kv8": LLAMA.replace(num_heads=8, num_kv_heads=8),
+    "qwen3-kv4": QWEN3,  # 8 query heads over 4 KV heads
+    "qwen3-kv8": QWEN3.replace(num_heads=16, num_kv_heads=8),
+}
+# KV heads fewer than 4 devices (each replicated twice), and 6 KV heads that 4 does not divide.
+ODD_SHAPES = {
+    "llama-kv2": LLAMA,
+    "llama-kv6": LLAMA.replace(num_heads=12, num_kv_heads=6),
+}
+PROMPTS = [[5, 17, 300, 42, 9, 77, 1000, 3, 64], [8, 400, 401, 2], [999, 11, 12]]
+DECODE_STEPS = 6
+KERNEL_STD = 0.1
+BUCKET = dict(page_size=4, num_tokens=16, num_seqs=4, pages_per_seq=5, num_pages=17)
+
+
+def _logits_step(module, params, kv, batch):
+    hidden, kv = module.apply({"params": params}, kv, batch)
+    return module.apply({"params": params}, hidden[batch.logits_indices], method="logits"), kv
+
+
+@functools.cache
+def host_params(config: ModelConfig) -> dict:
+    """Seeded numpy weights: norms 1, biases 0, layer weights N(0, KERNEL_STD), embeddings
+    N(0, 0.05). Layer weights this large make greedy decoding wander instead of repeating one
+    token, so the decode steps test the cache. (numpy, not JAX's threefry: no compile.)"""
+    rng = np.random.default_rng(0)
+
+    def draw(keypath, leaf):
+        name = keypath[-1].key
+        if name in ("scale", "bias"):
+            return np.full(leaf.shape, 1.0 if name == "scale" else 0.0, np.float32)
+        std = 0.05 if name == "embedding" else KERNEL_STD
+        return rng.normal(0.0, std, leaf.shape).astype(np.float32)
+
+    return jax.tree_util.tree_map_with_path(draw, abstract_params(config, jnp.float32))
+
+
+def _jitted_step(config, plan, backend, shardings):
+    return jax.jit(
+        functools.partial(_logits_step, model_for(config, jnp.float32, backend, plan)),
+        in_shardings=(shardings, plan.kv_pages, plan.replicated),
+        out_shardings=(plan.replicated, plan.kv_pages),
+        donate_argnums=(1,),
+    )
+
+
+@functools.cache
+def greedy_run(
+    config: ModelConfig,
+    tensor_parallel: int,
+    backend: str = "auto",
+    decode_steps: int = DECODE_STEPS,
+):
+    """(logits f32[steps, seqs, vocab], greedy tokens i32[seqs, steps], params) on a TP mesh."""
+    plan = ShardingPlan.create(make_mesh(tensor_parallel), config)
+    params = plan.place(host_params(config))
+    shardings = plan.params(params)
+    kv = init_kv_pages(
+        config, num_pages=BUCKET["num_pages"], page_size=BUCKET["page_size"], sharding=plan.kv_pages
+    )
+    step = _jitted_step(config, plan, backend, shardings)
+    pages = [[1 + 5 * i + j for j in range(5)] for i in range(len(PROMPTS))]  # page 0 unused
+    chunks = [SeqChunk(p, 0, pages[i]) for i, p in enumerate(PROMPTS)]
+    lengths = [len(p) for p in PROMPTS]
+    all_logits, tokens = [], []
+    for _ in range(1 + decode_steps):
+        logits, kv = step(params, kv, pack_chunks(chunks, **BUCKET))
+        logits = np.asarray(logits)[: len(PROMPTS)]
+        all_logits.append(logits)
+        tokens.append(logits.argmax(-1))
+        chunks = [
+            SeqChunk([int(t)], n, pages[i])
+            for i, (t, n) in enumerate(zip(tokens[-1], lengths, strict=True))
+        ]
+        lengths = [n + 1 for n in lengths]
+    return np.stack(all_logits), np.stack(tokens, axis=1), params
+
+
+@pytest.mark.parametrize("tensor_parallel", [2, 4])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_same_logits_and_greedy_tokens(shape, tensor_parallel):
+    config = SHAPES[shape]
+    plan = ShardingPlan.create(make_mesh(tensor_parallel), config)
+    assert plan.kv_shards == tensor_parallel and plan.attention_is_local
+    want_logits, want_tokens, _ = greedy_run(config, 1)
+    logits, tokens, _ = greedy_run(config, tensor_parallel)
+    np.testing.assert_allclose(logits, want_logits, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    assert len(set(want_tokens.ravel().tolist())) > 3  # the decode is not stuck on one token
+
+
+@pytest.mark.parametrize(
+    ("shape", "kv_shards", "local"), [("llama-kv2", 2, True), ("llama-kv6", 1, False)]
+)
+def test_kv_heads_replicated_when_they_cannot_be_split(shape, kv_shards, local):
+    config = ODD_SHAPES[shape]
+    plan = ShardingPlan.create(make_mesh(4), config)
+    assert (plan.kv_shards, plan.attention_is_local) == (kv_shards, local)
+    want_logits, want_tokens, _ = greedy_run(config, 1)
+    logits, tokens, _ = greedy_run(config, 4)
+    np.testing.assert_allclose(logits, want_logits, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(tokens, want_tokens)
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
+def test_pallas_kernels_run_on_each_devices_heads(backend):
+    """XLA cannot split a Pallas kernel: shard_map runs it on each device's heads. Checked in
+    interpret mode on the prefill step against the one-device XLA path."""
+    want_logits, _, _ = greedy_run(SHAPES["qwen3-kv4"], 1)
+    logits, _, _ = greedy_run(SHAPES["qwen3-kv4"], 2, backend, decode_steps=0)
+    np.testing.assert_allclose(logits[0], want_logits[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["llama-kv4", "qwen3-kv8"])
+def test_param_bytes_per_device_are_a_share_of_the_total(shape):
+    config = SHAPES[shape]
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(greedy_run(config, 1)[2]))
+    for n in (2, 4):
+        per_device = bytes_per_device(greedy_run(config, n)[2])
+        assert len(per_device) == n
+        for nbytes in per_device.values():
+            # Only the norms (and biases after an all-reduce) are replicated: under 1% here.
+            assert total / n <= nbytes <= 1.01 * total / n, (n, nbytes, total)
+    # The KV pool: each of the 4 devices holds 1/4 of the KV heads.
+    kv = init_kv_pages(
+        config,
+        num_pages=8,
+        page_size=4,
+        sharding=ShardingPlan.create(make_mesh(4), config).kv_pages,
+    )
+    shard_shapes = {s.data.shape for s in kv.k.addressable_shards}
+    assert shard_shapes == {(config.num_layers, 8, 4, config.num_kv_heads // 4, config.head_dim)}
+
+
+@pytest.mark.parametrize("shape", ["llama-kv4", "llama-kv2"])
+def test_the_only_communication_is_the_megatron_all_reduces(shape):
+    """Attention and the pool writes stay on each device (KV heads split, or replicated per
+    group): the compiled step holds all-reduces (embedding, o_proj, down_proj) and one all-gather
+    of the [seqs, vocab] logits for the replicated output, nothing that moves the pool."""
+    config = {**SHAPES, **ODD_SHAPES}[shape]
+    plan = ShardingPlan.create(make_mesh(4), config)
+    params = plan.place(host_params(config))
+    kv = jax.eval_shape(lambda: init_kv_pages(config, num_pages=17, page_size=4))
+    batch = pack_chunks([SeqChunk([1, 2], 0, [1])], **BUCKET)
+    step = _jitted_step(config, plan, "auto", plan.params(params))
+    hlo = step.lower(params, kv, batch).compile().as_text()
+    found = re.findall(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute)\(", hlo)
+    ops = {(kind, shape.split("{")[0]) for shape, kind in found}  # drop the layout
+    tokens, seqs = BUCKET["num_tokens"], BUCKET["num_seqs"]
+    assert ops == {
+        ("all-reduce", f"f32[{tokens},{config.hidden_size}]"),  # activations [T, hidden]
+        ("all-gather", f"f32[{seqs},{config.vocab_size}]"),  # logits [S, vocab]
+    }, found
