@@ -1,0 +1,307 @@
+"""`jaxserve batch INPUT.jsonl OUTPUT.jsonl`: offline inference over large files, resumable.
+
+Input: one JSON object a line, `{"id": ..., "prompt": "..."}` or `"prompt_token_ids": [...]`,
+optionally `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, `ignore_eos`.
+A line without an id gets `line-N`, N its line number (stable as long as the file is).
+Output: one JSON object a line as each request finishes, in completion order:
+`{"id", "text", "prompt_tokens", "output_tokens", "finish_reason"}` (+ `token_ids` if asked).
+
+Durability: the output is opened O_APPEND and written one whole step's lines per `write`, each
+line ending in "\\n", followed by `fsync`; a line counts only once its newline is on disk. A
+SIGKILL or a crash can leave at most a torn last line without its newline; on resume that tail is
+cut off (and its request runs again), every complete line's id is skipped, so each input id ends
+up on exactly one line.
+
+Streaming: the input is read lazily and only enough requests are queued to keep every slot busy
+(`max_num_seqs` running plus as many waiting), so memory does not grow with the file. One pass
+counts lines first, for the progress bar's total and ETA.
+
+Bad lines (not JSON, no prompt, bad values, a duplicate id, a prompt the model cannot take) are
+reported on stderr with their line numbers and skipped, or, with `stop_on_error`, end the job:
+requests already running are finished and written first, so no work is thrown away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from jaxserve.engine import Engine
+from jaxserve.sampling_params import SamplingParams
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
+
+
+class BatchInputError(ValueError):
+    """A bad input line, in stop-on-error mode; the message names the line."""
+
+
+class OutputCorrupt(ValueError):
+    """A line in the middle of an existing output file is not a result: we did not write it."""
+
+
+@dataclasses.dataclass
+class BatchSummary:
+    """What a batch job did; `bad_lines` lists (line number, reason)."""
+
+    total_lines: int = 0
+    already_done: int = 0
+    completed: int = 0
+    output_tokens: int = 0
+    bad_lines: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    repaired_tail: bool = False
+    elapsed_s: float = 0.0
+
+
+@dataclasses.dataclass
+class _Job:
+    lineno: int
+    id: str
+    text: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+# ---- resume -------------------------------------------------------------------------------
+
+
+def recover_output(path: Path) -> tuple[set[str], bool]:
+    """Ids already written to `path`, after cutting off a torn last line (returned flag).
+
+    Only the tail can be torn (see the module docstring); an unreadable line elsewhere means the
+    file is not ours, and is refused rather than silently truncated.
+    """
+    if not path.exists():
+        return set(), False
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1  # everything after the last newline is a torn write
+    lines = data[:keep].split(b"\n")[:-1]
+    done: set[str] = set()
+    for i, raw in enumerate(lines):
+        try:
+            obj = json.loads(raw)
+            done.add(str(obj["id"]))
+        except (ValueError, KeyError, TypeError):
+            if i != len(lines) - 1:
+                raise OutputCorrupt(
+                    f"{path} line {i + 1} is not a batch result; refusing to resume into it."
+                ) from None
+            keep -= len(raw) + 1  # a complete but garbled last line: also from a crash
+    repaired = keep != len(data)
+    if repaired:
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+    return done, repaired
+
+
+class _Output:
+    """Appends whole lines with one write and an fsync per flush."""
+
+    def __init__(self, path: Path):
+        existed = path.exists()
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if not existed:  # make the new file's name durable too
+            dir_fd = os.open(path.parent or ".", os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        self.pending: list[bytes] = []
+
+    def add(self, record: dict) -> None:
+        self.pending.append(json.dumps(record, ensure_ascii=False).encode() + b"\n")
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        view = memoryview(b"".join(self.pending))
+        while view:  # a regular file takes it in one write; loop in case it does not
+            view = view[os.write(self.fd, view) :]
+        os.fsync(self.fd)
+        self.pending = []
+
+    def close(self) -> None:
+        self.flush()
+        os.close(self.fd)
+
+
+# ---- input --------------------------------------------------------------------------------
+
+
+def _count_lines(path: Path) -> int:
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    return n + (last != b"\n")
+
+
+def _read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    with open(path, "rb") as f:
+        yield from enumerate(f, 1)
+
+
+def parse_line(
+    raw: bytes, lineno: int, defaults: SamplingParams
+) -> tuple[str, str | list[int], SamplingParams]:
+    """(id, prompt, params) of one input line; ValueError with a short reason if it is bad."""
+    try:
+        obj = json.loads(raw)
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    rid = obj.get("id", f"line-{lineno}")
+    if not isinstance(rid, str | int) or isinstance(rid, bool) or rid == "":
+        raise ValueError(f"id {rid!r} must be a non-empty string or an integer")
+    has_text, has_ids = "prompt" in obj, "prompt_token_ids" in obj
+    if has_text == has_ids:
+        raise ValueError("give exactly one of prompt, prompt_token_ids")
+    prompt = obj["prompt"] if has_text else obj["prompt_token_ids"]
+    if has_text and (not isinstance(prompt, str) or not prompt):
+        raise ValueError("prompt must be a non-empty string")
+    if has_ids and (
+        not isinstance(prompt, list)
+        or not prompt
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        raise ValueError("prompt_token_ids must be a non-empty list of integers")
+    changes = {k: obj[k] for k in ("max_tokens", *_SAMPLING_KEYS) if k in obj}
+    try:
+        params = dataclasses.replace(defaults, **changes) if changes else defaults  # validates
+    except TypeError as e:  # e.g. "stop": 5, which is not a list of strings
+        raise ValueError(f"bad sampling options {changes}: {e}") from None
+    return str(rid), prompt, params
+
+
+# ---- the job ------------------------------------------------------------------------------
+
+
+def run_batch(
+    engine: Engine,
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    defaults: SamplingParams | None = None,
+    stop_on_error: bool = False,
+    include_token_ids: bool = False,
+    progress: bool = True,
+    log=None,
+) -> BatchSummary:
+    """Runs every input line not yet in the output; see the module docstring.
+
+    Raises BatchInputError on the first bad line when `stop_on_error` (after finishing and
+    writing the requests already running), OutputCorrupt if the output is not resumable.
+    """
+    from tqdm import tqdm
+
+    input_path, output_path = Path(input_path), Path(output_path)
+    defaults = defaults or SamplingParams(max_tokens=256, temperature=0.0)
+    if engine.has_unfinished():
+        raise RuntimeError("run_batch needs an idle engine.")
+    summary = BatchSummary(total_lines=_count_lines(input_path))
+    done, summary.repaired_tail = recover_output(output_path)
+    out = _Output(output_path)
+    bar = tqdm(
+        total=max(0, summary.total_lines - len(done)),
+        unit="req",
+        disable=not progress,
+        dynamic_ncols=True,
+        file=sys.stderr,
+        smoothing=0.1,
+    )
+    say = log or (lambda msg: tqdm.write(msg, file=sys.stderr))
+    if summary.repaired_tail:
+        say(f"{output_path}: cut off a torn last line left by an interrupted run")
+    if done:
+        say(f"{output_path}: resuming, {len(done)} results already written")
+    seen: dict[str, int] = {}  # id -> line, for ids queued in this run
+    jobs: dict[str, _Job] = {}
+    target = 2 * engine.config.max_num_seqs  # running + as many waiting: slots never idle
+    lines = _read_lines(input_path)
+    reading, stop_error = True, None
+    start = time.perf_counter()
+
+    def bad(lineno: int, reason: str) -> None:
+        nonlocal reading, stop_error
+        summary.bad_lines.append((lineno, reason))
+        say(f"{input_path}:{lineno}: {reason}; " + ("stopping" if stop_on_error else "skipped"))
+        bar.update(1)
+        if stop_on_error:
+            reading = False
+            stop_error = BatchInputError(f"{input_path} line {lineno}: {reason}.")
+
+    try:
+        while True:
+            while reading and len(jobs) < target:
+                item = next(lines, None)
+                if item is None:
+                    reading = False
+                    break
+                lineno, raw = item
+                if not raw.strip():
+                    bar.update(1)  # blank lines carry no request
+                    continue
+                try:
+                    rid, prompt, params = parse_line(raw, lineno, defaults)
+                except ValueError as e:
+                    bad(lineno, str(e))
+                    continue
+                if rid in done:
+                    summary.already_done += 1
+                    continue
+                if rid in seen:
+                    bad(lineno, f"duplicate id {rid!r} (first on line {seen[rid]})")
+                    continue
+                try:
+                    engine.add_request(prompt, params, request_id=rid)
+                except ValueError as e:  # too long for the model, ids outside the vocab, ...
+                    bad(lineno, str(e).rstrip("."))
+                    continue
+                seen[rid] = lineno
+                jobs[rid] = _Job(lineno, rid)
+            if not engine.has_unfinished():
+                if not reading:
+                    break
+                continue
+            for o in engine.step():
+                job = jobs.get(o.request_id)
+                if job is None:
+                    continue
+                job.text.append(o.text_delta)
+                job.token_ids += o.new_token_ids
+                if o.finished:
+                    del jobs[o.request_id]
+                    record = {
+                        "id": job.id,
+                        "text": "".join(job.text),
+                        "prompt_tokens": o.num_prompt_tokens,
+                        "output_tokens": o.num_output_tokens,
+                        "finish_reason": o.finish_reason,
+                    }
+                    if include_token_ids:
+                        record["token_ids"] = job.token_ids
+                    out.add(record)
+                    summary.completed += 1
+                    summary.output_tokens += o.num_output_tokens
+                    bar.update(1)
+            out.flush()  # every finished result of this step, durable before the next step
+            elapsed = time.perf_counter() - start
+            if elapsed > 0:
+                bar.set_postfix_str(f"{summary.output_tokens / elapsed:.1f} tok/s", refresh=False)
+    finally:
+        out.close()
+        bar.close()
+        summary.elapsed_s = time.perf_counter() - start
+    if stop_error is not None:
+        raise stop_error
+    return summary

@@ -1,0 +1,1 @@
+"""`jaxserve bench`: serving benchmarks (workloads, runners, metrics, reports)."""

@@ -1,0 +1,121 @@
+"""`jaxserve batch`: SIGKILL mid-run and resume, and bad input lines, on stories260k."""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxserve.batch_job import BatchInputError, run_batch
+
+TINY_FLAGS = [
+    "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--min-token-bucket", "8",
+    "--seq-bucket-factor", "4", "--max-model-len", "128", "--no-progress",
+]  # fmt: skip
+
+
+def _write_input(path, n, bad_line_at):
+    lines = []
+    for i in range(n):
+        lines.append(
+            json.dumps(
+                {
+                    "id": f"p{i}",
+                    "prompt": f"Once upon a time {i}",
+                    "max_tokens": 64,
+                    "ignore_eos": True,
+                }
+            )
+        )
+    lines.insert(bad_line_at - 1, '{"id": "broken", "prompt": ')
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _batch(inp, out, cache):
+    return [
+        sys.executable,
+        "-m",
+        "jaxserve.cli",
+        "batch",
+        str(inp),
+        str(out),
+        *TINY_FLAGS,
+        "--compile-cache",
+        str(cache),
+    ]
+
+
+def _output_lines(path) -> list[bytes]:
+    return path.read_bytes().split(b"\n") if path.exists() else []
+
+
+def test_sigkill_mid_run_then_rerun_leaves_exactly_one_line_per_id(tmp_path):
+    n = 40
+    inp, out, cache = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "cc"
+    _write_input(inp, n, bad_line_at=12)
+    first = subprocess.Popen(
+        _batch(inp, out, cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 240
+    while len(_output_lines(out)) < 4 and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert first.returncode == -signal.SIGKILL, first.stderr.read().decode()[-2000:]
+    written = [line for line in _output_lines(out) if line]
+    assert 3 <= len(written) < n, "the kill must land mid-run"
+    # What a kill during a write would leave behind: half a line, no newline.
+    with open(out, "ab") as f:
+        f.write(b'{"id": "p39", "text": "Once')
+
+    second = subprocess.run(_batch(inp, out, cache), capture_output=True, text=True, timeout=300)
+    assert second.returncode == 1, second.stderr[-2000:]  # 1: a bad line was skipped
+    assert "torn last line" in second.stderr and "resuming" in second.stderr
+    assert "in.jsonl:12: not valid JSON" in second.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    counts = collections.Counter(r["id"] for r in records)
+    assert counts == {f"p{i}": 1 for i in range(n)}
+    assert all(r["output_tokens"] == 64 and r["finish_reason"] == "length" for r in records)
+    assert all(r["text"] and r["prompt_tokens"] > 0 for r in records)
+
+
+BAD_INPUT = [
+    '{"id": "a", "prompt": "Once upon a time", "max_tokens": 5}',
+    "not json {",  # 2
+    '{"id": "b", "prompt_token_ids": [1, 5, 9], "max_tokens": 4}',
+    '{"id": "c"}',  # 4: no prompt
+    "",  # blank: carries no request, not an error
+    '{"id": "a", "prompt": "again", "max_tokens": 3}',  # 6: duplicate id
+    '{"id": "d", "prompt": "Hi", "max_tokens": 0}',  # 7: bad value
+    json.dumps({"id": "e", "prompt_token_ids": [5] * 200, "max_tokens": 2}),  # 8: too long
+    "[1, 2, 3]",  # 9: not an object
+    '{"prompt": "The dog", "max_tokens": 3}',  # id from the line number
+]
+
+
+def test_bad_lines_are_reported_with_line_numbers_and_skipped(tiny_engine, tmp_path, capsys):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(BAD_INPUT) + "\n")
+    summary = run_batch(tiny_engine, inp, out, progress=False)
+    assert [n for n, _ in summary.bad_lines] == [2, 4, 6, 7, 8, 9]
+    err = capsys.readouterr().err
+    for n, reason in summary.bad_lines:
+        assert f"in.jsonl:{n}: {reason}; skipped" in err
+    assert "duplicate id 'a' (first on line 1)" in err
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == {"a", "b", "line-10"}
+    assert records["b"]["output_tokens"] == 4 and records["b"]["prompt_tokens"] == 3
+
+
+def test_stop_on_error_ends_at_the_first_bad_line_keeping_finished_work(tiny_engine, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(BAD_INPUT) + "\n")
+    with pytest.raises(BatchInputError, match=r"in.jsonl line 2: not valid JSON"):
+        run_batch(tiny_engine, inp, out, stop_on_error=True, progress=False)
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a"]
+    assert not tiny_engine.has_unfinished()
