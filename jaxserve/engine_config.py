@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jaxserve.scheduler_types import BATCHING_MODES, POLICIES
+
+
+def default_compilation_cache_dir() -> str | None:
+    """$JAXSERVE_COMPILATION_CACHE if set ("" to disable), else ~/.cache/jaxserve/xla."""
+    env = os.environ.get("JAXSERVE_COMPILATION_CACHE")
+    if env is not None:
+        return env or None
+    return os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,7 +43,11 @@ class EngineConfig:
     token_bucket_factor: int = 2
     seq_bucket_factor: int = 2
     precompile: bool = True
-    compilation_cache_dir: str | None = None
+    # JAX's persistent compilation cache: a restart (or another engine of the same shapes)
+    # loads its buckets instead of compiling them again. None or "" turns it off.
+    compilation_cache_dir: str | None = dataclasses.field(
+        default_factory=default_compilation_cache_dir
+    )
     show_progress: bool = True
     ttft_slo_s: float | None = None  # goodput targets: a request meeting both counts as good
     tpot_slo_s: float | None = None
