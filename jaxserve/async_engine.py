@@ -15,6 +15,10 @@ Concurrency:
   receives the error at once and new requests are refused. `shutdown()` aborts the requests
   left (so the engine is idle, its pages free, and it can be reused) and ends open streams the
   same way. Nothing hangs.
+- Multi-host (jaxserve/multihost.py): each step the engine thread runs also goes to the other
+  processes. An AsyncEngine that built its Engine releases them (`runner.stop_followers()`, a
+  no-op on one host) from the engine thread as it ends, after closing the streams; given an
+  Engine, the caller owns it and releases them.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class AsyncEngine:
     """Thread-backed engine with per-request async iterators."""
 
     def __init__(self, config: EngineConfig | None = None, *, engine: Engine | None = None):
+        self._owns_engine = engine is None  # built here: its followers are released here
         self.engine = engine or Engine(config)
         self._lock = threading.Condition()
         self._commands: list[tuple] = []
@@ -147,6 +152,8 @@ class AsyncEngine:
             logger.exception("engine thread failed")
             self.error = e
         self._close()
+        if self._owns_engine:
+            self._release_followers()
 
     def _loop(self) -> None:
         while True:
@@ -170,6 +177,12 @@ class AsyncEngine:
             if not self.engine.has_unfinished():
                 break
             self._step()
+
+    def _release_followers(self) -> None:
+        try:
+            self.engine.runner.stop_followers()
+        except Exception:  # the streams are closed already; the followers end with the cluster
+            logger.exception("could not release the multi-host followers")
 
     def _step(self) -> None:
         for out in self.engine.step():

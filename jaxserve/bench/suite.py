@@ -93,8 +93,11 @@ def build_workloads(args) -> list[Workload]:
     )
 
 
-def build_configs(args, max_model_len: int) -> list[tuple[str, EngineConfig]]:
-    """The product of the compared axes; labels name only the axes that vary."""
+def build_configs(
+    args, max_model_len: int, parallel: dict | None = None
+) -> list[tuple[str, EngineConfig]]:
+    """The product of the compared axes; labels name only the axes that vary. `parallel`: the
+    device mesh fields (tensor_parallel, mesh_shape), held fixed like the model."""
     values = {
         "batching": parse_list(args.batching, str),
         "max_num_seqs": parse_list(args.max_num_seqs, int),
@@ -114,6 +117,7 @@ def build_configs(args, max_model_len: int) -> list[tuple[str, EngineConfig]]:
         ttft_slo_s=args.ttft_slo,
         tpot_slo_s=args.tpot_slo,
         seed=args.seed,
+        **(parallel or {}),
         # Bucket ladders: the engine's defaults unless given (they are held fixed, not compared).
         **{
             k: getattr(args, k)
@@ -258,10 +262,13 @@ def replot(out_dir: Path) -> list[dict]:
 def _run_all_offline(spec: BenchSpec, log) -> list[RunResult]:
     from checkpoints import load_model
     from jaxserve.engine import Engine
+    from jaxserve.sharding import make_mesh
 
     cache_dir = spec.compile_cache or tempfile.mkdtemp(prefix="jaxserve-bench-cc-")
     try:
-        model = load_model(spec.model, dtype=spec.dtype, seed=spec.seed)
+        first = spec.configs[0][1]  # every configuration has the same mesh: load into it once
+        mesh = make_mesh(first.tensor_parallel, first.mesh_shape)
+        model = load_model(spec.model, dtype=spec.dtype, seed=spec.seed, mesh=mesh)
         engines = []
         for label, config in spec.configs:
             t = time.perf_counter()

@@ -1,0 +1,266 @@
+"""`jaxserve bench` (scheduling configurations compared under the same traffic) and
+`jaxserve batch` (offline inference over a JSONL file, resumable)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxserve.cli import (
+    UserError,
+    _add_model_args,
+    _add_parallel_args,
+    _joins_cluster,
+    _load,
+    _parallel,
+)
+
+
+def register(sub) -> None:
+    _add_bench_parser(sub)
+    _add_batch_parser(sub)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from jaxserve.bench import report
+    from jaxserve.bench.metrics import SLO
+    from jaxserve.bench.runner import OnlineUnavailable
+    from jaxserve.bench.suite import (
+        BenchSpec,
+        build_configs,
+        build_workloads,
+        needed_model_len,
+        replot,
+        run_bench,
+    )
+    from jaxserve.bench.workload import TraceError
+
+    if args.replot:
+        summaries = replot(Path(args.out))
+        print(report.format_table(summaries))
+        print(f"Redrew {', '.join(report.PLOTS)} in {args.out} from its bench.json.")
+        return 0
+    # Every engine a bench builds would need its own followers: there is no multi-host bench.
+    if _joins_cluster(args):
+        raise UserError(
+            "jaxserve bench runs in one process; to bench a multi-host mesh, serve it with "
+            "`jaxserve serve` and bench that with --online."
+        )
+    parallel = _parallel(args)  # before any device is touched
+    try:
+        workloads = build_workloads(args)
+        max_model_len = args.max_model_len or needed_model_len(workloads)
+        configs = [] if args.online else build_configs(args, max_model_len, parallel)
+        spec = BenchSpec(
+            workloads=tuple(workloads),
+            configs=tuple(configs),
+            slo=SLO(args.ttft_slo, args.tpot_slo),
+            out_dir=Path(args.out),
+            model=args.model,
+            dtype=args.dtype,
+            seed=args.seed,
+            compile_cache=args.compile_cache,
+            online=args.online,
+            command=" ".join(["jaxserve", *sys.argv[1:]]),
+        )
+        summaries = run_bench(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (TraceError, OnlineUnavailable) as e:
+        raise UserError(str(e)) from e
+    except ImportError as e:  # a missing dependency of the chosen mode, e.g. matplotlib
+        raise UserError(f"{e}; install it to run the bench.") from e
+    print(report.format_table(summaries))
+    print(f"Wrote {spec.out_dir / 'bench.json'} and {', '.join(report.PLOTS)} in {spec.out_dir}.")
+    return 0
+
+
+def _cmd_batch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from jaxserve.batch_job import BatchInputError, OutputCorrupt, run_batch
+    from jaxserve.engine import Engine
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.sampling_params import SamplingParams
+
+    src, dst = Path(args.input), Path(args.output)
+    if not src.is_file():
+        raise UserError(f"Input file {str(src)!r} does not exist.")
+    if src.resolve() == dst.resolve():
+        raise UserError("INPUT and OUTPUT must be different files.")
+    if not dst.parent.is_dir():
+        raise UserError(f"Output folder {str(dst.parent)!r} does not exist.")
+    defaults = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    parallel = _parallel(args)  # before the model loads: a cluster must be joined first
+    from jaxserve import multihost
+    from jaxserve.sharding import make_mesh
+
+    model = _load(args, mesh=make_mesh(parallel["tensor_parallel"], parallel["mesh_shape"]))
+    engine = Engine(
+        EngineConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            min_token_bucket=args.min_token_bucket,
+            seq_bucket_factor=args.seq_bucket_factor,
+            compilation_cache_dir=args.compile_cache,
+            show_progress=not args.no_progress,
+            **parallel,
+        ),
+        model=model,
+    )
+    if engine.runner.lockstep is not None and not multihost.is_leader():
+        engine.runner.follow()  # multi-host: the other processes run process 0's steps
+        return 0
+    try:
+        s = run_batch(
+            engine,
+            src,
+            dst,
+            defaults=defaults,
+            stop_on_error=args.stop_on_error,
+            include_token_ids=args.token_ids,
+            progress=not args.no_progress,
+        )
+    except (BatchInputError, OutputCorrupt) as e:
+        raise UserError(str(e)) from e
+    finally:
+        engine.runner.stop_followers()  # lets them return (a no-op on one host)
+    rate = s.output_tokens / s.elapsed_s if s.elapsed_s else 0.0
+    print(
+        f"jaxserve batch: {s.completed} completed ({s.output_tokens} tokens, {rate:.1f} tok/s), "
+        f"{s.already_done} already done, {len(s.bad_lines)} bad lines skipped.",
+        file=sys.stderr,
+    )
+    if s.bad_lines:
+        lines = ", ".join(str(n) for n, _ in s.bad_lines[:20])
+        more = f" and {len(s.bad_lines) - 20} more" if len(s.bad_lines) > 20 else ""
+        print(f"jaxserve batch: bad input lines: {lines}{more}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_bench_parser(sub) -> None:
+    b = sub.add_parser(
+        "bench",
+        help="compare scheduling configurations on one model under the same traffic",
+        description="Runs every configuration (the product of the comma-separated lists) at "
+        "every load of a traffic profile, holding model, precision and lengths fixed; prints a "
+        "table and writes bench.json and PNG plots to --out.",
+    )
+    _add_model_args(b)
+    t = b.add_argument_group("traffic")
+    t.add_argument(
+        "--profile",
+        default="mixed",
+        choices=["baseline", "concurrency", "mixed", "trace"],
+        help="baseline: concurrency 1; concurrency: rising concurrency, fixed "
+        "lengths; mixed: short/long prompts and brief/extended outputs under Poisson "
+        "arrivals; trace: a JSONL file (default: mixed)",
+    )
+    t.add_argument(
+        "--trace",
+        help="JSONL trace: arrival_time, prompt | prompt_token_ids | "
+        "prompt_len, max_tokens (and optional id, priority)",
+    )
+    t.add_argument("--num-requests", type=int, default=64, help="requests per load")
+    t.add_argument(
+        "--rates", default="1,2,4", help="mixed: requests/s, one run each (inf: all at once)"
+    )
+    t.add_argument("--concurrency", default="1,2,4,8,16", help="concurrency profile: levels")
+    t.add_argument("--prompt-len", type=int, default=64, help="fixed-length profiles")
+    t.add_argument("--output-len", type=int, default=32, help="fixed-length profiles")
+    t.add_argument("--prompt-range", default="32:128", help="mixed: prompt tokens LOW:HIGH")
+    t.add_argument("--output-range", default="16:64", help="mixed: output tokens LOW:HIGH")
+    t.add_argument(
+        "--long-share",
+        type=float,
+        default=0.3,
+        help="mixed: share of long prompts and of extended outputs",
+    )
+    t.add_argument("--burst", help="mixed: N@T adds N requests all arriving at T seconds")
+    t.add_argument("--seed", type=int, default=0, help="traffic and weight seed")
+    c = b.add_argument_group("configurations compared (comma-separated lists)")
+    c.add_argument("--batching", default="continuous,static,dynamic")
+    c.add_argument("--max-num-seqs", default="16")
+    c.add_argument("--max-num-batched-tokens", default="256")
+    c.add_argument("--chunked-prefill", default="on", help="on, off or on,off")
+    c.add_argument("--policy", default="fcfs", help="fcfs, priority (mixed: shorter outputs first)")
+    e = b.add_argument_group("held fixed")
+    e.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="default: the longest request, rounded up to a page",
+    )
+    e.add_argument(
+        "--num-pages",
+        type=int,
+        default=None,
+        help="KV pool pages (default: sized from max_num_seqs and max_model_len)",
+    )
+    e.add_argument(
+        "--dynamic-timeout",
+        type=float,
+        default=0.05,
+        help="dynamic batching: seconds a partial batch waits to fill",
+    )
+    e.add_argument("--min-token-bucket", type=int, default=None, help="default: the engine's")
+    e.add_argument("--token-bucket-factor", type=int, default=None, help="default: the engine's")
+    e.add_argument("--seq-bucket-factor", type=int, default=None, help="default: the engine's")
+    e.add_argument(
+        "--compile-cache",
+        default=None,
+        help="persistent compilation cache folder "
+        "(default: a temporary one shared by this run's engines)",
+    )
+    o = b.add_argument_group("targets and output")
+    o.add_argument("--ttft-slo", type=float, default=1.0, help="goodput TTFT target, seconds")
+    o.add_argument("--tpot-slo", type=float, default=0.1, help="goodput TPOT target, seconds")
+    o.add_argument("--out", default="bench-out", help="folder for bench.json and the PNGs")
+    o.add_argument(
+        "--online",
+        metavar="HOST:PORT",
+        default=None,
+        help="send the traffic to a running `jaxserve serve` instead",
+    )
+    o.add_argument(
+        "--replot",
+        action="store_true",
+        help="run nothing: redraw the table and PNGs from --out's bench.json",
+    )
+    _add_parallel_args(b)
+    b.set_defaults(func=_cmd_bench)
+
+
+def _add_batch_parser(sub) -> None:
+    b = sub.add_parser(
+        "batch",
+        help="offline inference over a JSONL file, resumable",
+        description="Reads INPUT.jsonl ({id, prompt | prompt_token_ids, max_tokens, ...} per "
+        "line) and appends one result line per request to OUTPUT.jsonl as it finishes. Rerun "
+        "the same command after a crash or kill to resume: finished ids are skipped. Exit "
+        "status 1 if bad input lines were skipped.",
+    )
+    b.add_argument("input", metavar="INPUT.jsonl")
+    b.add_argument("output", metavar="OUTPUT.jsonl")
+    _add_model_args(b)
+    b.add_argument("--max-tokens", type=int, default=256, help="default for lines without one")
+    b.add_argument(
+        "--temperature", type=float, default=0.0, help="default for lines without one (0: greedy)"
+    )
+    b.add_argument("--max-num-seqs", type=int, default=32)
+    b.add_argument("--max-num-batched-tokens", type=int, default=256)
+    b.add_argument("--max-model-len", type=int, default=None)
+    b.add_argument("--min-token-bucket", type=int, default=8)
+    b.add_argument("--seq-bucket-factor", type=int, default=2)
+    b.add_argument("--compile-cache", default=None, help="persistent compilation cache folder")
+    b.add_argument(
+        "--stop-on-error",
+        action="store_true",
+        help="stop at the first bad input line (default: report it and skip it)",
+    )
+    b.add_argument("--token-ids", action="store_true", help="also write the output token ids")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_parallel_args(b)
+    b.set_defaults(func=_cmd_batch)

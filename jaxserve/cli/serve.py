@@ -1,0 +1,208 @@
+"""`jaxserve serve` (the gRPC server) and `jaxserve client` (streams one completion from it).
+
+On a multi-host mesh every process runs `serve` with the same flags: process 0 serves, and the
+others build the same engine and run its steps (`ModelRunner.follow`) until process 0's engine
+thread releases them as it stops (jaxserve/async_engine.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from jaxserve.cli import (
+    UserError,
+    _add_model_args,
+    _add_parallel_args,
+    _is_follower,
+    _parallel,
+)
+
+
+def register(sub) -> None:
+    srv = sub.add_parser("serve", help="serve a model over gRPC (health, reflection, metrics)")
+    _add_model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    srv.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    srv.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port")
+    srv.add_argument("--no-metrics", action="store_true", help="serve no metrics endpoint")
+    srv.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        help="seconds requests in flight may finish in after SIGTERM/SIGINT",
+    )
+    srv.add_argument("--tls-cert", help="PEM certificate chain (TLS with --tls-key)")
+    srv.add_argument("--tls-key", help="PEM private key")
+    srv.add_argument(
+        "--auth-token-file",
+        help="require this bearer token on every call (default: $JAXSERVE_AUTH_TOKEN if set)",
+    )
+    srv.add_argument("--log-format", choices=["json", "text"], default="json")
+    eng = srv.add_argument_group("engine (default: EngineConfig's)")
+    for flag, kind in (
+        ("--max-num-seqs", int),
+        ("--max-num-batched-tokens", int),
+        ("--max-model-len", int),
+        ("--max-waiting-requests", int),
+        ("--kv-cache-memory-gb", float),
+        ("--min-token-bucket", int),
+        ("--token-bucket-factor", int),
+        ("--seq-bucket-factor", int),
+        ("--compilation-cache-dir", str),
+    ):
+        eng.add_argument(flag, type=kind, default=None)
+    eng.add_argument("--policy", choices=["fcfs", "priority"], default=None)
+    _add_parallel_args(srv)
+    srv.set_defaults(func=_cmd_serve)
+
+    cli = sub.add_parser("client", help="stream a completion from a jaxserve server")
+    cli.add_argument("prompt")
+    cli.add_argument("--target", default="127.0.0.1:50051", help="host:port of the server")
+    cli.add_argument(
+        "--max-tokens", type=int, default=None, help="default: 256, or what the context allows"
+    )
+    cli.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
+    cli.add_argument("--top-p", type=float, default=None)
+    cli.add_argument("--top-k", type=int, default=None)
+    cli.add_argument("--seed", type=int, default=None)
+    cli.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    cli.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    cli.add_argument("--auth-token-file", help="bearer token (default: $JAXSERVE_AUTH_TOKEN)")
+    cli.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
+    cli.add_argument("--tls-ca", help="PEM root certificate(s) to trust (implies --tls)")
+    cli.add_argument("--stats", action="store_true", help="print usage and timings to stderr")
+    cli.set_defaults(func=_cmd_client)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from service.auth import load_token
+    from service.server import ServeError, ServerOptions, configure_logging, serve
+
+    configure_logging(args.log_format, logging.DEBUG if args.verbose else logging.INFO)
+    parallel = _parallel(args)  # before the engine is built: a cluster must be joined first
+    engine_flags = {
+        name: getattr(args, name)
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "max_waiting_requests",
+            "kv_cache_memory_gb",
+            "policy",
+            "min_token_bucket",
+            "token_bucket_factor",
+            "seq_bucket_factor",
+            "compilation_cache_dir",
+        )
+        if getattr(args, name) is not None
+    }
+    config = _engine_config(
+        model=args.model, dtype=args.dtype, show_progress=False, **engine_flags, **parallel
+    )
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UserError("TLS needs both --tls-cert and --tls-key.")
+    options = ServerOptions(
+        host=args.host,
+        port=args.port,
+        metrics_port=None if args.no_metrics else args.metrics_port,
+        grace_s=args.grace_period,
+        tls_cert=_read_file(args.tls_cert),
+        tls_key=_read_file(args.tls_key),
+        auth_token=load_token(args.auth_token_file),
+    )
+    if _is_follower(args):
+        return _follow(config)
+
+    def build_engine():  # runs during warm-up, while the port already answers health checks
+        from jaxserve.async_engine import AsyncEngine
+
+        return AsyncEngine(config)  # releases the followers when it shuts down
+
+    try:
+        return asyncio.run(serve(build_engine, options))
+    except ServeError as e:
+        raise UserError(str(e)) from e
+
+
+def _follow(config) -> int:
+    """Multi-host, processes other than 0: the same engine as process 0's, running its steps
+    until its engine thread releases them."""
+    from checkpoints import ModelLoadError
+    from jaxserve.engine import Engine
+
+    try:
+        engine = Engine(config)
+    except ModelLoadError as e:
+        raise UserError(str(e)) from e
+    engine.runner.follow()
+    return 0
+
+
+def _engine_config(**fields):
+    from jaxserve.engine_config import EngineConfig
+
+    return EngineConfig(**fields)
+
+
+def _read_file(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise UserError(f"Cannot read {path}: {e.strerror}.") from e
+
+
+def _cmd_client(args: argparse.Namespace) -> int:
+    import grpc
+
+    from service.auth import load_token
+    from service.client import JaxServeClient
+
+    client = JaxServeClient(
+        args.target,
+        token=load_token(args.auth_token_file),
+        tls=args.tls,
+        root_certificates=_read_file(args.tls_ca),
+    )
+    try:
+        with client:
+            max_tokens = args.max_tokens
+            if max_tokens is None:  # as much of a story as the context leaves room for
+                context = client.model_info(timeout=args.timeout).context_length
+                room = context - len(client.tokenize(args.prompt, timeout=args.timeout))
+                max_tokens = max(1, min(256, room))
+            call = client.generate(
+                args.prompt,
+                timeout=args.timeout,
+                max_tokens=max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                stop=args.stop,
+            )
+            last = None
+            for response in call:
+                if last is None:  # echoed once the server has accepted the request
+                    sys.stdout.write(args.prompt)
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                last = response
+            sys.stdout.write("\n")
+    except grpc.RpcError as e:
+        raise UserError(f"{args.target}: {e.code().name}: {e.details()}") from e
+    if args.stats and last is not None:
+        t = last.timings
+        print(
+            f"{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} output tokens; "
+            f"queue {t.queue_wait_s * 1e3:.1f} ms, TTFT {t.ttft_s * 1e3:.1f} ms, "
+            f"total {t.e2e_s:.2f} s",
+            file=sys.stderr,
+        )
+    return 0
