@@ -290,7 +290,7 @@ class Engine:
     def _output(self, tracked: _Tracked, update) -> RequestOutput:
         request = tracked.request
         new_ids = list(update.new_token_ids)
-        visible = [t for t in new_ids if not _is_stop_token(request, t)]
+        visible = [t for t in new_ids if not request.is_stop_token(t)]  # no text for stop ids
         if tracked.detokenizer is not None:
             tracked.stops.add(tracked.detokenizer.add(visible))
         if tracked.stops.matched is not None and not request.is_finished:
@@ -336,7 +336,3 @@ class Engine:
         self.metrics.on_compiles(
             self.runner.num_compiles, self.runner.num_compiles - self._warm_compiles
         )
-
-
-def _is_stop_token(request: Request, token_id: int) -> bool:
-    return request.is_stop_token(token_id)
