@@ -169,7 +169,7 @@ class ModelRunner:
         )
 
     def precompile(self, progress: bool = True) -> float:
-        """Compiles every bucket now (writing nothing to the cache); returns seconds spent."""
+        """Compiles every bucket now (or loads it from the persistent cache); returns seconds."""
         from tqdm import tqdm
 
         start = time.perf_counter()
