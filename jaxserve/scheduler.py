@@ -124,6 +124,26 @@ class Scheduler:
         return len(self._waiting) + len(self._group_waiting)
 
     @property
+    def num_queued_beyond_free_slots(self) -> int:
+        """Waiting requests that no free slot will take at the next schedule(): the queue that
+        max_waiting_requests bounds.
+
+        Requests added between two steps all wait until the next schedule(), so counting every
+        one of them would refuse a burst on an idle engine. Each free slot is credited to one
+        waiting request, those the next admission takes first. Pages are not considered: a request
+        that has a slot but waits for pages is admitted as running ones finish, and ignoring
+        pages lets at most max_num_seqs more requests in than the limit, a bound that holds.
+        """
+        return max(0, self.num_waiting - self._num_slots_open_to_queue())
+
+    def _num_slots_open_to_queue(self) -> int:
+        free = len(self._free_slots)
+        if self.config.batching == "continuous":
+            return free
+        # Static/dynamic: free slots are filled only when the next group forms.
+        return 0 if self._group else min(free, self.config.batch_size)
+
+    @property
     def num_slots_used(self) -> int:
         return self.config.max_num_seqs - len(self._free_slots)
 
@@ -146,9 +166,10 @@ class Scheduler:
             raise RequestRejected(f"Request {req.request_id!r} was already served ({req.status}).")
         self._check_fits(req)
         limit = self.config.max_waiting_requests
-        if limit is not None and self.num_waiting >= limit:
+        if limit is not None and self.num_queued_beyond_free_slots >= limit:
             raise QueueFull(
-                f"{self.num_waiting} requests are waiting (max_waiting_requests={limit})."
+                f"{self.num_queued_beyond_free_slots} requests are waiting beyond the "
+                f"{self._num_slots_open_to_queue()} free slots (max_waiting_requests={limit})."
             )
         self._requests[req.request_id] = req
         key = (req.arrival_time, next(self._counter))

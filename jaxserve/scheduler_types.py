@@ -31,7 +31,9 @@ class SchedulerConfig:
     batching: str = "continuous"  # 'continuous', or 'static' / 'dynamic' groups for comparison
     batch_size: int | None = None  # group size of static/dynamic batching; None: max_num_seqs
     dynamic_timeout_s: float = 0.05  # dynamic: start a short group once its oldest waited this
-    max_waiting_requests: int | None = None  # None: unbounded; else QueueFull beyond it
+    # None: unbounded; else QueueFull beyond this many waiting requests that no free slot will
+    # take at the next step (Scheduler.num_queued_beyond_free_slots).
+    max_waiting_requests: int | None = None
 
     def __post_init__(self):
         if self.batch_size is None:

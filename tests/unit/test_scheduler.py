@@ -177,12 +177,54 @@ def test_requests_that_can_never_fit_are_refused_at_submission():
 
 def test_queue_overflow_is_refused_until_requests_leave_the_queue():
     sched = make_scheduler(max_num_seqs=2, max_waiting_requests=2)
-    add_all(sched, make_requests(2))
-    with pytest.raises(QueueFull, match=r"2 requests are waiting \(max_waiting_requests=2\)"):
+    add_all(sched, make_requests(4, max_tokens=2))  # two for the free slots, two waiting
+    with pytest.raises(
+        QueueFull,
+        match=r"2 requests are waiting beyond the 2 free slots \(max_waiting_requests=2\)",
+    ):
         sched.add_request(make_request("late"))
     assert issubclass(QueueFull, RequestRejected) and issubclass(RequestRejected, ValueError)
-    step(sched)  # both admitted: the queue is empty again
+    step(sched)  # two admitted, two still wait, no slot is free: the queue is full
+    assert (sched.num_waiting, sched.num_queued_beyond_free_slots) == (2, 2)
+    with pytest.raises(QueueFull, match="2 requests are waiting beyond the 0 free slots"):
+        sched.add_request(make_request("late"))
+    step(sched)  # r0 and r1 finish: their slots are free for r2 and r3, so one more may queue
+    assert sched.num_queued_beyond_free_slots == 0
     sched.add_request(make_request("late"))
+
+
+def test_a_burst_on_free_slots_does_not_count_against_the_waiting_limit():
+    # Issue 15, defect 3: four requests at once on four idle slots were refused with a limit
+    # of 2, as every new request counted as waiting until the next schedule().
+    sched = make_scheduler(max_num_seqs=4, max_waiting_requests=2)
+    add_all(sched, make_requests(6, max_tokens=8))  # 4 for the slots + 2 that really wait
+    assert (sched.num_waiting, sched.num_queued_beyond_free_slots) == (6, 2)
+    with pytest.raises(QueueFull, match="2 requests are waiting beyond the 4 free slots"):
+        sched.add_request(make_request("seventh"))
+    plan, _ = step(sched)
+    assert [s.request_id for s in plan.seqs] == ["r0", "r1", "r2", "r3"]
+    assert (sched.num_slots_used, sched.num_waiting) == (4, 2)
+    with pytest.raises(QueueFull, match="2 requests are waiting beyond the 0 free slots"):
+        sched.add_request(make_request("seventh"))
+    sched.abort_request("r4")  # one leaves the queue: one place opens, and only one
+    step(sched)
+    sched.add_request(make_request("seventh"))
+    with pytest.raises(QueueFull):
+        sched.add_request(make_request("eighth"))
+
+
+@pytest.mark.parametrize("batching", ["static", "dynamic"])
+def test_group_batching_credits_free_slots_only_to_the_next_group(batching):
+    sched = make_scheduler(max_num_seqs=4, batching=batching, max_waiting_requests=1)
+    add_all(sched, make_requests(5, max_tokens=8))  # the next group takes 4; one waits
+    with pytest.raises(QueueFull, match="1 requests are waiting beyond the 4 free slots"):
+        sched.add_request(make_request("late"))
+    step(sched, now=10.0)
+    sched.abort_request("r0")
+    step(sched, now=10.0)  # r0's slot is free, but the group runs on without it
+    assert sched.num_slots_used == 3
+    with pytest.raises(QueueFull, match="1 requests are waiting beyond the 0 free slots"):
+        sched.add_request(make_request("late"))
 
 
 def test_aborting_100_in_flight_requests_frees_every_slot_and_page():
