@@ -115,6 +115,7 @@ class Engine:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.policy,
+                priority_aging_s=config.priority_aging_s,
                 batching=config.batching,
                 batch_size=config.batch_size or config.max_num_seqs,
                 dynamic_timeout_s=config.dynamic_timeout_s,

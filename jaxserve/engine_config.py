@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from jaxserve.scheduler_types import BATCHING_MODES, POLICIES
@@ -34,6 +35,9 @@ class EngineConfig:
     mesh_shape: tuple[int, int] | None = None  # (data, model); given, it wins over tensor_parallel
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    # Priority policy: a waiting request gains one priority level per this many seconds, so low
+    # priorities are never starved (SchedulerConfig.priority_aging_s). None: strict priority.
+    priority_aging_s: float | None = 10.0
     batching: str = "continuous"
     batch_size: int | None = None  # static/dynamic group size; None: max_num_seqs
     dynamic_timeout_s: float = 0.05
@@ -71,6 +75,12 @@ class EngineConfig:
             raise ValueError(f"batching={self.batching!r} must be one of {BATCHING_MODES}.")
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}.")
+        aging = self.priority_aging_s
+        if aging is not None and not (isinstance(aging, int | float) and 0 < aging < math.inf):
+            raise ValueError(
+                f"priority_aging_s={aging!r} must be a finite number of seconds > 0, or None "
+                f"for strict priority."
+            )
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages={self.num_pages} must be >= 1 (or None to size it).")
         if self.kv_cache_memory_gb <= 0:

@@ -5,7 +5,19 @@ running request that is decoding, then the rest of each running request's prompt
 the budget is short), then prefill chunks of waiting requests, in policy order, while a slot, the
 pages and the budget allow. There are no prefill and decode modes (DESIGN.md, decisions 1 and 2).
 When pages run out the least important running request is preempted: its pages and slot are
-freed and it waits to recompute its prompt and outputs later. Static and dynamic batching, for
+freed and it waits to recompute its prompt and outputs later. Under the priority policy a waiting
+request that finds no free slot or pages also preempts running requests less important than
+itself, as many as it needs.
+
+Importance is one total order of keys, the same for admission and for choosing victims: fcfs
+orders by arrival; priority by `arrival_time + priority * priority_aging_s` (lower first), that
+is, every second of waiting improves a request by 1 / priority_aging_s levels. Keys never change,
+so the order holds for requests that wait and run alike, and it bounds waiting: a request of
+priority p that arrived at t comes before every request of priority >= q arriving after
+t + (p - q) * priority_aging_s, which can then neither be admitted before it nor preempt it. Under
+any steady load of priority q it therefore waits at most (p - q) * priority_aging_s plus the time
+to serve the requests that arrived before that moment and come first. A preempted request keeps
+its key, so it returns ahead of everything that came after it. Static and dynamic batching, for
 comparison, admit fixed groups that run until all members finish; they emit the same plans, so
 one runner serves all three modes.
 
@@ -39,7 +51,7 @@ from jaxserve.scheduler_types import (  # noqa: F401 - re-exported: the schedule
 
 
 class _WaitQueue:
-    """Waiting requests, popped in key order: (arrival, n) for fcfs, (priority, arrival, n).
+    """Waiting requests, popped in key order (Scheduler._key_of).
 
     A preempted request re-enters with its old key, so it goes back to the front: ahead of
     every request that arrived after it.
@@ -172,11 +184,20 @@ class Scheduler:
                 f"{self._num_slots_open_to_queue()} free slots (max_waiting_requests={limit})."
             )
         self._requests[req.request_id] = req
-        key = (req.arrival_time, next(self._counter))
-        self._keys[req.request_id] = (
-            (req.priority, *key) if self.config.policy == "priority" else key
-        )
+        self._keys[req.request_id] = self._key_of(req)
         self._waiting.push(self._keys[req.request_id], req)
+
+    def _key_of(self, req: Request) -> tuple:
+        """Importance, lowest first (module docstring); n breaks ties in order of submission."""
+        n = next(self._counter)
+        if self.config.policy != "priority":
+            return (req.arrival_time, n)
+        aging = self.config.priority_aging_s
+        if aging is None:
+            return (req.priority, req.arrival_time, n)
+        # arrival + priority * aging orders requests as `priority - wait / aging` does at any
+        # one instant, without ever having to re-sort the queue as time passes.
+        return (req.arrival_time + req.priority * aging, req.priority, n)
 
     def _check_fits(self, req: Request) -> None:
         cfg, rid = self.config, req.request_id
@@ -315,11 +336,13 @@ class Scheduler:
         if self.config.batching != "continuous" and not self._group:
             return
         queue = self._group_waiting if self._group is not None else self._waiting
-        while queue and self._free_slots and plan.budget > 0:
+        while queue and plan.budget > 0:
             req = queue.peek()
+            if req.request_id in plan.preempted:  # made room in this step: not back at once
+                return
             n = self._chunk_len(req, plan.budget)
             # Head of line blocks the rest: skipping it for smaller ones could starve it.
-            if not n or not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+            if not n or not self._make_room(req, n, plan):
                 return
             queue.pop()
             req.status = RequestStatus.RUNNING
@@ -328,6 +351,34 @@ class Scheduler:
                 req.first_scheduled_time = now
             self._running.append(req)
             plan.add(self._scheduled(req, n))
+
+    def _make_room(self, req: Request, n: int, plan: _Plan) -> bool:
+        """A slot and the pages of n tokens for waiting `req`, allocated; False changes nothing.
+
+        Under the priority policy (continuous batching) it may preempt running requests less
+        important than `req`, least important first, but only when enough of them exist:
+        preempting without then admitting would only waste their work.
+        """
+        need_slot = not self._free_slots
+        need_pages = self.kv.pages_for(req.num_computed_tokens + n) - self.kv.num_free_pages
+        if need_slot or need_pages > 0:
+            if self.config.policy != "priority" or self.config.batching != "continuous":
+                return False
+            key = self._keys[req.request_id]
+            victims = []
+            for victim in sorted(self._running, key=lambda r: self._keys[r.request_id])[::-1]:
+                if self._keys[victim.request_id] <= key or not (need_slot or need_pages > 0):
+                    break
+                victims.append(victim)
+                need_slot = False
+                need_pages -= self.kv.num_pages_of(victim.request_id)
+            if need_slot or need_pages > 0:
+                return False
+            for victim in victims:
+                self._preempt(victim, plan)
+        allocated = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
+        assert allocated, "the free pages were counted above"
+        return True
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         start, end = req.num_computed_tokens, req.num_computed_tokens + n

@@ -28,6 +28,11 @@ class SchedulerConfig:
     max_model_len: int  # prompt + output tokens of one request, at most
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # 'fcfs' or 'priority' (lower Request.priority first)
+    # Priority policy: waiting ages a request by one priority level per this many seconds, so
+    # it is ordered as if it had arrived `priority * priority_aging_s` seconds later. A request
+    # of priority p therefore waits at most (p - q) * priority_aging_s behind later arrivals of
+    # priority q (see Scheduler). None: strict priority, which can starve low priorities.
+    priority_aging_s: float | None = 10.0
     batching: str = "continuous"  # 'continuous', or 'static' / 'dynamic' groups for comparison
     batch_size: int | None = None  # group size of static/dynamic batching; None: max_num_seqs
     dynamic_timeout_s: float = 0.05  # dynamic: start a short group once its oldest waited this
@@ -60,6 +65,17 @@ class SchedulerConfig:
         timeout = self.dynamic_timeout_s
         if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout < 0:
             raise ValueError(f"dynamic_timeout_s={timeout!r} must be a finite number >= 0.")
+        aging = self.priority_aging_s
+        if aging is not None and (
+            not isinstance(aging, int | float)
+            or isinstance(aging, bool)
+            or not math.isfinite(aging)
+            or aging <= 0
+        ):
+            raise ValueError(
+                f"priority_aging_s={aging!r} must be a finite number of seconds > 0, or None "
+                f"for strict priority."
+            )
         if self.max_waiting_requests is not None:
             _check_positive_int("max_waiting_requests", self.max_waiting_requests)
 

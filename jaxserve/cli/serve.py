@@ -54,6 +54,12 @@ def register(sub) -> None:
     ):
         eng.add_argument(flag, type=kind, default=None)
     eng.add_argument("--policy", choices=["fcfs", "priority"], default=None)
+    eng.add_argument(
+        "--priority-aging-s",
+        type=float,
+        default=None,
+        help="priority policy: a waiting request gains one level per this many seconds (10)",
+    )
     _add_parallel_args(srv)
     srv.set_defaults(func=_cmd_serve)
 
@@ -93,6 +99,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "max_waiting_requests",
             "kv_cache_memory_gb",
             "policy",
+            "priority_aging_s",
             "min_token_bucket",
             "token_bucket_factor",
             "seq_bucket_factor",
