@@ -34,6 +34,7 @@ def configs(draw) -> SchedulerConfig:
         max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
         policy=draw(st.sampled_from(["fcfs", "priority"])),
+        priority_aging_s=draw(st.sampled_from([None, 0.5, 3.0])),  # arrivals are steps 0..8
         batching=draw(st.sampled_from(["continuous", "continuous", "static", "dynamic"])),
         batch_size=draw(st.integers(1, max_num_seqs)),
         dynamic_timeout_s=draw(st.sampled_from([0.0, 2.0, 5.0])),
