@@ -18,7 +18,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -279,14 +279,50 @@ class Engine:
 
     # ---- outputs --------------------------------------------------------------------------
 
+    # Tests only: called with each request id before its output is processed, to inject a fault.
+    _output_fault_hook: Callable[[str], None] | None = None
+
     def _outputs(self, updates) -> list[RequestOutput]:
+        """Each request's output; a failure while making one ends that request alone.
+
+        Detokenizing, stop strings and logprobs are per-request host work: a bug or an odd
+        token there is that request's problem, not a reason to stop serving the others. Only a
+        failure of the device step itself (`_dispatch`, `_collect`) leaves `step()`.
+        """
         outputs = []
         for update in updates:
             tracked = self._tracked.get(update.request.request_id)
             if tracked is None:
                 continue
-            outputs.append(self._output(tracked, update))
+            try:
+                if self._output_fault_hook is not None:
+                    self._output_fault_hook(tracked.request.request_id)
+                outputs.append(self._output(tracked, update))
+            except Exception as e:
+                outputs.append(self._failed_output(tracked, e))
         return outputs
+
+    def _failed_output(self, tracked: _Tracked, error: Exception) -> RequestOutput:
+        """Ends a request whose output processing raised: finish reason `error`, its slot and
+        pages freed now, the error's text in the output."""
+        request = tracked.request
+        rid = request.request_id
+        logger.exception("processing the output of request %r failed; it ends with 'error'", rid)
+        self.scheduler.finish_request(rid, FinishReason.ERROR)  # False if it had just finished
+        self._tracked.pop(rid, None)
+        metrics = _metrics_of(request)
+        self.metrics.on_finished(str(FinishReason.ERROR), metrics, request.num_output_tokens)
+        return RequestOutput(
+            request_id=rid,
+            new_token_ids=[],  # their text was never made: the client gets neither
+            text_delta="",
+            finished=True,
+            finish_reason=str(FinishReason.ERROR),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            metrics=metrics,
+            error=f"The server failed while processing this request's output: {error!r}",
+        )
 
     def _output(self, tracked: _Tracked, update) -> RequestOutput:
         request = tracked.request
@@ -301,13 +337,7 @@ class Engine:
         logprobs = None
         if request.sampling_params.logprobs is not None:
             logprobs = [lp for lp in (update.logprobs or []) if lp is not None]
-        metrics = RequestMetrics(
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            finished_time=request.finished_time,
-            num_preemptions=request.num_preemptions,
-        )
+        metrics = _metrics_of(request)
         reason = str(request.finish_reason) if finished else None
         if finished:
             del self._tracked[request.request_id]
@@ -337,3 +367,13 @@ class Engine:
         self.metrics.on_compiles(
             self.runner.num_compiles, self.runner.num_compiles - self._warm_compiles
         )
+
+
+def _metrics_of(request: Request) -> RequestMetrics:
+    return RequestMetrics(
+        arrival_time=request.arrival_time,
+        first_scheduled_time=request.first_scheduled_time,
+        first_token_time=request.first_token_time,
+        finished_time=request.finished_time,
+        num_preemptions=request.num_preemptions,
+    )

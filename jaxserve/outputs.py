@@ -62,4 +62,4 @@ class RequestOutput:
     num_output_tokens: int  # all generated so far
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
-    error: str | None = None
+    error: str | None = None  # with finish_reason "error": what went wrong, for the client
