@@ -248,6 +248,8 @@ class Scheduler:
         self._schedule_running(plan)
         if not plan.preempted:  # pages are short: admitting now would only preempt again
             self._admit(plan, now)
+        if self.config.token_buckets is not None and self.config.enable_chunked_prefill:
+            self._land_on_bucket(plan)
         self._step += 1
         self._outstanding = SchedulerOutput(
             seqs=list(plan.seqs.values()),
@@ -379,6 +381,36 @@ class Scheduler:
         allocated = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
         assert allocated, "the free pages were counted above"
         return True
+
+    def _land_on_bucket(self, plan: _Plan) -> None:
+        """Trims the step's last prefill chunk so the step fills a token bucket exactly.
+
+        The runner pads a step up to the next bucket: 136 tokens run as 256 on a power-of-two
+        ladder. Once every decode and prefill is planned nothing can fill that padding, but
+        moving 8 tokens to the next step removes it. The trim moves at most half the padding it
+        saves (so the step lies in the lower half of its bucket, and the next step cannot spend
+        more than it saved) and at most half the chunk (a chunk is never starved). It falls on
+        the least important prefill, the one planned last. A chunk that would have finished its
+        prompt then samples one step later: the price, paid only for halving the padding.
+        A chunk cut by the budget needs none of this: it fills the budget, the largest bucket.
+        """
+        total = self.config.max_num_batched_tokens - plan.budget
+        lower = upper = None
+        for bucket in self.config.token_buckets:
+            if bucket <= total:
+                lower = bucket
+            else:
+                upper = bucket
+                break
+        if lower is None or upper is None or lower == total:
+            return
+        excess = total - lower
+        seq = next(reversed(plan.seqs.values()))
+        if 2 * excess > upper - lower or 2 * excess > len(seq.token_ids):
+            return  # also leaves decodes (one token) alone
+        req = self._requests[seq.request_id]
+        plan.drop(seq.request_id)
+        plan.add(self._scheduled(req, len(seq.token_ids) - excess))
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         start, end = req.num_computed_tokens, req.num_computed_tokens + n

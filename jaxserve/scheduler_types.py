@@ -36,6 +36,10 @@ class SchedulerConfig:
     batching: str = "continuous"  # 'continuous', or 'static' / 'dynamic' groups for comparison
     batch_size: int | None = None  # group size of static/dynamic batching; None: max_num_seqs
     dynamic_timeout_s: float = 0.05  # dynamic: start a short group once its oldest waited this
+    # The runner's token buckets (model_runner.bucket_ladder). Given, the step's last prefill
+    # chunk may be trimmed so that the step lands on a bucket instead of padding up to the next
+    # (Scheduler._land_on_bucket). None: steps take whatever the budget allows.
+    token_buckets: tuple[int, ...] | None = None
     # None: unbounded; else QueueFull beyond this many waiting requests that no free slot will
     # take at the next step (Scheduler.num_queued_beyond_free_slots).
     max_waiting_requests: int | None = None
@@ -65,6 +69,15 @@ class SchedulerConfig:
         timeout = self.dynamic_timeout_s
         if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout < 0:
             raise ValueError(f"dynamic_timeout_s={timeout!r} must be a finite number >= 0.")
+        if self.token_buckets is not None:
+            buckets = tuple(self.token_buckets)
+            object.__setattr__(self, "token_buckets", buckets)  # a list would break hashing
+            if not buckets or any(
+                not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets
+            ):
+                raise ValueError(f"token_buckets={buckets} must be non-empty integers >= 1.")
+            if list(buckets) != sorted(set(buckets)):
+                raise ValueError(f"token_buckets={buckets} must be strictly increasing.")
         aging = self.priority_aging_s
         if aging is not None and (
             not isinstance(aging, int | float)

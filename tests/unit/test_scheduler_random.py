@@ -26,9 +26,13 @@ def configs(draw) -> SchedulerConfig:
     chunked = draw(st.booleans())
     low = max_num_seqs if chunked else max(max_num_seqs, max_model_len)
     pages_for_one = -(-max_model_len // page_size)
+    budget = draw(st.integers(low, low + 40))
+    # The runner's ladder, which steps may be trimmed to land on: powers of two, or finer.
+    buckets = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64) if b < budget] + [budget]
     return SchedulerConfig(
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=draw(st.integers(low, low + 40)),
+        max_num_batched_tokens=budget,
+        token_buckets=draw(st.none() | st.sampled_from([buckets, sorted({*buckets[::2], budget})])),
         num_pages=draw(st.integers(pages_for_one, 2 * pages_for_one)),
         page_size=page_size,
         max_model_len=max_model_len,
