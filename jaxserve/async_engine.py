@@ -9,6 +9,11 @@ Concurrency:
 - Outputs travel back through `loop.call_soon_threadsafe` into one unbounded asyncio.Queue per
   request; each holds at most the tokens of one request, so memory is bounded by the requests.
 - A consumer that stops iterating (break, cancel, disconnect) aborts its request.
+- Identity: each admitted call gets an internal id that is never reused (`<user id>#<n>`); the
+  engine and the output routing know only that id, and a stream sees its outputs with the
+  caller's id put back. A caller's id stays reserved until the engine has finished with its
+  request (an abort takes an iteration or two), so a stream can never receive the leftovers of an
+  earlier request that used the same id; reusing an id before then is a ValueError.
 - `snapshot()` is an immutable `EngineSnapshot` the engine thread replaces after every
   iteration, so any thread may read the gauges without touching the engine.
 - If the engine thread dies, every open stream (including one whose add is still pending)
@@ -60,6 +65,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     accepted: asyncio.Future  # settled by the engine thread once add_request ran (or failed)
+    user_id: str  # the caller's id, put back on every output this stream yields
 
 
 class AsyncEngine:
@@ -70,7 +76,9 @@ class AsyncEngine:
         self.engine = engine or Engine(config)
         self._lock = threading.Condition()
         self._commands: list[tuple] = []
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream] = {}  # by internal id
+        # Caller id -> internal id, from generate() until the engine has finished with it.
+        self._reserved: dict[str, str] = {}
         self._ids = itertools.count()
         self._stopping = False
         self._closed = False  # set (under the lock) once the engine thread has ended
@@ -96,19 +104,30 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs; raises what add_request raises (bad input, full queue)."""
-        request_id = request_id or f"async-{next(self._ids)}"
+        """Streams the request's outputs; raises what add_request raises (bad input, full queue).
+
+        `request_id` is the caller's name for the request (unique among requests the engine
+        still holds); outputs carry it, but the engine sees a fresh internal id.
+        """
+        n = next(self._ids)
+        user_id = request_id or f"async-{n}"
+        internal_id = f"{user_id}#{n}"
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), loop.create_future())
+        stream = _Stream(loop, asyncio.Queue(), loop.create_future(), user_id)
         with self._lock:
             # Checked under the lock the engine thread closes under: a stream registered here
             # is either refused now or reached by _close().
             if self._closed:
                 raise EngineDeadError(self._dead_message())
-            if request_id in self._streams:
-                raise ValueError(f"A request with id {request_id!r} is already running.")
-            self._streams[request_id] = stream
-            self._commands.append(("add", stream, request_id, prompt, sampling_params, priority))
+            if user_id in self._reserved:
+                raise ValueError(
+                    f"request_id {user_id!r} belongs to a request the engine has not finished "
+                    "(running, or cancelled and not yet aborted); reuse an id only after its "
+                    "earlier request has ended."
+                )
+            self._reserved[user_id] = internal_id
+            self._streams[internal_id] = stream
+            self._commands.append(("add", stream, internal_id, prompt, sampling_params, priority))
             self._lock.notify()
         try:
             await stream.accepted  # add_request's ValueError / QueueFull surface here
@@ -116,19 +135,22 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                yield dataclasses.replace(item, request_id=user_id)
                 if item.finished:
                     return
         finally:
             with self._lock:
-                if self._streams.pop(request_id, None) is not None and not self._closed:
-                    self._commands.append(("abort", request_id))
+                if self._streams.pop(internal_id, None) is not None and not self._closed:
+                    self._commands.append(("abort", internal_id))
                     self._lock.notify()
 
     def abort(self, request_id: str) -> None:
+        """Ends the caller's request `request_id` at the next iteration (no-op if unknown)."""
         with self._lock:
-            self._commands.append(("abort", request_id))
-            self._lock.notify()
+            internal_id = self._reserved.get(request_id)
+            if internal_id is not None:
+                self._commands.append(("abort", internal_id))
+                self._lock.notify()
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stops the engine thread after the iteration in progress, aborting what is left; open
@@ -186,8 +208,9 @@ class AsyncEngine:
 
     def _step(self) -> None:
         for out in self.engine.step():
-            if out.finished:
+            if out.finished:  # released first: a caller that sees the end may reuse the id
                 self._live.discard(out.request_id)
+                self._release(out.request_id)
             self._deliver(out.request_id, out)
         self._iteration += 1
         self._publish()
@@ -207,7 +230,7 @@ class AsyncEngine:
         s = self.engine.scheduler
         self._snapshot = EngineSnapshot(
             iteration=self._iteration,
-            request_ids=frozenset(r for r in self._live if s.get_request(r) is not None),
+            request_ids=frozenset(_user_id(r) for r in self._live if s.get_request(r) is not None),
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             slots_used=s.num_slots_used,
@@ -222,14 +245,23 @@ class AsyncEngine:
         _, stream, request_id, prompt, params, priority = command
         with self._lock:
             if self._streams.get(request_id) is not stream:  # its consumer left before the add
+                self._release(request_id)
                 return
         try:
             self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
         except Exception as e:  # bad input ends this request alone
+            self._release(request_id)
             self._resolve(stream.accepted, e)
             return
         self._live.add(request_id)
         self._resolve(stream.accepted, None)
+
+    def _release(self, internal_id: str) -> None:
+        """The engine is done with `internal_id`: its caller's id may be used again."""
+        with self._lock:
+            user_id = _user_id(internal_id)
+            if self._reserved.get(user_id) == internal_id:
+                del self._reserved[user_id]
 
     def _resolve(self, future: asyncio.Future, error: BaseException | None) -> None:
         def settle():
@@ -257,3 +289,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening
             logger.debug("dropped an output for a closed event loop")
+
+
+def _user_id(internal_id: str) -> str:
+    """The caller's id inside an internal id `<user id>#<n>`."""
+    return internal_id.rpartition("#")[0]

@@ -126,7 +126,9 @@ def test_cancel_or_deadline_frees_slot_and_pages_within_an_iteration(served, eng
     real_abort = engine.abort
 
     def recording_abort(request_id):  # runs on the engine thread, between iterations
-        aborted_at.append((request_id, async_engine.snapshot().iteration))
+        # The engine knows the call by an internal id, `<caller's id>#<n>`.
+        caller_id = request_id.rpartition("#")[0]
+        aborted_at.append((caller_id, async_engine.snapshot().iteration))
         real_abort(request_id)
 
     def slow_step():  # >= 5 ms an iteration, so 250 tokens outlast the 0.5 s deadline anywhere
