@@ -100,6 +100,7 @@ class Engine:
                     min(config.min_token_bucket, config.max_num_batched_tokens),
                     config.max_num_batched_tokens,
                     config.token_bucket_factor,
+                    config.token_bucket_step,
                 ),
                 seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
                 attention_backend=config.attention_backend,
@@ -120,6 +121,8 @@ class Engine:
                 batch_size=config.batch_size or config.max_num_seqs,
                 dynamic_timeout_s=config.dynamic_timeout_s,
                 max_waiting_requests=config.max_waiting_requests,
+                # Steps then land on the buckets the runner pads them to (less padding).
+                token_buckets=self.runner.config.token_buckets,
             )
         )
         self.metrics = EngineMetrics(config.ttft_slo_s, config.tpot_slo_s)

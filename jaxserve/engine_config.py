@@ -45,6 +45,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # xla on the CPU, the Pallas kernel on TPU/GPU
     min_token_bucket: int = 1  # decode-only steps then run exactly as many tokens as seqs
     token_bucket_factor: int = 2
+    # Token buckets grow by at most this many tokens (model_runner.bucket_ladder): less padding
+    # for large steps, more buckets to compile. None: geometric by token_bucket_factor.
+    token_bucket_step: int | None = None
     seq_bucket_factor: int = 2
     precompile: bool = True
     # JAX's persistent compilation cache: a restart (or another engine of the same shapes)
@@ -95,6 +98,10 @@ class EngineConfig:
             raise ValueError(f"mesh_shape={self.mesh_shape} must be (data, model), both >= 1.")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2.")
+        if self.token_bucket_step is not None and self.token_bucket_step < 1:
+            raise ValueError(
+                f"token_bucket_step={self.token_bucket_step} must be >= 1 (or None: geometric)."
+            )
         if self.token_bucket_factor < 2 or self.seq_bucket_factor < 2:
             raise ValueError(
                 f"Bucket factors must be >= 2: {self.token_bucket_factor=}, "

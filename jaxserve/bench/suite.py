@@ -121,7 +121,12 @@ def build_configs(
         # Bucket ladders: the engine's defaults unless given (they are held fixed, not compared).
         **{
             k: getattr(args, k)
-            for k in ("min_token_bucket", "token_bucket_factor", "seq_bucket_factor")
+            for k in (
+                "min_token_bucket",
+                "token_bucket_factor",
+                "token_bucket_step",
+                "seq_bucket_factor",
+            )
             if getattr(args, k) is not None
         },
     )

@@ -207,6 +207,12 @@ def _add_bench_parser(sub) -> None:
     )
     e.add_argument("--min-token-bucket", type=int, default=None, help="default: the engine's")
     e.add_argument("--token-bucket-factor", type=int, default=None, help="default: the engine's")
+    e.add_argument(
+        "--token-bucket-step",
+        type=int,
+        default=None,
+        help="token buckets grow by at most this many tokens (default: geometric)",
+    )
     e.add_argument("--seq-bucket-factor", type=int, default=None, help="default: the engine's")
     e.add_argument(
         "--compile-cache",

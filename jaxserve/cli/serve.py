@@ -49,6 +49,7 @@ def register(sub) -> None:
         ("--kv-cache-memory-gb", float),
         ("--min-token-bucket", int),
         ("--token-bucket-factor", int),
+        ("--token-bucket-step", int),
         ("--seq-bucket-factor", int),
         ("--compilation-cache-dir", str),
     ):
@@ -102,6 +103,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "priority_aging_s",
             "min_token_bucket",
             "token_bucket_factor",
+            "token_bucket_step",
             "seq_bucket_factor",
             "compilation_cache_dir",
         )
