@@ -37,6 +37,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
     from jaxserve.bench.workload import TraceError
 
+    if args.soak is not None:
+        return _cmd_soak(args)
     if args.replot:
         summaries = replot(Path(args.out))
         print(report.format_table(summaries))
@@ -73,6 +75,62 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print(report.format_table(summaries))
     print(f"Wrote {spec.out_dir / 'bench.json'} and {', '.join(report.PLOTS)} in {spec.out_dir}.")
     return 0
+
+
+def _cmd_soak(args: argparse.Namespace) -> int:
+    """`bench --soak SECONDS`: one `jaxserve serve` configuration under long mixed traffic;
+    exit status 1 if it leaked, compiled, or answered anything unexpected."""
+    from pathlib import Path
+
+    from jaxserve.bench.soak import SoakError, SoakSpec, format_report, run_soak, write_report
+    from jaxserve.bench.suite import parse_list, parse_range
+    from jaxserve.bench.workload import LengthMix
+
+    if args.online or _joins_cluster(args):
+        raise UserError("--soak starts its own `jaxserve serve` on loopback; drop --online.")
+    flags = [f"--model={args.model}"] if args.model else []
+    flags += [f"--dtype={args.dtype}"] if args.dtype else []
+    for name in ("max_num_seqs", "max_num_batched_tokens", "policy"):  # one value each here
+        values = parse_list(getattr(args, name), str)
+        if len(values) != 1:
+            raise UserError(f"--soak serves one configuration: --{name.replace('_', '-')}="
+                            f"{getattr(args, name)} lists {len(values)} values.")  # fmt: skip
+        flags.append(f"--{name.replace('_', '-')}={values[0]}")
+    for name, flag in (
+        ("max_model_len", "--max-model-len"),
+        ("min_token_bucket", "--min-token-bucket"),
+        ("token_bucket_factor", "--token-bucket-factor"),
+        ("seq_bucket_factor", "--seq-bucket-factor"),
+        ("compile_cache", "--compilation-cache-dir"),
+        ("soak_max_waiting", "--max-waiting-requests"),
+    ):
+        if getattr(args, name) is not None:
+            flags.append(f"{flag}={getattr(args, name)}")
+    if args.tensor_parallel != 1 or args.mesh:
+        flags += [f"--tensor-parallel={args.tensor_parallel}"]
+        flags += [f"--mesh={args.mesh}"] if args.mesh else []
+    spec = SoakSpec(
+        duration_s=args.soak,
+        rate=args.soak_rate,
+        probe_s=args.soak_probe,
+        serve_flags=tuple(flags),
+        mix=LengthMix(
+            prompt_range=parse_range(args.prompt_range, "--prompt-range"),
+            output_range=parse_range(args.output_range, "--output-range"),
+            long_share=args.long_share,
+            extended_share=args.long_share,
+        ),
+        seed=args.seed,
+        out_dir=Path(args.out),
+        command=" ".join(["jaxserve", *sys.argv[1:]]),
+    )
+    try:
+        report = run_soak(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except SoakError as e:
+        raise UserError(str(e)) from e
+    print(format_report(report))
+    print(f"Wrote {write_report(report, spec.out_dir)} and server.log.")
+    return 0 if report["ok"] else 1
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
@@ -235,6 +293,20 @@ def _add_bench_parser(sub) -> None:
         action="store_true",
         help="run nothing: redraw the table and PNGs from --out's bench.json",
     )
+    k = b.add_argument_group(
+        "soak (one configuration under long traffic; exit status 1 on leaks, compiles or errors)"
+    )
+    k.add_argument(
+        "--soak",
+        type=float,
+        metavar="SECONDS",
+        default=None,
+        help="start `jaxserve serve` and send it mixed traffic near its capacity for SECONDS, "
+        "20%% cancelled, 5%% with short deadlines; report status codes, leaks, compiles, RSS",
+    )
+    k.add_argument("--soak-rate", type=float, default=None, help="req/s (default: 0.9 x capacity)")
+    k.add_argument("--soak-probe", type=float, default=None, help="capacity probe seconds")
+    k.add_argument("--soak-max-waiting", type=int, default=None, help="serve's waiting limit")
     _add_parallel_args(b)
     b.set_defaults(func=_cmd_bench)
 
