@@ -4,6 +4,10 @@ The token is a shared secret, read from a file (preferred: it stays out of `ps` 
 history) or from the JAXSERVE_AUTH_TOKEN environment variable. Clients send it as gRPC metadata
 `authorization: Bearer <token>`. Without TLS it crosses the network in the clear, so the server
 warns when a token is set on a plain-text port that is not the loopback.
+
+Every call needs the token unless the server exempts a service by name: `--health-without-auth`
+exempts grpc.health.v1.Health, since Kubernetes' gRPC probes cannot send headers. Health
+answers only SERVING or NOT_SERVING, so the exemption tells a caller no more than a TCP probe.
 """
 
 from __future__ import annotations
@@ -37,15 +41,19 @@ def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call, health and reflection included, that lacks the token."""
+    """Refuses every call, health and reflection included, that lacks the token, except calls to
+    methods whose full name starts with one of `exempt` (e.g. "/grpc.health.v1.Health/")."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, exempt: tuple[str, ...] = ()):
         self._expected = f"Bearer {token}".encode()
+        self._exempt = tuple(exempt)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
             return None
+        if self._exempt and details.method.startswith(self._exempt):
+            return handler
         sent = dict(details.invocation_metadata or ()).get(_HEADER, "")
         if isinstance(sent, str):
             sent = sent.encode()

@@ -7,8 +7,12 @@ messages name them too); the checks here are the ones that need the model: the v
 context length, the tokenizer.
 
 Protobuf refuses a string field holding malformed UTF-8 while parsing, before any handler runs
-(gRPC would answer INTERNAL). `lenient()` deserializers turn that failure into a
-`MalformedRequest` the handler answers with INVALID_ARGUMENT, naming the field.
+(gRPC would answer INTERNAL). `lenient()` deserializers turn that failure, and a message beyond
+the server's size limit, into a `MalformedRequest` the handler answers with INVALID_ARGUMENT.
+
+Text is refused before it is tokenized when it has more bytes than any prompt that fits the
+context could have (`PromptLimit`): tokenizing megabytes only to learn they do not fit would
+cost seconds of CPU that other requests need.
 """
 
 from __future__ import annotations
@@ -57,13 +61,81 @@ def _short(text: str, limit: int = 40) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def prompt_ids(request: pb.GenerateRequest, engine) -> list[int]:
-    """The prompt's token ids, checked against the tokenizer, vocabulary and context."""
+@dataclasses.dataclass(frozen=True)
+class PromptLimit:
+    """The most UTF-8 bytes a text that fits the context can have, worked out once at start-up.
+
+    A prompt of n tokens covers at most n * (the longest token's bytes) bytes of text, so a text
+    with more bytes than max_model_len * that has too many tokens, whatever they are. The bound
+    is loose (about 10 KB per 1k tokens of context for common vocabularies) but costs nothing.
+    A tokenizer whose normalizer deletes characters could, in principle, fit a longer text; such
+    text is refused too.
+    """
+
+    max_model_len: int
+    bytes_per_token: int  # the most bytes of text one token of the vocabulary stands for
+
+    @property
+    def max_bytes(self) -> int:
+        return self.max_model_len * self.bytes_per_token
+
+    def check(self, field: str, text: str) -> None:
+        """Raises InvalidRequest if `text` has more bytes than any prompt that fits."""
+        limit = self.max_bytes
+        # len() counts characters, never more than the bytes: the common small text is
+        # passed without encoding it, and a huge one is refused without encoding it either.
+        if len(text) <= limit // 4:
+            return
+        size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise InvalidRequest(
+                f"{field} has {size} bytes or more; at most {limit} bytes can fit the context "
+                f"(max_model_len={self.max_model_len} tokens of at most {self.bytes_per_token} "
+                "bytes each for this tokenizer)."
+            )
+
+
+def prompt_limit(engine) -> PromptLimit:
+    """The engine's PromptLimit, from its tokenizer's vocabulary (a few ms for 150k tokens)."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None:  # text is refused anyway; only token ids can be sent
+        return PromptLimit(engine.max_model_len, 1)
+    ids = list(range(len(tokenizer)))
+    # Both forms, since each can be the longer: the vocabulary's own strings ('▁the', 'Ġthe',
+    # '<0xE3>') and what a token decodes to alone (special tokens such as '<|endoftext|>').
+    pieces = [*tokenizer.convert_ids_to_tokens(ids), *tokenizer.batch_decode([[i] for i in ids])]
+    longest = max((len(p.encode("utf-8", "surrogatepass")) for p in pieces if p), default=1)
+    return PromptLimit(engine.max_model_len, max(longest, 4))  # 4: any one character fits
+
+
+def prompt_text(request: pb.GenerateRequest, engine, limit: PromptLimit) -> str | None:
+    """The request's text prompt, checked to be worth tokenizing; None for a token-id prompt."""
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequest("The request has no prompt: set text or token_ids.")
-    if kind == "text":
-        ids = encode("text", request.text, engine)
+    if kind != "text":
+        return None
+    check_text("text", request.text, engine, limit)
+    return request.text
+
+
+def check_text(field: str, text: str, engine, limit: PromptLimit) -> None:
+    """Raises InvalidRequest for a text that is empty, cannot be tokenized, or cannot fit."""
+    if not text:
+        raise InvalidRequest(f"{field}='' is empty: send some text.")
+    if engine.tokenizer is None:
+        raise InvalidRequest(
+            f"{field}={_short(text)} cannot be tokenized: model {engine.model.source} "
+            "has no tokenizer; send token ids instead."
+        )
+    limit.check(field, text)
+
+
+def prompt_ids(request: pb.GenerateRequest, engine, text_ids: list[int] | None) -> list[int]:
+    """The prompt's token ids (`text_ids`: its text's, tokenized), checked against the
+    vocabulary and the context."""
+    if text_ids is not None:
+        ids = text_ids
         what = f"text={_short(request.text)}"
     else:
         ids = list(request.token_ids.ids)
@@ -78,18 +150,6 @@ def prompt_ids(request: pb.GenerateRequest, engine) -> list[int]:
             f"{context} tokens must hold the prompt and at least one output token."
         )
     return ids
-
-
-def encode(field: str, text: str, engine) -> list[int]:
-    """Token ids of a text (with the tokenizer's BOS, as the engine's own encode)."""
-    if not text:
-        raise InvalidRequest(f"{field}='' is empty: send some text.")
-    if engine.tokenizer is None:
-        raise InvalidRequest(
-            f"{field}={_short(text)} cannot be tokenized: model {engine.model.source} "
-            "has no tokenizer; send token ids instead."
-        )
-    return engine.encode(text)
 
 
 def request_id(request: pb.GenerateRequest) -> str | None:
@@ -176,6 +236,8 @@ def response(
         msg.timings.queue_wait_s = m.queue_wait or 0.0
         msg.timings.ttft_s = m.ttft or 0.0
         msg.timings.e2e_s = m.e2e or 0.0
+        if out.error:
+            msg.error = out.error
     return msg
 
 
@@ -205,10 +267,18 @@ def model_info(engine) -> pb.ModelInfo:
 # ---- malformed requests -------------------------------------------------------------------
 
 
-def lenient(message_cls: type[Message]) -> Callable[[bytes], Message | MalformedRequest]:
-    """A request deserializer that reports unparsable bytes instead of failing the call."""
+def lenient(
+    message_cls: type[Message], max_bytes: int | None = None
+) -> Callable[[bytes], Message | MalformedRequest]:
+    """A request deserializer that reports unparsable or oversized bytes instead of failing
+    the call (oversized: more than `max_bytes`, refused unparsed)."""
 
     def deserialize(data: bytes) -> Message | MalformedRequest:
+        if max_bytes is not None and len(data) > max_bytes:
+            return MalformedRequest(
+                f"The {message_cls.__name__} message has {len(data)} bytes; the server accepts "
+                f"at most {max_bytes} (--max-message-bytes)."
+            )
         try:
             return message_cls.FromString(data)
         except DecodeError as e:

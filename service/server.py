@@ -4,15 +4,19 @@ Lifecycle: WARMING (the port is open, health says NOT_SERVING, calls get UNAVAIL
 model loads and the buckets compile) -> SERVING -> DRAINING (on SIGTERM/SIGINT or `stop()`:
 health NOT_SERVING, new calls UNAVAILABLE, calls in flight finish within the grace period, then
 the rest are cancelled) -> STOPPED. If the engine thread dies: FAILED, health NOT_SERVING, every
-open stream ends with INTERNAL at once and new calls get INTERNAL.
+open stream ends with INTERNAL at once and new calls get INTERNAL; `serve()` then drains (new
+calls UNAVAILABLE) and returns a non-zero status within the grace period, so that a supervisor
+restarts the process, unless `stay_up_on_engine_failure` keeps it answering INTERNAL.
 
 Concurrency:
 - One asyncio event loop (grpc.aio) runs every handler, the health and reflection services and
-  the lifecycle. Handlers never block it: they check and tokenize a request (well under a
-  millisecond for prompts that fit the context), then await their AsyncEngine stream.
+  the lifecycle. Handlers never block it: they check a request (a text with more bytes than the
+  context could hold is refused untokenized), hand its text to the servicer's two tokenizer
+  threads, then await their AsyncEngine stream. A client sending megabytes costs the loop the
+  parse of its message, not seconds of tokenizing.
 - One engine thread (AsyncEngine) owns the Engine. Handlers reach it only through
   `AsyncEngine.generate()` and read it only through values fixed at start-up (model config,
-  limits) and `snapshot()`. The tokenizer is the exception: handlers encode on the loop while
+  limits) and `snapshot()`. The tokenizer is the exception: the tokenizer threads encode while
   the engine thread decodes; the Rust tokenizer takes shared borrows for both.
 - Warm-up (model load, bucket compilation) runs on its own daemon thread so the loop keeps
   answering health checks meanwhile, and a SIGTERM during warm-up is not held up by it.
@@ -20,8 +24,10 @@ Concurrency:
   thread-safe.
 - A cancelled, disconnected or expired call cancels its handler task; closing the handler's
   engine stream posts an abort, and the engine frees the slot and pages at its next iteration.
-- Bounded: the engine's waiting queue (max_waiting_requests, beyond it RESOURCE_EXHAUSTED) and
-  one output queue per open stream, holding at most that request's tokens.
+- Bounded: a request message (max_message_bytes; beyond it INVALID_ARGUMENT, and beyond 4x it
+  gRPC itself refuses it unread), the text worth tokenizing (convert.PromptLimit), the engine's
+  waiting queue (max_waiting_requests, beyond it RESOURCE_EXHAUSTED) and one output queue per
+  open stream, holding at most that request's tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from jaxserve.async_engine import AsyncEngine
+from service import convert
 from service.auth import BearerTokenInterceptor
 from service.logs import configure_logging, log
 from service.servicer import SERVICE_NAME, JaxServeServicer, State
@@ -52,6 +59,12 @@ logger = logging.getLogger("jaxserve.server")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+# gRPC itself refuses a message beyond this many times max_message_bytes, before any handler
+# runs, with RESOURCE_EXHAUSTED; up to it the servicer reads the size and answers
+# INVALID_ARGUMENT naming the limit. The factor bounds what one call may make the server buffer.
+TRANSPORT_LIMIT_FACTOR = 4
+_MAX_MESSAGE_BYTES = (2**31 - 1) // TRANSPORT_LIMIT_FACTOR  # gRPC's limit is an int32
+EXIT_ENGINE_FAILED = 3  # serve()'s status after the engine thread died (2 is a usage error)
 
 
 class ServeError(RuntimeError):
@@ -69,6 +82,9 @@ class ServerOptions:
     tls_cert: bytes | None = None  # PEM certificate chain; TLS when given with tls_key
     tls_key: bytes | None = None
     auth_token: str | None = None
+    health_without_auth: bool = False  # let grpc.health.v1.Health calls in without the token
+    max_message_bytes: int = 16 << 20  # a bigger request message is INVALID_ARGUMENT
+    stay_up_on_engine_failure: bool = False  # serve(): linger answering INTERNAL, for debugging
 
     def __post_init__(self):
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -79,6 +95,11 @@ class ServerOptions:
                 raise ValueError(f"{name}={port} must be in [0, 65535].")
         if self.grace_s < 0:
             raise ValueError(f"grace_s={self.grace_s} must be >= 0.")
+        if not 1024 <= self.max_message_bytes <= _MAX_MESSAGE_BYTES:
+            raise ValueError(
+                f"max_message_bytes={self.max_message_bytes} must be in [1024, "
+                f"{_MAX_MESSAGE_BYTES}] (gRPC's own limit is {TRANSPORT_LIMIT_FACTOR}x it)."
+            )
 
 
 class JaxServeServer:
@@ -103,6 +124,7 @@ class JaxServeServer:
         self.warmup_error: BaseException | None = None
         self._ready = asyncio.Event()  # serving, or warm-up failed
         self._force = asyncio.Event()  # end the drain now
+        self.failed = asyncio.Event()  # set once the engine has died while serving
         self._tasks: set[asyncio.Task] = set()
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -121,9 +143,20 @@ class JaxServeServer:
         opts = self.options
         for name in ("", SERVICE_NAME):  # the servicer starts out saying SERVING for ""
             await self._health.set(name, _NOT_SERVING)
-        interceptors = [BearerTokenInterceptor(opts.auth_token)] if opts.auth_token else []
-        # so_reuseport off: a second server on a taken port must fail, not share it.
-        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        interceptors = []
+        if opts.auth_token:
+            exempt = (f"/{health.SERVICE_NAME}/",) if opts.health_without_auth else ()
+            interceptors.append(BearerTokenInterceptor(opts.auth_token, exempt=exempt))
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share
+                (
+                    "grpc.max_receive_message_length",
+                    opts.max_message_bytes * TRANSPORT_LIMIT_FACTOR,
+                ),
+            ],
+        )
         server.add_generic_rpc_handlers((self.servicer.generic_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -163,6 +196,8 @@ class JaxServeServer:
             metrics_port=self.metrics_port,
             tls=opts.tls_cert is not None,
             auth=bool(opts.auth_token),
+            health_without_auth=bool(opts.auth_token) and opts.health_without_auth,
+            max_message_bytes=opts.max_message_bytes,
         )
         if isinstance(self._engine_source, AsyncEngine):
             await self._start_serving(self._engine_source, 0.0)
@@ -199,6 +234,7 @@ class JaxServeServer:
             # Off the loop: it waits up to half a second for the HTTP thread's next poll.
             *([asyncio.to_thread(self._close_metrics)] if self._metrics_http is not None else []),
         )
+        self.servicer.close()
         if self.engine is not None and self._owns_engine:
             await asyncio.to_thread(self.engine.shutdown)
         self.state = State.STOPPED
@@ -242,6 +278,11 @@ class JaxServeServer:
         if self.state is not State.WARMING:  # stopped while warming up
             await asyncio.to_thread(engine.shutdown)
             return
+        # Read from the vocabulary once, off the loop (health checks keep being answered).
+        self.servicer.prompt_limit = await asyncio.to_thread(convert.prompt_limit, engine.engine)
+        if self.state is not State.WARMING:
+            await asyncio.to_thread(engine.shutdown)
+            return
         self.state = State.SERVING
         for name in ("", SERVICE_NAME):
             await self._health.set(name, _SERVING)
@@ -253,6 +294,7 @@ class JaxServeServer:
             model=str(e.model.source),
             warmup_s=round(warmup_s, 3),
             max_model_len=e.max_model_len,
+            max_prompt_bytes=self.servicer.prompt_limit.max_bytes,
             compiles=e.runner.num_compiles,
         )
         self._spawn(self._watch_engine())
@@ -267,7 +309,8 @@ class JaxServeServer:
             await asyncio.sleep(0.1)
 
     async def engine_failed(self) -> None:
-        """Health turns NOT_SERVING for good; calls get INTERNAL from now on."""
+        """Health turns NOT_SERVING for good; calls get INTERNAL from now on (`failed` is set,
+        for serve() to exit on)."""
         if self.state is not State.SERVING:
             return
         self.state = State.FAILED
@@ -275,6 +318,7 @@ class JaxServeServer:
         for name in ("", SERVICE_NAME):
             await self._health.set(name, _NOT_SERVING)
         _log(logging.ERROR, "engine failed", error=repr(self.engine.error))
+        self.failed.set()
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -314,9 +358,11 @@ def _log(level: int, message: str, **fields) -> None:
 
 
 async def serve(factory: Callable[[], AsyncEngine], options: ServerOptions) -> int:
-    """Serves until SIGTERM/SIGINT, then drains; returns the exit status (0 after a drain).
+    """Serves until SIGTERM/SIGINT, then drains; returns the exit status: 0 after a drain,
+    EXIT_ENGINE_FAILED after a drain that the engine's death began (so that a supervisor
+    restarts the process), unless `options.stay_up_on_engine_failure`.
 
-    A second signal during the drain cancels the calls still running.
+    A signal during the drain cancels the calls still running.
     """
     server = JaxServeServer(factory, options)
     await server.start()
@@ -331,15 +377,24 @@ async def serve(factory: Callable[[], AsyncEngine], options: ServerOptions) -> i
         first.cancel()
         await server.stop(0)
         raise ServeError(str(ready.exception())) from ready.exception()
-    sig = await first
-    _log(logging.INFO, "signal received", signal=sig.name)
+    failed = asyncio.ensure_future(server.failed.wait())
+    ends = {first} if options.stay_up_on_engine_failure else {first, failed}
+    await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+    if first.done():
+        _log(logging.INFO, "signal received", signal=first.result().name)
+        status = 0
+    else:
+        first.cancel()
+        _log(logging.ERROR, "exiting after the engine failure", exit_status=EXIT_ENGINE_FAILED)
+        status = EXIT_ENGINE_FAILED
+    failed.cancel()
     stopping = asyncio.ensure_future(server.stop())
     second = asyncio.ensure_future(signals.get())
     await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
     if second.done():
-        _log(logging.WARNING, "second signal: stopping now", signal=second.result().name)
+        _log(logging.WARNING, "signal during the drain: stopping now", signal=second.result().name)
         server.force_stop()
     second.cancel()
     ready.cancel()
     await stopping
-    return 0
+    return status

@@ -1,19 +1,22 @@
 """The jaxserve.v1.JaxServe calls: admission by server state, status codes, call logs and metrics.
 
 Runs on the server's event loop (see service/server.py for the concurrency). Each call is
-checked and tokenized here, then streams from `AsyncEngine.generate()`; the stream is closed
-however the call ends (finished, failed, cancelled, deadline expired), and closing it aborts
-the request in the engine.
+checked here, its text tokenized on a small thread pool (never on the loop), then it streams
+from `AsyncEngine.generate()`; the stream is closed however the call ends (finished, failed,
+cancelled, deadline expired), and closing it aborts the request in the engine.
 
 Status codes: INVALID_ARGUMENT for a request that cannot run as sent (convert.InvalidRequest,
-the engine's RequestRejected); RESOURCE_EXHAUSTED when the waiting queue is full; UNAVAILABLE
-while warming up or draining; INTERNAL once the engine has failed. Every message names the
-field and the value at fault.
+the engine's RequestRejected, a message beyond --max-message-bytes, a text longer than the
+context can hold); RESOURCE_EXHAUSTED when the waiting queue is full; UNAVAILABLE while warming
+up or draining; INTERNAL once the engine has failed. Every message names the field and the
+value at fault. A request the engine fails alone (finish reason `error`: its output could not
+be processed) is not a failed call: its last response says FINISH_REASON_ERROR and why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import enum
@@ -77,13 +80,22 @@ class _Call:
             ttft_s=_round(m.ttft),
             e2e_s=_round(m.e2e),
         )
+        if out.error:
+            self.fields["error"] = out.error
 
 
 class JaxServeServicer:
     """Answers calls according to `server.state`; counts the calls in flight for the drain."""
 
+    # Tokenizing is CPU work: two threads keep the loop free without crowding the engine thread.
+    TOKENIZER_THREADS = 2
+
     def __init__(self, server: JaxServeServer, registry: CollectorRegistry):
         self.server = server
+        self.prompt_limit: convert.PromptLimit | None = None  # set by the server with the engine
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            self.TOKENIZER_THREADS, thread_name_prefix="jaxserve-tokenize"
+        )
         self.active = 0
         self.idle = asyncio.Event()  # set while no call is in flight
         self.idle.set()
@@ -97,16 +109,25 @@ class JaxServeServicer:
             "jaxserve_grpc_calls_in_flight", "jaxserve.v1 calls running.", registry=registry
         )
 
+    def close(self) -> None:
+        """Stops the tokenizer threads (a tokenization under way finishes, unread)."""
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
     def generic_handler(self) -> grpc.GenericRpcHandler:
-        # Lenient deserializers: malformed UTF-8 becomes INVALID_ARGUMENT, not INTERNAL.
+        # Lenient deserializers: malformed UTF-8 and oversized messages become INVALID_ARGUMENT
+        # (not INTERNAL, nor gRPC's RESOURCE_EXHAUSTED, which would read as "retry later").
+        max_bytes = self.server.options.max_message_bytes
+
         def unary(name, body, request_cls, response_cls):
             return grpc.unary_unary_rpc_method_handler(
-                self._rpc(name, body), convert.lenient(request_cls), response_cls.SerializeToString
+                self._rpc(name, body),
+                convert.lenient(request_cls, max_bytes),
+                response_cls.SerializeToString,
             )
 
         generate = grpc.unary_stream_rpc_method_handler(
             self._rpc("Generate", self._generate),
-            convert.lenient(pb.GenerateRequest),
+            convert.lenient(pb.GenerateRequest, max_bytes),
             pb.GenerateResponse.SerializeToString,
         )
         return grpc.method_handlers_generic_handler(
@@ -153,6 +174,8 @@ class JaxServeServicer:
             finally:
                 self._calls.labels(method=method, code=call.code.name).inc()
                 level = logging.ERROR if call.code is grpc.StatusCode.INTERNAL else logging.INFO
+                if call.fields.get("finish_reason") == "error":
+                    level = logging.WARNING
                 duration = _round(time.perf_counter() - call.start)
                 log(
                     logger,
@@ -217,10 +240,19 @@ class JaxServeServicer:
 
     # ---- the calls ------------------------------------------------------------------------
 
-    def _stream(self, request: pb.GenerateRequest, call: _Call):
+    async def _encode(self, text: str) -> list[int]:
+        """Token ids of a checked text, computed off the event loop."""
+        loop = asyncio.get_running_loop()
+        engine = self.server.engine.engine
+        return await loop.run_in_executor(self._tokenizer_pool, engine.encode, text)
+
+    async def _stream(self, request: pb.GenerateRequest, call: _Call):
         async_engine = self.server.engine
         engine = async_engine.engine
-        ids = convert.prompt_ids(request, engine)
+        text = convert.prompt_text(request, engine, self.prompt_limit)  # refuses what cannot fit
+        ids = convert.prompt_ids(
+            request, engine, None if text is None else await self._encode(text)
+        )
         params = convert.sampling_params(request.sampling, len(ids), engine)
         request_id = convert.request_id(request) or f"grpc-{uuid.uuid4().hex[:16]}"
         call.fields.update(
@@ -229,7 +261,7 @@ class JaxServeServicer:
         return async_engine.generate(ids, params, request_id=request_id, priority=request.priority)
 
     async def _generate(self, request, context, call: _Call) -> None:
-        async with contextlib.aclosing(self._stream(request, call)) as stream:
+        async with contextlib.aclosing(await self._stream(request, call)) as stream:
             async for out in stream:
                 await context.write(convert.response(out))
                 if out.finished:
@@ -237,7 +269,7 @@ class JaxServeServicer:
 
     async def _generate_unary(self, request, context, call: _Call) -> pb.GenerateResponse:
         ids, text, logprobs, last = [], [], [], None
-        async with contextlib.aclosing(self._stream(request, call)) as stream:
+        async with contextlib.aclosing(await self._stream(request, call)) as stream:
             async for last in stream:
                 ids += last.new_token_ids
                 text.append(last.text_delta)
@@ -246,8 +278,8 @@ class JaxServeServicer:
         return convert.response(last, token_ids=ids, text="".join(text), logprobs=logprobs)
 
     async def _tokenize(self, request, context, call: _Call) -> pb.TokenizeResponse:
-        ids = convert.encode("text", request.text, self.server.engine.engine)
-        return pb.TokenizeResponse(token_ids=ids)
+        convert.check_text("text", request.text, self.server.engine.engine, self.prompt_limit)
+        return pb.TokenizeResponse(token_ids=await self._encode(request.text))
 
     async def _model_info(self, request, context, call: _Call) -> pb.ModelInfo:
         return convert.model_info(self.server.engine.engine)

@@ -39,6 +39,23 @@ def register(sub) -> None:
         "--auth-token-file",
         help="require this bearer token on every call (default: $JAXSERVE_AUTH_TOKEN if set)",
     )
+    srv.add_argument(
+        "--health-without-auth",
+        action="store_true",
+        help="with a token: let grpc.health.v1.Health calls in without it (Kubernetes probes)",
+    )
+    srv.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=16 << 20,
+        help="largest request message; a bigger one is INVALID_ARGUMENT (default: 16 MiB)",
+    )
+    srv.add_argument(
+        "--stay-up-on-engine-failure",
+        action="store_true",
+        help="after the engine fails, keep answering INTERNAL until signalled (debugging) "
+        "instead of draining and exiting with status 3 for a supervisor to restart",
+    )
     srv.add_argument("--log-format", choices=["json", "text"], default="json")
     eng = srv.add_argument_group("engine (default: EngineConfig's)")
     for flag, kind in (
@@ -122,6 +139,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=_read_file(args.tls_cert),
         tls_key=_read_file(args.tls_key),
         auth_token=load_token(args.auth_token_file),
+        health_without_auth=args.health_without_auth,
+        max_message_bytes=args.max_message_bytes,
+        stay_up_on_engine_failure=args.stay_up_on_engine_failure,
     )
     if _is_follower(args):
         return _follow(config)

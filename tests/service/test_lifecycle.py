@@ -81,7 +81,7 @@ def test_engine_failure_ends_every_open_stream_with_internal(engine):
             start = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 errors = list(pool.map(_error_of, streams))
-            assert time.monotonic() - start < 5
+            assert time.monotonic() - start < 1.0  # at once, not at a timeout
             for e in errors:
                 assert e.code() == grpc.StatusCode.INTERNAL
                 assert "injected device failure" in e.details()
