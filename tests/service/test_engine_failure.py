@@ -6,12 +6,14 @@ from __future__ import annotations
 import concurrent.futures
 import pathlib
 import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
 
 import grpc
+import pytest
 
 from service.client import JaxServeClient
 from service.server import EXIT_ENGINE_FAILED
@@ -33,7 +35,10 @@ def _ends(stream) -> tuple[float, grpc.RpcError | None]:
     return time.monotonic(), None
 
 
-def test_device_step_failure_ends_streams_with_internal_and_serve_exits_nonzero(tmp_path):
+@pytest.mark.parametrize("stay_up", [False, True], ids=["exits", "stays-up"])
+def test_device_step_failure_ends_streams_with_internal_and_serve_exits_nonzero(tmp_path, stay_up):
+    """By default the process exits with EXIT_ENGINE_FAILED; with --stay-up-on-engine-failure
+    it lingers past the grace period, answering INTERNAL, until signalled."""
     trigger = tmp_path / "fail-now"
     cmd = [
         sys.executable,
@@ -44,6 +49,7 @@ def test_device_step_failure_ends_streams_with_internal_and_serve_exits_nonzero(
         "--no-metrics",
         "--grace-period=2",
         *SMALL_FLAGS,
+        *(["--stay-up-on-engine-failure"] if stay_up else []),
     ]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
@@ -68,9 +74,20 @@ def test_device_step_failure_ends_streams_with_internal_and_serve_exits_nonzero(
                 assert ended_at - failed_at < 1.0, f"ended {ended_at - failed_at:.2f}s late"
             # NOT_SERVING, or already gone: never SERVING again.
             assert _health(c) in ("NOT_SERVING", "UNAVAILABLE")
+            if stay_up:
+                with pytest.raises(subprocess.TimeoutExpired):
+                    proc.wait(4)  # twice the grace period
+                assert _health(c) == "NOT_SERVING"
+                with pytest.raises(grpc.RpcError) as err:
+                    c.generate_unary("Once upon a time", max_tokens=2, timeout=10)
+                assert err.value.code() == grpc.StatusCode.INTERNAL
+                proc.send_signal(signal.SIGTERM)
         status = proc.wait(30)  # grace period 2 s, then out
-        assert status == EXIT_ENGINE_FAILED != 0
-        assert _next_log(lines, "exiting after the engine failure", timeout=5)
+        if stay_up:
+            assert status == 0
+        else:
+            assert status == EXIT_ENGINE_FAILED != 0
+            assert _next_log(lines, "exiting after the engine failure", timeout=5)
     finally:
         if proc.poll() is None:
             proc.kill()
