@@ -133,6 +133,10 @@ def test_report_fails_on_leaks_compiles_unexpected_codes_and_exit_status():
     )
     server = _StoppedServer()
     assert _report(_spec(), server, clean)["failures"] == []
+    # A cancelled request whose id a later one reuses may find the id taken: no failure.
+    shared = Plan(9, "cancel", "stream", "r9", [1], None, {}, id_shared=True)
+    lent = _Observed(**{**clean.__dict__, "outcomes": [Outcome(shared, "INVALID_ARGUMENT")]})
+    assert _report(_spec(), server, lent)["failures"] == []
     cases = {
         "leak": dict(
             final_metrics={**idle, "jaxserve_kv_pages_used": 3.0, "jaxserve_compiles_total": 2.0}
