@@ -360,7 +360,7 @@ def check_answer(plan: Plan, ids, tokens, logprobs, last, greedy_seen, lock) -> 
     elif (
         sampling["ignore_eos"]
         and not sampling.get("stop")
-        and len(tokens) not in (sampling["max_tokens"],)
+        and len(tokens) != sampling["max_tokens"]
     ):
         p.append(f"{len(tokens)} tokens with EOS ignored, max_tokens={sampling['max_tokens']}")
     if "logprobs" in sampling and logprobs != len(tokens):
