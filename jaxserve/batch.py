@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
-    """Device-side metadata of one ragged step (all int32; numpy on the host, jax on device)."""
+    """Device-side metadata of one ragged step (int32; numpy on the host, jax on the device)."""
 
     token_ids: jax.Array  # i32[T] tokens of all sequences, back to back, then padding (0)
     positions: jax.Array  # i32[T] position of each token within its sequence (0 for padding)
@@ -28,6 +29,9 @@ class StepBatch:
     page_tables: jax.Array  # i32[S, P] pages of sequence s in order; unused entries are 0
     logits_indices: jax.Array  # i32[S] token index of each sequence's last token (0: padding)
     num_seqs: jax.Array  # i32[] number of real sequences
+    # Per-step work list of the attention backend (xla_blocked.StepPlan), derived on the device
+    # from the fields above once per step, before the layer loop; None on the host.
+    attention_plan: Any = None
 
 
 jax.tree_util.register_dataclass(

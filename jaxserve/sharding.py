@@ -231,14 +231,17 @@ def attention_over_heads(fn: Callable[..., jax.Array], plan: ShardingPlan | None
     heads = P(None, MODEL, None)  # q and the output: [T, num_heads, head_dim]
     pool = P(None, None, None, KV_AXIS, None)  # [num_layers, num_pages, page_size, Hkv, head_dim]
 
-    def call(q, k_pool, v_pool, layer, query_start, kv_lens, page_tables, num_seqs, **static):
+    def call(
+        q, k_pool, v_pool, layer, query_start, kv_lens, page_tables, num_seqs, *extra, **static
+    ):
+        # `extra`: per-step metadata of a backend (the xla tile list), the same on every device.
         local = jax.shard_map(
             functools.partial(fn, **static),
             mesh=plan.mesh,
-            in_specs=(heads, pool, pool, P(), P(), P(), P(), P()),
+            in_specs=(heads, pool, pool, P(), P(), P(), P(), P(), *[P()] * len(extra)),
             out_specs=heads,
             check_vma=False,  # Pallas kernels carry no varying-axes types
         )
-        return local(q, k_pool, v_pool, layer, query_start, kv_lens, page_tables, num_seqs)
+        return local(q, k_pool, v_pool, layer, query_start, kv_lens, page_tables, num_seqs, *extra)
 
     return call

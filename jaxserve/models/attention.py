@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
 import jax
 
+from jaxserve.batch import StepBatch
 from pallas_kernels.ragged_paged_attention import reference, xla_blocked
 
 # reference: the dense pure-jnp oracle (cost follows max_model_len). xla: pure jnp blocked over
@@ -29,25 +31,47 @@ AttentionFn = Callable[..., jax.Array]
 _KERNEL_PLATFORMS = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
 
 
-def get_attention_fn(backend: str) -> AttentionFn:
-    """The ragged paged attention function of `backend` (see pallas_kernels for the signature).
-
-    The platform is `jax.default_backend()`, read when the model is traced. Kernels are imported
-    here, not at module import, so a CPU-only process never loads the Pallas backends it skips.
-    """
+def _resolve(backend: str) -> str:
+    """`backend` with `auto` and `pallas` replaced by the platform's choice."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is not one of {ATTENTION_BACKENDS}.")
     platform = jax.default_backend()
     if backend == "auto":
-        backend = _KERNEL_PLATFORMS.get(platform, "xla")
-    elif backend == "pallas":
+        return _KERNEL_PLATFORMS.get(platform, "xla")
+    if backend == "pallas":
         if platform not in _KERNEL_PLATFORMS:
             raise ValueError(
                 f"attention_backend='pallas' needs a TPU or GPU, but JAX runs on {platform!r}. "
                 "Use 'auto' or 'reference' there, or 'pallas_tpu_interpret' / "
                 "'pallas_gpu_interpret' to run a kernel in interpret mode (slow; for tests)."
             )
-        backend = _KERNEL_PLATFORMS[platform]
+        return _KERNEL_PLATFORMS[platform]
+    return backend
+
+
+def with_attention_plan(backend: str, batch: StepBatch) -> StepBatch:
+    """`batch` with its per-step attention metadata, made once per step before the layer loop.
+
+    Only the xla backend has any (its tile list and decode rows); every layer then passes
+    `batch.attention_plan` on to the attention instead of deriving it again. The other backends
+    keep their contract and get the batch unchanged.
+    """
+    if _resolve(backend) != "xla" or batch.attention_plan is not None:
+        return batch
+    plan = xla_blocked.plan_step(
+        batch.token_ids.shape[0], batch.query_start, batch.kv_lens, batch.num_seqs
+    )
+    return dataclasses.replace(batch, attention_plan=plan)
+
+
+def get_attention_fn(backend: str) -> AttentionFn:
+    """The ragged paged attention function of `backend` (see pallas_kernels for the signature).
+
+    The platform is `jax.default_backend()`, read when the model is traced. Kernels are imported
+    here, not at module import, so a CPU-only process never loads the Pallas backends it skips.
+    """
+    platform = jax.default_backend()
+    backend = _resolve(backend)
     if backend == "reference":
         return reference.ragged_paged_attention
     if backend == "xla":

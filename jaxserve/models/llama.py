@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxserve.batch import StepBatch
 from jaxserve.config import ModelConfig
 from jaxserve.kv_pages import KVPages
-from jaxserve.models.attention import get_attention_fn, write_kv
+from jaxserve.models.attention import get_attention_fn, with_attention_plan, write_kv
 from jaxserve.sharding import ShardingPlan, attention_over_heads
 
 
@@ -80,6 +80,8 @@ class Attention(nn.Module):
             batch.kv_lens,
             batch.page_tables,
             batch.num_seqs,
+            # The xla backend's tile list, made once per step before the layer loop.
+            *(() if batch.attention_plan is None else (batch.attention_plan,)),
             sm_scale=c.head_dim**-0.5,
             sliding_window=c.sliding_window,
         )
@@ -155,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
     def __call__(self, kv: KVPages, batch: StepBatch) -> tuple[jax.Array, KVPages]:
         """Runs every token of `batch`: final hidden states [T, hidden_size] and the new pool."""
         batch = jax.tree.map(jnp.asarray, batch)  # host numpy batches work outside jit too
+        batch = with_attention_plan(self.attention_backend, batch)  # once, not once per layer
         inv_freq = jnp.asarray(self.config.rope.inv_freq(self.config.head_dim))
         freqs = batch.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
         angles = jnp.concatenate([freqs, freqs], axis=-1)  # f32[T, head_dim]
