@@ -304,9 +304,13 @@ def _add_bench_parser(sub) -> None:
         help="start `jaxserve serve` and send it mixed traffic near its capacity for SECONDS, "
         "20%% cancelled, 5%% with short deadlines; report status codes, leaks, compiles, RSS",
     )
-    k.add_argument("--soak-rate", type=float, default=None, help="req/s (default: 0.9 x capacity)")
-    k.add_argument("--soak-probe", type=float, default=None, help="capacity probe seconds")
-    k.add_argument("--soak-max-waiting", type=int, default=None, help="serve's waiting limit")
+    k.add_argument(
+        "--soak-rate", type=float, metavar="R", help="requests/s (default: 0.9 x the capacity)"
+    )
+    k.add_argument(
+        "--soak-probe", type=float, metavar="SECONDS", help="capacity probe (default: 5-30 s)"
+    )
+    k.add_argument("--soak-max-waiting", type=int, metavar="N", help="serve's waiting limit")
     _add_parallel_args(b)
     b.set_defaults(func=_cmd_bench)
 
