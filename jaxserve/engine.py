@@ -233,7 +233,7 @@ class Engine:
 
     def _sampling_batch(self, plan: SchedulerOutput, num_rows: int) -> SamplingBatch:
         sb = SamplingBatch.empty(num_rows)
-        want_top = False
+        want_top = want_any = False
         for row, seq in enumerate(plan.seqs):
             tracked = self._tracked[seq.request_id]
             p = tracked.request.sampling_params
@@ -242,7 +242,10 @@ class Engine:
             sb.seeds[row] = tracked.seed
             sb.positions[row] = seq.start_pos + len(seq.token_ids)
             want_top |= bool(seq.sample and p.logprobs)
-        return dataclasses.replace(sb, want_top_logprobs=np.bool_(want_top))
+            want_any |= seq.sample and p.logprobs is not None
+        return dataclasses.replace(
+            sb, want_top_logprobs=np.bool_(want_top), want_logprobs=np.bool_(want_any)
+        )
 
     def _collect(self):
         """Waits for the step in flight and applies its tokens to the scheduler."""

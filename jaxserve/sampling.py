@@ -3,6 +3,23 @@
 Every row carries its own parameters as arrays (never static arguments, so a new mix of requests
 does not retrace), and its own PRNG key derived from (seed, position): a seeded request draws the
 same token at the same position whatever else shares its batch.
+
+The cost follows what the batch asks for, because sampling runs every step beside a forward pass
+that may take only a few milliseconds:
+
+- all rows greedy and no logprobs asked: one argmax, nothing else (`lax.cond` on the batch);
+- top-k / top-p / min-p rows: filtered among the NUM_CANDIDATES most likely tokens of
+  `lax.top_k`, an exact answer whenever the row's kept set provably lies among them (top-k <=
+  NUM_CANDIDATES, a nucleus whose mass the candidates reach, a min-p cut above the last candidate);
+- rows whose kept set may reach past the candidates (plain temperature sampling, a nucleus wider
+  than the candidates, top-k > NUM_CANDIDATES) draw from the whole vocabulary; only when such a row
+  also filters does the batch pay the full-vocabulary bisection (`full_vocab_threshold`), which is
+  exact but costs ~60 passes over the logits. The fallback is taken rather than truncating the
+  nucleus to the candidates because truncation would silently change the distribution a user asked
+  for, and flat distributions (high temperature, top_p near 1) are exactly where it would.
+
+Within a step every row computes the same arrays (branch-free per row); the `lax.cond`s choose
+per batch which work any row needs at all.
 """
 
 from __future__ import annotations
@@ -14,6 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_TOP_LOGPROBS = 20
+# Top-k exact up to this k, nuclei exact while they fit in this many tokens. 128 rather than 64:
+# lax.top_k costs about the same on the CPU (~an argmax either way) and wide nuclei are common.
+NUM_CANDIDATES = 128
+# Tokens per block of the two-level inverse CDF over the vocabulary (when no smaller power of two
+# divides it): a cumsum over the whole vocabulary costs ~10x a pass over it on XLA:CPU, one over
+# the block sums and one inside a block do not.
+_CDF_BLOCK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +51,7 @@ class SamplingBatch:
     seeds: jax.Array  # u32[S] the request's seed
     positions: jax.Array  # i32[S] position of the token being sampled (folded into the key)
     want_top_logprobs: jax.Array  # bool[] any row asked for top-n logprobs
+    want_logprobs: jax.Array  # bool[] any row asked for its chosen token's logprob
 
     @staticmethod
     def empty(num_seqs: int) -> SamplingBatch:
@@ -39,6 +64,7 @@ class SamplingBatch:
             seeds=np.zeros(num_seqs, np.uint32),
             positions=np.zeros(num_seqs, np.int32),
             want_top_logprobs=np.bool_(False),
+            want_logprobs=np.bool_(False),
         )
 
 
@@ -54,6 +80,7 @@ class SampleOutput:
     """What crosses back to the host each step: small arrays, one row per sequence."""
 
     token_ids: jax.Array  # i32[S]
+    # Zeros unless want_logprobs or want_top_logprobs: a greedy batch should not pay a softmax.
     logprobs: jax.Array  # f32[S] log-probability of the chosen token under the model
     top_ids: jax.Array  # i32[S, min(20, V)] most likely tokens (zeros unless asked)
     top_logprobs: jax.Array  # f32[S, min(20, V)]
@@ -66,88 +93,246 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _bisect_threshold(values: jax.Array, low: jax.Array, high: jax.Array, enough) -> jax.Array:
-    """Largest t in [low, high] (per row) with enough(values >= t) true, by 32 bisections.
+def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
+    """Draws one token per row of logits f32[S, V] (jit-friendly, no host sync)."""
+    logits = logits.astype(jnp.float32)
+    greedy = params.temperature <= 0
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    token_ids = jax.lax.cond(
+        jnp.all(greedy),
+        lambda: best,
+        lambda: jnp.where(greedy, best, _draw(logits, params)),
+    )
+    num_seqs, width = logits.shape[0], min(MAX_TOP_LOGPROBS, logits.shape[-1])
 
-    enough(keep) must hold at t = low and be monotone in t. Thirty-two halvings pin t to float32
-    resolution, so the kept set is exact up to ties; a full vocab sort costs ~15x more on the CPU.
+    def no_top(_lse):
+        shape = (num_seqs, width)
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
+
+    def top_n(lse):
+        # top_k of the logits, not of a materialised log_softmax: the same order, one pass less.
+        values, ids = jax.lax.top_k(logits, width)
+        return ids.astype(jnp.int32), values - lse[:, None]
+
+    def with_logprobs():
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - lse
+        return (chosen, *jax.lax.cond(params.want_top_logprobs, top_n, no_top, lse))
+
+    chosen, top_ids, top_lp = jax.lax.cond(
+        params.want_logprobs | params.want_top_logprobs,
+        with_logprobs,
+        lambda: (jnp.zeros(num_seqs, jnp.float32), *no_top(None)),
+    )
+    return SampleOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
+
+
+def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:
+    """A random token per row (i32[S]) from the tempered, filtered distribution.
+
+    Greedy rows compute throwaway values here (the caller replaces them) but never decide a cond.
+    The tempered logits are never materialised as [S, V]: each pass below scales the logits on the
+    fly, because on XLA:CPU writing one more [S, V] array costs as much as the pass that reads it.
+    """
+    sampling = params.temperature > 0
+    # Greedy rows scale by 1, not by ~1/0, so their throwaway values stay finite.
+    inv_temp = jnp.where(sampling, 1.0 / jnp.where(sampling, params.temperature, 1.0), 1.0)
+    u = jax.vmap(_uniform)(params.seeds, params.positions)
+    filters = (params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0)
+    num_seqs = logits.shape[0]
+    from_candidates, exact = jax.lax.cond(
+        jnp.any(sampling & filters),
+        lambda: _draw_from_candidates(logits, inv_temp, params, u),
+        lambda: (jnp.zeros(num_seqs, jnp.int32), jnp.zeros(num_seqs, bool)),
+    )
+    whole_vocab = sampling & ~(filters & exact)
+    # Only these rows need the bisection; min-p alone is one cheap pass, done for every row.
+    bisect = whole_vocab & ((params.top_k > 0) | (params.top_p < 1))
+
+    def with_vocab():
+        token = _draw_from_vocab(logits, inv_temp, params, u, bisect)
+        return jnp.where(whole_vocab, token, from_candidates)
+
+    return jax.lax.cond(jnp.any(whole_vocab), with_vocab, lambda: from_candidates)
+
+
+def _uniform(seed: jax.Array, position: jax.Array) -> jax.Array:
+    """U[0, 1) keyed by (seed, position) alone: the same draw whatever batch the row is in."""
+    return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), position))
+
+
+def candidate_filter(
+    values: jax.Array, total: jax.Array, params: SamplingBatch
+) -> tuple[jax.Array, jax.Array]:
+    """Which candidates top-k, then top-p, then min-p keep, and whether that is the whole answer.
+
+    values: f32[S, K] the K most likely tempered logits, sorted down; total: f32[S] the whole
+    vocabulary's mass in units of the most likely token's, sum(exp(scaled - values[:, :1])).
+    Returns keep: bool[S, K] and exact: bool[S], true where no token beyond the candidates could
+    be kept, so drawing among the kept candidates is exactly the filtered distribution. Ties
+    with the last kept token are kept, as the full-vocabulary filter does.
+    """
+    num_candidates = values.shape[-1]
+    top = values[:, :1]
+    weights = jnp.exp(values - top)  # f32[S, K] probabilities relative to the most likely
+    top_k_inside = (params.top_k > 0) & (params.top_k <= num_candidates)
+    kth = jnp.take_along_axis(values, jnp.clip(params.top_k - 1, 0, num_candidates - 1)[:, None], 1)
+    keep = ~top_k_inside[:, None] | (values >= kth)
+    # The nucleus is measured against the top-k set when top-k is on (it is all here), else the
+    # whole vocabulary, of which the candidates hold only part of the mass.
+    kept_mass = jnp.sum(jnp.where(keep, weights, 0.0), axis=-1)
+    norm = jnp.where(top_k_inside, kept_mass, total)
+    before = jnp.cumsum(jnp.where(keep, weights, 0.0), axis=-1) - jnp.where(keep, weights, 0.0)
+    in_nucleus = keep & (before < params.top_p[:, None] * norm[:, None])
+    last = jnp.min(jnp.where(in_nucleus, values, jnp.inf), axis=-1, keepdims=True)
+    keep = keep & (values >= last)
+    min_p_cut = top + jnp.log(params.min_p)[:, None]  # -inf when min-p is off
+    keep = keep & (values >= min_p_cut)
+    exact = (
+        top_k_inside
+        | ((params.top_p < 1) & (kept_mass >= params.top_p * norm))
+        | (values[:, -1] < min_p_cut[:, 0])
+    )
+    # A top-k past the candidates rescales the nucleus by mass we have not summed: no shortcut.
+    exact = exact & ~(params.top_k > num_candidates)
+    return keep, exact
+
+
+def _draw_from_candidates(
+    logits: jax.Array, inv_temp: jax.Array, params: SamplingBatch, u: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Per row the token (i32[S]) drawn among the kept candidates, and whether it is exact.
+
+    logits: f32[S, V]; inv_temp: f32[S] > 0. A positive scale keeps the order, so the candidates
+    of the raw logits are those of the tempered ones.
+    """
+    vocab = logits.shape[-1]
+    # The barrier keeps XLA:CPU's top-k kernel: without it the simplifier folds our slice of the
+    # values into the sort that top_k lowers to, the pattern no longer matches, and a full sort of
+    # the vocabulary runs instead (~100x slower at 64 x 49152).
+    values, ids = jax.lax.optimization_barrier(jax.lax.top_k(logits, min(NUM_CANDIDATES, vocab)))
+    values = values * inv_temp[:, None]
+    total = jnp.sum(jnp.exp(logits * inv_temp[:, None] - values[:, :1]), axis=-1)
+    keep, exact = candidate_filter(values, total, params)
+    if values.shape[-1] == vocab:  # static: the candidates are the whole vocabulary
+        exact = jnp.ones_like(exact)
+    pick = _inverse_cdf(jnp.where(keep, jnp.exp(values - values[:, :1]), 0.0), u)
+    picked = jnp.arange(ids.shape[-1]) == pick[:, None]
+    return jnp.sum(jnp.where(picked, ids, 0), axis=-1).astype(jnp.int32), exact
+
+
+def _draw_from_vocab(
+    logits: jax.Array, inv_temp: jax.Array, params: SamplingBatch, u: jax.Array, bisect: jax.Array
+) -> jax.Array:
+    """The token (i32[S]) drawn over the whole vocabulary, filtered exactly (slow) where asked.
+
+    logits: f32[S, V]; inv_temp: f32[S] > 0; bisect: bool[S] rows whose top-k/top-p must be
+    applied here (by the bisection, which runs only if any row needs it).
+    """
+    num_seqs, vocab = logits.shape
+    row_max = jnp.max(logits, axis=-1) * inv_temp
+    # The cond yields a threshold per row, not a masked copy of the logits, so no [S, V] array
+    # crosses it and the passes below stay fused.
+    cut = jax.lax.cond(
+        jnp.any(bisect),
+        lambda: jnp.where(
+            bisect,
+            full_vocab_threshold(logits * inv_temp[:, None], params.top_k, params.top_p),
+            -jnp.inf,
+        ),
+        lambda: jnp.full(num_seqs, -jnp.inf),
+    )
+    # min-p: drop tokens whose probability is below min_p times the most likely one's.
+    cut = jnp.maximum(cut, row_max + jnp.log(params.min_p))
+
+    def mass(x):  # x: f32[S, ..., n] raw logits -> their kept, tempered mass
+        scale = inv_temp.reshape((-1,) + (1,) * (x.ndim - 1))
+        lower, top = cut.reshape(scale.shape), row_max.reshape(scale.shape)
+        return jnp.where(x * scale >= lower, jnp.exp(x * scale - top), 0.0)
+
+    # Two levels: pick a block by the cumulative block masses, then a token inside that block.
+    block_size = next((b for b in (256, 128, 64, 32) if vocab % b == 0), _CDF_BLOCK)
+    padded = -(-vocab // block_size) * block_size
+    if padded != vocab:  # static and rare (odd vocabularies): -inf logits carry no mass
+        logits = jnp.pad(logits, ((0, 0), (0, padded - vocab)), constant_values=-jnp.inf)
+    blocks = logits.reshape(num_seqs, padded // block_size, block_size)
+    block_mass = jnp.sum(mass(blocks), axis=-1)  # f32[S, V / block_size]
+    block = _inverse_cdf(block_mass, u)
+    # Where u falls inside the chosen block, as a fraction of that block's mass.
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    chosen = jnp.arange(block_mass.shape[-1]) == block[:, None]
+    below = jnp.sum(jnp.where(chosen, block_cdf - block_mass, 0.0), axis=-1)
+    within = jnp.sum(jnp.where(chosen, block_mass, 0.0), axis=-1)
+    u_inside = (u * block_cdf[:, -1] - below) / within
+    # The block's raw logits are gathered (S x block_size values) and their mass recomputed, so no
+    # [S, V] mass array is ever written.
+    inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
+    return block * block_size + _inverse_cdf(mass(inside), u_inside)
+
+
+def _inverse_cdf(mass: jax.Array, u: jax.Array) -> jax.Array:
+    """Index (i32[S]) of the first entry whose cumulative mass exceeds u times the total, per row.
+
+    mass: f32[S, N] >= 0 with a positive entry in every row; u: f32[S] in [0, 1) or, after
+    rounding, a little outside. Only entries with mass of their own can be picked, whatever the
+    rounding of the cumulative sums: a filtered (zero-mass) token is never drawn.
+    """
+    cdf = jnp.cumsum(mass, axis=-1)
+    index = jnp.arange(mass.shape[-1], dtype=jnp.int32)
+    positive = mass > 0
+    hit = positive & (cdf > (u * cdf[:, -1])[:, None])
+    first = jnp.min(jnp.where(hit, index, mass.shape[-1]), axis=-1)
+    last = jnp.max(jnp.where(positive, index, 0), axis=-1)  # when rounding left u past the end
+    return jnp.minimum(first, last)
+
+
+def _bisect_threshold(low: jax.Array, high: jax.Array, enough) -> jax.Array:
+    """Largest t in [low, high] (f32[S], per row) with enough(t) true, by 32 bisections.
+
+    enough(t): bool[S] must hold at t = low and be monotone in t. Thirty-two halvings pin t to
+    float32 resolution, so the kept set is exact up to ties; a full vocab sort costs ~15x more on
+    the CPU.
     """
 
     def body(_, bounds):
         lo, hi = bounds
         mid = (lo + hi) / 2
-        ok = enough(values >= mid[:, None])
+        ok = enough(mid)
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
     lo, _ = jax.lax.fori_loop(0, 32, body, (low, high))
     return lo
 
 
-def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Masks logits outside each row's top-k and then its top-p nucleus. scaled: f32[S, V]."""
+def full_vocab_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Per row the smallest logit (f32[S]) that top-k and then the top-p nucleus keep.
+
+    scaled: f32[S, V] tempered logits; top_k: i32[S] (0: off); top_p: f32[S] (1: off). Keeping
+    `scaled >= threshold` keeps the k most likely tokens, then of those the most likely whose
+    mass first reaches top_p, ties with the last one kept included. The exact, slow path over the
+    whole vocabulary (each bisection step is a pass over it): the fallback when a row's kept set
+    may reach past the candidates, and the oracle the candidate filter is tested against.
+    """
     vocab = scaled.shape[-1]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     row_min, row_max = jnp.min(scaled, axis=-1), jnp.max(scaled, axis=-1)
-    kth = _bisect_threshold(scaled, row_min, row_max, lambda keep: jnp.sum(keep, axis=-1) >= k)
-    scaled = jnp.where(scaled >= kth[:, None], scaled, -jnp.inf)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    # The nucleus: the most likely tokens whose mass first reaches top_p.
-    nucleus = _bisect_threshold(
-        probs,
-        jnp.zeros_like(row_max),
-        jnp.max(probs, axis=-1),
-        lambda keep: jnp.sum(jnp.where(keep, probs, 0.0), axis=-1) >= top_p,
+
+    def count_enough(t):
+        return jnp.sum(scaled >= t[:, None], axis=-1) >= k
+
+    kth = jax.lax.cond(
+        jnp.any(k < vocab),
+        lambda: _bisect_threshold(row_min, row_max, count_enough),
+        lambda: row_min,
     )
-    return jnp.where(probs >= nucleus[:, None], scaled, -jnp.inf)
+    mass = jnp.where(scaled >= kth[:, None], jnp.exp(scaled - row_max[:, None]), 0.0)
+    need = top_p * jnp.sum(mass, axis=-1)
 
+    def mass_enough(t):
+        return jnp.sum(jnp.where(scaled >= t[:, None], mass, 0.0), axis=-1) >= need
 
-def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
-    """Draws one token per row of logits f32[S, V] (jit-friendly, no host sync)."""
-    logits = logits.astype(jnp.float32)
-    num_seqs = logits.shape[0]
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    greedy = params.temperature <= 0
-    # top_k(., 1) rather than argmax: the same first-index tie break, several times faster on CPU.
-    best = jax.lax.top_k(logits, 1)[1][:, 0]
-    token_ids = jax.lax.cond(
-        jnp.all(greedy),
-        lambda: best,
-        lambda: jnp.where(greedy, best, _draw(logits, params)),
-    ).astype(jnp.int32)
-    chosen = jnp.take_along_axis(log_probs, token_ids[:, None], axis=-1)[:, 0]
-    width = min(MAX_TOP_LOGPROBS, logits.shape[-1])
-
-    def top_n(lp):
-        values, ids = jax.lax.top_k(lp, width)
-        return ids.astype(jnp.int32), values
-
-    def no_top(lp):
-        shape = (num_seqs, width)
-        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
-
-    top_ids, top_lp = jax.lax.cond(params.want_top_logprobs, top_n, no_top, log_probs)
-    return SampleOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
-
-
-def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:
-    """A random token per row from the filtered, tempered distribution (inverse CDF)."""
-    scaled = logits / jnp.maximum(params.temperature, 1e-6)[:, None]
-    needs_filter = jnp.any((params.top_k > 0) | (params.top_p < 1))
-    scaled = jax.lax.cond(
-        needs_filter,
-        lambda x: _filter_top_k_top_p(x, params.top_k, params.top_p),
-        lambda x: x,
-        scaled,
+    return jax.lax.cond(
+        jnp.any(top_p < 1),
+        lambda: _bisect_threshold(kth, row_max, mass_enough),
+        lambda: kth,
     )
-    row_max = jnp.max(scaled, axis=-1, keepdims=True)
-    # min-p: drop tokens whose probability is below min_p times the most likely one's.
-    scaled = jnp.where(scaled >= row_max + jnp.log(params.min_p)[:, None], scaled, -jnp.inf)
-    cdf = jnp.cumsum(jnp.exp(scaled - row_max), axis=-1)
-
-    def uniform(seed, position):
-        # One draw per row, keyed by (seed, position): independent of the batch around it.
-        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), position))
-
-    u = jax.vmap(uniform)(params.seeds, params.positions) * cdf[:, -1]
-    # The first token whose cumulative mass exceeds u; zero-mass tokens can never be it.
-    return jnp.minimum(jnp.sum(cdf <= u[:, None], axis=-1), logits.shape[-1] - 1)
