@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 
 from checkpoints.hf_config import UnsupportedModelError, model_config_from_hf
-from checkpoints.loaded import LoadedModel, abstract_params, model_for
+from checkpoints.loaded import LoadedModel, abstract_params, model_for, unstack_layers
 from checkpoints.orbax_io import is_orbax_dir, restore_orbax
 from checkpoints.random_weights import NAMED_SHAPES, random_params
 from checkpoints.weights import load_hf_weights, place_hf_weights
+from jaxserve.models.llama import resolve_layer_loop
 
 # The embedded default: stories260k ships inside the package, so nothing is ever downloaded.
 DEFAULT_MODEL_DIR = Path(__file__).parent / "stories260k"
@@ -29,21 +30,31 @@ def default_dtype():
 
 
 def load_model(
-    spec: str | Path | None = None, *, dtype=None, seed: int = 0, mesh=None
+    spec: str | Path | None = None,
+    *,
+    dtype=None,
+    seed: int = 0,
+    mesh=None,
+    layer_loop: str = "auto",
 ) -> LoadedModel:
     """Loads a model from a folder (Hugging Face or orbax) or a named random shape.
 
     `spec` None means the embedded default model. Raises `ModelLoadError` with a one-line reason.
     With `mesh` (jaxserve.sharding.make_mesh) each device receives only its shard of the params,
-    as jaxserve.sharding decides: the whole model is never built on one device.
+    as jaxserve.sharding decides: the whole model is never built on one device. The params come
+    in the layout of `layer_loop`'s module (`model_for`, same default): stacked for "scan", one
+    subtree per layer for "unrolled".
     """
     dtype = jnp.dtype(dtype if dtype is not None else default_dtype())
+    unrolled = resolve_layer_loop(layer_loop) == "unrolled"
     if spec is None:
         spec = DEFAULT_MODEL_DIR
     if isinstance(spec, str) and spec in NAMED_SHAPES:
         config = NAMED_SHAPES[spec]
         abstract = abstract_params(config, dtype)
         params = random_params(abstract, seed, _shardings(mesh, config, abstract))
+        if unrolled:  # drawn stacked: one jitted draw of few leaves compiles in seconds
+            params = _unstack(params, mesh, config)
         return LoadedModel(
             config=config,
             params=params,
@@ -61,8 +72,11 @@ def load_model(
         raise ModelLoadError(f"Model path {str(path)!r} is a file; pass the model's folder.")
     try:
         if is_orbax_dir(path):
-            return restore_orbax(path, dtype=dtype, mesh=mesh)
-        return _load_hf(path, dtype, mesh)
+            model = restore_orbax(path, dtype=dtype, mesh=mesh)
+            if unrolled:
+                model.params = _unstack(model.params, mesh, model.config)
+            return model
+        return _load_hf(path, dtype, mesh, unrolled)
     except (UnsupportedModelError, FileNotFoundError, ValueError, OSError) as e:
         raise ModelLoadError(f"Cannot load model from {str(path)!r}: {e}") from e
 
@@ -75,7 +89,13 @@ def _shardings(mesh, config, abstract) -> dict | None:
     return ShardingPlan.create(mesh, config).params(abstract)
 
 
-def _load_hf(path: Path, dtype, mesh=None) -> LoadedModel:
+def _unstack(params: dict, mesh, config) -> dict:
+    """The unrolled loop's per-layer tree of stacked `params`, in the plan's shardings if any."""
+    target = unstack_layers(jax.eval_shape(lambda: params))
+    return unstack_layers(params, _shardings(mesh, config, target))
+
+
+def _load_hf(path: Path, dtype, mesh=None, unrolled: bool = False) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     if not (path / "config.json").exists():
@@ -88,6 +108,8 @@ def _load_hf(path: Path, dtype, mesh=None) -> LoadedModel:
         eos = tuple([ids] if isinstance(ids, int) else (ids or []))
     config = model_config_from_hf(hf_config, eos)
     abstract = abstract_params(config, dtype)
+    if unrolled:  # read straight into per-layer arrays: no stacked copy on the way
+        abstract = unstack_layers(abstract)
     tied = config.tie_word_embeddings
     if mesh is None:
         params = jax.device_put(load_hf_weights(path, abstract, tied_embeddings=tied))

@@ -7,6 +7,11 @@ Layout of a converted folder:
 
 Restoring with `shardings` places each array straight into its sharding (tensor parallelism)
 instead of first building the whole model on one device.
+
+Params are stored stacked ([num_layers, ...] under "layers") with fused q/k/v and gate/up
+projections, whatever layer loop saved them. Folders of the first format (separate q/k/v and
+gate/up) are refused with a message to convert the source again: a converted folder is a cache of
+its source, and converting is faster and safer than a second fusing code path kept for them.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from checkpoints.loaded import (
     abstract_params,
     config_from_json,
     config_to_json,
+    stack_layers,
 )
 
-FORMAT = "jaxserve-orbax-1"
+FORMAT = "jaxserve-orbax-2"  # 2: fused qkv_proj and gate_up_proj
 MARKER = "jaxserve.json"
 
 
@@ -37,7 +43,7 @@ def save_orbax(model: LoadedModel, out_dir: str | Path) -> Path:
         raise FileExistsError(f"{out} already holds a checkpoint; choose an empty folder.")
     out.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(out / "params", model.params)
+        ckpt.save(out / "params", stack_layers(model.params))
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(out / "tokenizer")
     meta = {
@@ -56,9 +62,15 @@ def is_orbax_dir(path: Path) -> bool:
 
 
 def restore_orbax(path: Path, *, dtype=None, shardings: Any = None, mesh=None) -> LoadedModel:
-    """Restores a `save_orbax` folder, optionally into `shardings` (a param-shaped tree) or into
-    the shardings jaxserve.sharding decides for this model on `mesh`."""
+    """Restores a `save_orbax` folder (stacked params), optionally into `shardings` (a param-shaped
+    tree) or into the shardings jaxserve.sharding decides for this model on `mesh`."""
     meta = json.loads((path / MARKER).read_text())
+    if meta.get("format") == "jaxserve-orbax-1":
+        raise ValueError(
+            f"{path} was converted by an older jaxserve (format 'jaxserve-orbax-1', separate "
+            f"q/k/v and gate/up weights; this one reads {FORMAT!r}). Convert its source again: "
+            f"`jaxserve convert {meta.get('source', 'SOURCE')} NEW_FOLDER`."
+        )
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path / MARKER} has format {meta.get('format')!r}, expected {FORMAT!r}.")
     config = config_from_json(meta["config"])

@@ -1,13 +1,22 @@
 """The weight-name table: Hugging Face tensor names -> jaxserve's (layer-stacked) param tree.
 
-HF stores `model.layers.{i}.self_attn.q_proj.weight` as [out, in]; jaxserve's scanned layers hold
-`params["layers"]["self_attn"]["q_proj"]["kernel"]` as [num_layers, in, out]. One table says
+HF stores `model.layers.{i}.self_attn.o_proj.weight` as [out, in]; jaxserve's scanned layers hold
+`params["layers"]["self_attn"]["o_proj"]["kernel"]` as [num_layers, in, out]. One table says
 where each tensor goes and whether it is transposed; the loader checks that every param was filled
 exactly once, so a renamed or missing tensor fails loudly instead of leaving random weights.
+
+Fused projections are filled from several tensors, each one *piece* of the fused param's
+second-to-last axis: `qkv_proj/kernel` [in, num_kv_heads, group + 2, head_dim] takes q_proj
+reshaped to [in, num_kv_heads, group, head_dim] at [..., :group, :] (q head j * group + i reads
+KV head j, as in HF), k_proj at [..., group, :] and v_proj at [..., group + 1, :];
+`gate_up_proj/kernel` [in, 2, intermediate] takes gate_proj at [:, 0] and up_proj at [:, 1].
+Biases likewise. Nothing is concatenated up front: a reader copies each piece's share of the
+slice it is asked for, so a tensor-parallel shard reads only its own heads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -16,65 +25,116 @@ import numpy as np
 
 from checkpoints.safetensors_io import iter_tensors, weight_files
 
-# HF suffix under model.layers.{i}. -> (param path under params["layers"], transpose?)
-LAYER_TABLE: dict[str, tuple[tuple[str, ...], bool]] = {
-    "self_attn.q_proj.weight": (("self_attn", "q_proj", "kernel"), True),
-    "self_attn.k_proj.weight": (("self_attn", "k_proj", "kernel"), True),
-    "self_attn.v_proj.weight": (("self_attn", "v_proj", "kernel"), True),
-    "self_attn.o_proj.weight": (("self_attn", "o_proj", "kernel"), True),
-    "self_attn.q_proj.bias": (("self_attn", "q_proj", "bias"), False),
-    "self_attn.k_proj.bias": (("self_attn", "k_proj", "bias"), False),
-    "self_attn.v_proj.bias": (("self_attn", "v_proj", "bias"), False),
-    "self_attn.o_proj.bias": (("self_attn", "o_proj", "bias"), False),
-    "self_attn.q_norm.weight": (("self_attn", "q_norm", "scale"), False),
-    "self_attn.k_norm.weight": (("self_attn", "k_norm", "scale"), False),
-    "mlp.gate_proj.weight": (("mlp", "gate_proj", "kernel"), True),
-    "mlp.up_proj.weight": (("mlp", "up_proj", "kernel"), True),
-    "mlp.down_proj.weight": (("mlp", "down_proj", "kernel"), True),
-    "mlp.gate_proj.bias": (("mlp", "gate_proj", "bias"), False),
-    "mlp.up_proj.bias": (("mlp", "up_proj", "bias"), False),
-    "mlp.down_proj.bias": (("mlp", "down_proj", "bias"), False),
-    "input_layernorm.weight": (("input_layernorm", "scale"), False),
-    "post_attention_layernorm.weight": (("post_attention_layernorm", "scale"), False),
+_Q, _K, _V = slice(0, -2), slice(-2, -1), slice(-1, None)  # pieces of qkv's (group + 2) axis
+_GATE, _UP = slice(0, 1), slice(1, 2)  # pieces of gate_up's 2 axis
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where one HF tensor goes: a param path, transposed or not, whole or one fused piece."""
+
+    path: tuple[str, ...]
+    transpose: bool
+    piece: slice | None = None  # its range of the param's axis -2 (None: the whole param)
+
+
+# HF suffix under model.layers.{i}. -> its target under params["layers"]
+LAYER_TABLE: dict[str, Target] = {
+    "self_attn.q_proj.weight": Target(("self_attn", "qkv_proj", "kernel"), True, _Q),
+    "self_attn.k_proj.weight": Target(("self_attn", "qkv_proj", "kernel"), True, _K),
+    "self_attn.v_proj.weight": Target(("self_attn", "qkv_proj", "kernel"), True, _V),
+    "self_attn.o_proj.weight": Target(("self_attn", "o_proj", "kernel"), True),
+    "self_attn.q_proj.bias": Target(("self_attn", "qkv_proj", "bias"), False, _Q),
+    "self_attn.k_proj.bias": Target(("self_attn", "qkv_proj", "bias"), False, _K),
+    "self_attn.v_proj.bias": Target(("self_attn", "qkv_proj", "bias"), False, _V),
+    "self_attn.o_proj.bias": Target(("self_attn", "o_proj", "bias"), False),
+    "self_attn.q_norm.weight": Target(("self_attn", "q_norm", "scale"), False),
+    "self_attn.k_norm.weight": Target(("self_attn", "k_norm", "scale"), False),
+    "mlp.gate_proj.weight": Target(("mlp", "gate_up_proj", "kernel"), True, _GATE),
+    "mlp.up_proj.weight": Target(("mlp", "gate_up_proj", "kernel"), True, _UP),
+    "mlp.down_proj.weight": Target(("mlp", "down_proj", "kernel"), True),
+    "mlp.gate_proj.bias": Target(("mlp", "gate_up_proj", "bias"), False, _GATE),
+    "mlp.up_proj.bias": Target(("mlp", "gate_up_proj", "bias"), False, _UP),
+    "mlp.down_proj.bias": Target(("mlp", "down_proj", "bias"), False),
+    "input_layernorm.weight": Target(("input_layernorm", "scale"), False),
+    "post_attention_layernorm.weight": Target(("post_attention_layernorm", "scale"), False),
 }
-TOP_TABLE: dict[str, tuple[tuple[str, ...], bool]] = {
-    "model.embed_tokens.weight": (("embed_tokens", "embedding"), False),
-    "model.norm.weight": (("norm", "scale"), False),
-    "lm_head.weight": (("lm_head", "kernel"), True),
+TOP_TABLE: dict[str, Target] = {
+    "model.embed_tokens.weight": Target(("embed_tokens", "embedding"), False),
+    "model.norm.weight": Target(("norm", "scale"), False),
+    "lm_head.weight": Target(("lm_head", "kernel"), True),
 }
 # Buffers some exporters save that carry no weights of their own.
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def map_name(name: str) -> tuple[tuple[str, ...], int | None, bool] | None:
-    """(param path, layer index or None, transpose) of an HF tensor name; None if ignored."""
+def map_name(name: str) -> tuple[Target, int | None] | None:
+    """(target with its path under params, layer index or None) of an HF tensor; None if ignored."""
     if IGNORED.match(name):
         return None
     if m := _LAYER_NAME.match(name):
         layer, suffix = int(m.group(1)), m.group(2)
         if suffix in LAYER_TABLE:
-            path, transpose = LAYER_TABLE[suffix]
-            return ("layers", *path), layer, transpose
+            target = LAYER_TABLE[suffix]
+            return dataclasses.replace(target, path=("layers", *target.path)), layer
     elif name in TOP_TABLE:
-        path, transpose = TOP_TABLE[name]
-        return path, None, transpose
+        return TOP_TABLE[name], None
     raise KeyError(name)
 
 
-Layout = dict[tuple[str, ...], dict[int | None, np.ndarray]]
+def expected_names(paths, num_layers: int) -> set[str]:
+    """The HF tensor names that fill the params at `paths` (stacked param paths)."""
+    names = {name for name, t in TOP_TABLE.items() if t.path in paths}
+    for suffix, t in LAYER_TABLE.items():
+        if ("layers", *t.path) in paths:
+            names |= {f"model.layers.{i}.{suffix}" for i in range(num_layers)}
+    return names
+
+
+class Parts:
+    """One layer's share of one param: a whole mapped tensor, or the pieces of a fused param."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape = shape  # the param's shape for one layer
+        self.pieces: dict[tuple[int, int] | None, np.ndarray] = {}  # axis -2 range -> view
+
+    def read(self, index: tuple[slice, ...], out: np.ndarray) -> np.ndarray:
+        """Copies `index` of this param into `out` (of the slice's shape, in the target dtype),
+        reading only those bytes of the mapped tensors and casting while copying."""
+        if None in self.pieces:
+            out[...] = self.pieces[None][index]
+            return out
+        axis = len(self.shape) - 2
+        want = range(self.shape[axis])[index[axis]]
+        for (begin, end), piece in self.pieces.items():
+            lo, hi = max(want.start, begin), min(want.stop, end)
+            if lo < hi:  # this piece holds part of the requested range
+                src, dst = list(index), [slice(None)] * len(index)
+                src[axis] = slice(lo - begin, hi - begin)
+                dst[axis] = slice(lo - want.start, hi - want.start)
+                out[tuple(dst)] = piece[tuple(src)]
+        return out
+
+
+Layout = dict[tuple[str, ...], dict[int | None, Parts]]
 
 
 def index_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings: bool) -> Layout:
-    """Where each param's values are: {param path: {layer (None if unstacked): array}}.
+    """Where each param's values are: {stacked param path: {layer (None if unstacked): Parts}}.
 
-    The arrays are memory-mapped views, already transposed to jaxserve's layout, so nothing is read
-    until a loader slices them. Checks what the loaders rely on: every tensor is known, every
-    param filled, every shape as the config says. `abstract_params` is the model's
-    `jax.eval_shape` param tree.
+    The arrays are memory-mapped views, already transposed (and, for fused params, reshaped to
+    their piece) in jaxserve's layout, so nothing is read until a loader slices them. Checks what
+    the loaders rely on: every tensor is known, every param filled, every shape as the config
+    says. `abstract_params` is the model's `jax.eval_shape` param tree (stacked or unstacked).
     """
-    shapes = {_path(kp): leaf.shape for kp, leaf in _leaves(abstract_params)}
+    from checkpoints.loaded import stack_layers
+
+    stacked = stack_layers(abstract_params)
+    shapes = {_path(kp): tuple(leaf.shape) for kp, leaf in _leaves(stacked)}
+    num_layers = jax.tree.leaves(stacked["layers"])[0].shape[0]
     found: Layout = {}
+    seen: set[str] = set()
     unexpected: list[str] = []
     for file in weight_files(model_dir):
         for name, tensor in iter_tensors(file):
@@ -85,25 +145,29 @@ def index_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings:
                 continue
             if mapped is None or (tied_embeddings and name == "lm_head.weight"):
                 continue
-            path, layer, transpose = mapped
-            if path not in shapes:
+            target, layer = mapped
+            if target.path not in shapes:
                 unexpected.append(name)
                 continue
-            value = tensor.T if transpose else tensor
-            expected = shapes[path] if layer is None else shapes[path][1:]
-            if value.shape != tuple(expected):
+            shape = shapes[target.path] if layer is None else shapes[target.path][1:]
+            parts = found.setdefault(target.path, {}).setdefault(layer, Parts(shape))
+            value = tensor.T if target.transpose else tensor
+            span = None if target.piece is None else range(shape[-2])[target.piece]
+            expected = shape if span is None else (*shape[:-2], len(span), shape[-1])
+            # A fused piece splits the tensor's last axis (heads, or gate|up), nothing else.
+            flat = (*expected[: value.ndim - 1], int(np.prod(expected[value.ndim - 1 :])))
+            if value.shape != flat:
                 raise ValueError(
-                    f"Tensor {name!r} has shape {tuple(tensor.shape)}; expected {tuple(expected)} "
-                    f"(after transpose={transpose}) from the model config."
+                    f"Tensor {name!r} has shape {tuple(tensor.shape)}; expected {flat} "
+                    f"(after transpose={target.transpose}) from the model config."
                 )
-            found.setdefault(path, {})[layer] = value
+            parts.pieces[None if span is None else (span.start, span.stop)] = value.reshape(
+                expected
+            )
+            seen.add(name)
     if unexpected:
         raise ValueError(f"{model_dir} holds tensors jaxserve does not know: {unexpected[:8]}.")
-    missing = []
-    for path, shape in shapes.items():
-        expected_layers = range(shape[0]) if path[0] == "layers" else [None]
-        done = found.get(path, {})
-        missing += [f"{'/'.join(path)}[{i}]" for i in expected_layers if i not in done]
+    missing = sorted(expected_names(shapes.keys(), num_layers) - seen)
     if missing:
         raise ValueError(f"{model_dir} lacks weights for {missing[:8]}.")
     return found
@@ -113,7 +177,7 @@ def load_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings: 
     """Reads the safetensors tensors of `model_dir` into numpy arrays like `abstract_params`."""
     layout = index_hf_weights(model_dir, abstract_params, tied_embeddings=tied_embeddings)
     return jax.tree_util.tree_map_with_path(
-        lambda kp, leaf: read_slice(layout[_path(kp)], leaf.dtype, (slice(None),) * leaf.ndim),
+        lambda kp, leaf: read_slice(layout, _path(kp), leaf.dtype, (slice(None),) * leaf.ndim),
         abstract_params,
     )
 
@@ -129,23 +193,33 @@ def place_hf_weights(
     layout = index_hf_weights(model_dir, abstract_params, tied_embeddings=tied_embeddings)
 
     def place(kp, leaf, sharding):
-        parts = layout[_path(kp)]
+        path = _path(kp)
         return jax.make_array_from_callback(
-            leaf.shape, sharding, lambda index: read_slice(parts, leaf.dtype, index)
+            leaf.shape, sharding, lambda index: read_slice(layout, path, leaf.dtype, index)
         )
 
     return jax.tree_util.tree_map_with_path(place, abstract_params, shardings)
 
 
-def read_slice(parts: dict[int | None, np.ndarray], dtype, index: tuple[slice, ...]) -> np.ndarray:
-    """`index` of one param, cast to `dtype`, reading only those bytes of the mapped tensors."""
-    if None in parts:
-        return np.asarray(parts[None][index]).astype(dtype)
-    layers = range(len(parts))[index[0]]
-    out = np.empty((len(layers), *parts[0][index[1:]].shape), dtype)
+def read_slice(
+    layout: Layout, path: tuple[str, ...], dtype, index: tuple[slice, ...]
+) -> np.ndarray:
+    """`index` of the param at `path` (stacked "layers/..." or unstacked "layers_{i}/...")."""
+    if m := re.fullmatch(r"layers_(\d+)", path[0]):  # one layer of the unrolled layout
+        parts = layout[("layers", *path[1:])][int(m.group(1))]
+        return parts.read(index, np.empty(_sliced(parts.shape, index), dtype))
+    by_layer = layout[path]
+    if None in by_layer:
+        return by_layer[None].read(index, np.empty(_sliced(by_layer[None].shape, index), dtype))
+    layers = range(len(by_layer))[index[0]]
+    out = np.empty((len(layers), *_sliced(by_layer[0].shape, index[1:])), dtype)
     for i, layer in enumerate(layers):
-        out[i] = parts[layer][index[1:]]  # casts while copying: one buffer, in the target dtype
+        by_layer[layer].read(index[1:], out[i])  # one buffer, in the target dtype
     return out
+
+
+def _sliced(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int, ...]:
+    return tuple(len(range(n)[i]) for n, i in zip(shape, index, strict=True))
 
 
 def _leaves(tree: dict):

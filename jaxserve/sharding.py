@@ -5,10 +5,11 @@
     params = plan.place(params)                    # or load straight into plan.params(abstract)
     kv = init_kv_pages(..., sharding=plan.kv_pages)
 
-Tensor parallelism over the "model" axis, Megatron-style: q/k/v and gate/up are split by output
-columns (whole attention heads), o and down by input rows, so each layer needs one all-reduce after
-attention and one after the MLP, and XLA's SPMD partitioner inserts them: the step stays one
-jitted function, with no communication code of ours. The embedding and the LM head are split by
+Tensor parallelism over the "model" axis, Megatron-style: the fused qkv and gate/up projections
+are split by output columns (whole KV heads with their query groups; intermediate columns), o and
+down by input rows, so each layer needs one all-reduce after attention and one after the MLP,
+and XLA's SPMD partitioner inserts them: the step stays one jitted function, with no
+communication code of ours. The embedding and the LM head are split by
 vocabulary rows, so the logits arrive split by vocabulary; sampling reduces over it.
 
 The KV pool is split by KV head, and each device must hold the KV heads its query heads read.
@@ -16,7 +17,10 @@ Query head h reads KV head h // g (g = num_heads // num_kv_heads), and the q hea
 N contiguous blocks, so:
 - num_kv_heads % N == 0: each device holds num_kv_heads / N whole GQA groups.
 - N % num_kv_heads == 0 (N exceeds the KV heads): each KV head is replicated on N / num_kv_heads
-  devices, each holding a slice of that head's group of query heads.
+  devices, each attending with a slice of that head's group of query heads. The fused qkv kernel
+  holds a KV head's whole group, so these devices each project the group's queries and keep their
+  slice: q's share of the projection is computed N / num_kv_heads times, in exchange for one
+  matmul per layer instead of three.
 - otherwise: the pool (and k/v projections) is replicated on every device; still correct, XLA
   moves the query heads where they are needed.
 To say this with NamedShardings the plan factors the model axis into ("model_kv", "model_rep"):
@@ -171,17 +175,19 @@ class ShardingPlan:
         return self.sharding(P(None, None, None, KV_AXIS, None))
 
     def param_spec(self, path: str, ndim: int) -> P:
-        """The PartitionSpec of the param at `path` ('layers/self_attn/q_proj/kernel')."""
+        """The PartitionSpec of the param at `path` ('layers/self_attn/qkv_proj/kernel', or
+        'layers_3/...' for one layer of the unrolled layout: dims count from the end)."""
         c, tp = self.config, self.tensor_parallel
         heads_split = c.num_heads % tp == 0
         for pattern, dim, axes, ok in (
             # Vocabulary-parallel embedding [V, H] and head [H, V].
             (r"embed_tokens/embedding", 0, MODEL, c.vocab_size % tp == 0),
             (r"lm_head/kernel", -1, MODEL, c.vocab_size % tp == 0),
-            # Column-split (output features; biases follow their kernel's columns).
-            (r"self_attn/q_proj/(kernel|bias)", -1, MODEL, heads_split),
-            (r"self_attn/[kv]_proj/(kernel|bias)", -1, KV_AXIS, True),
-            (r"mlp/(gate|up)_proj/(kernel|bias)", -1, MODEL, c.intermediate_size % tp == 0),
+            # Column-split (output features; biases follow their kernel's columns). The fused
+            # qkv [.., num_kv_heads, group + 2, head_dim] is split by KV head: a device holds its
+            # KV heads' k, v and whole q groups (see the module docstring for replicated KV heads).
+            (r"self_attn/qkv_proj/(kernel|bias)", -3, KV_AXIS, True),
+            (r"mlp/gate_up_proj/(kernel|bias)", -1, MODEL, c.intermediate_size % tp == 0),
             # Row-split (input features): the partial sums meet in one all-reduce.
             (r"self_attn/o_proj/kernel", -2, MODEL, heads_split),
             (r"mlp/down_proj/kernel", -2, MODEL, c.intermediate_size % tp == 0),

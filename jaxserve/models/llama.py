@@ -9,6 +9,8 @@ KV pool rides in the scan carry so each layer writes its pages in place.
 
 from __future__ import annotations
 
+import os
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -42,10 +44,14 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _dense(features: int, use_bias: bool, dtype: jnp.dtype, name: str) -> nn.Dense:
+def _dense(
+    features: int | tuple[int, ...], use_bias: bool, dtype: jnp.dtype, name: str
+) -> nn.DenseGeneral:
+    """x [T, in] -> [T, *features]; the kernel is [in, *features], so a fused projection's parts
+    (q/k/v heads, gate/up) are axes of one matmul's output, split without a copy."""
     # float32 models ask for full-precision matmuls so accelerators do not silently drop to TF32.
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
-    return nn.Dense(
+    return nn.DenseGeneral(
         features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, precision=precision, name=name
     )
 
@@ -60,12 +66,11 @@ class Attention(nn.Module):
     def __call__(self, x, k_pool, v_pool, layer, batch: StepBatch, cos, sin):
         c = self.config
         t = x.shape[0]
-        q = _dense(c.num_heads * c.head_dim, c.qkv_bias, self.dtype, "q_proj")(x)
-        k = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, self.dtype, "k_proj")(x)
-        v = _dense(c.num_kv_heads * c.head_dim, c.qkv_bias, self.dtype, "v_proj")(x)
-        q = q.reshape(t, c.num_heads, c.head_dim)
-        k = k.reshape(t, c.num_kv_heads, c.head_dim)
-        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        # One matmul for q, k and v: per KV head, its group of q heads, then its k, then its v.
+        g = c.q_per_kv
+        qkv = _dense((c.num_kv_heads, g + 2, c.head_dim), c.qkv_bias, self.dtype, "qkv_proj")(x)
+        q = qkv[:, :, :g].reshape(t, c.num_heads, c.head_dim)  # q head j * g + i reads KV head j
+        k, v = qkv[:, :, g], qkv[:, :, g + 1]  # [T, num_kv_heads, head_dim]
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
@@ -96,8 +101,8 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.config
-        gate = _dense(c.intermediate_size, c.mlp_bias, self.dtype, "gate_proj")(x)
-        up = _dense(c.intermediate_size, c.mlp_bias, self.dtype, "up_proj")(x)
+        gate_up = _dense((2, c.intermediate_size), c.mlp_bias, self.dtype, "gate_up_proj")(x)
+        gate, up = gate_up[:, 0], gate_up[:, 1]
         return _dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj")(nn.silu(gate) * up)
 
 
@@ -130,6 +135,23 @@ class DecoderLayer(nn.Module):
         return (h, k_pool, v_pool, layer + 1), None
 
 
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+
+
+def resolve_layer_loop(layer_loop: str = "auto") -> str:
+    """The layer loop to build, "scan" or "unrolled". "auto" is $JAXSERVE_LAYER_LOOP when set,
+    else unrolled on the CPU (no weight copies) and scanned elsewhere (one body to compile)."""
+    if layer_loop == "auto":
+        layer_loop = os.environ.get("JAXSERVE_LAYER_LOOP") or (
+            "unrolled" if jax.default_backend() == "cpu" else "scan"
+        )
+    if layer_loop not in LAYER_LOOPS[1:]:
+        raise ValueError(
+            f"layer_loop={layer_loop!r} (or $JAXSERVE_LAYER_LOOP) is not one of {LAYER_LOOPS}."
+        )
+    return layer_loop
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder-only Llama-family model over a ragged, paged batch."""
 
@@ -137,19 +159,24 @@ class LlamaForCausalLM(nn.Module):
     attention_backend: str = "auto"
     dtype: jnp.dtype = jnp.float32
     plan: ShardingPlan | None = None  # the mesh the step is split over (None: one device)
+    layer_loop: str = "auto"  # "scan" | "unrolled" | "auto" (by platform: resolve_layer_loop)
 
     def setup(self):
         c = self.config
         self.embed_tokens = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype
         )
-        self.layers = nn.scan(
-            DecoderLayer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-            length=c.num_layers,
-        )(c, self.attention_backend, self.dtype, self.plan)
+        layer_args = (c, self.attention_backend, self.dtype, self.plan)
+        if resolve_layer_loop(self.layer_loop) == "scan":
+            self.layers = nn.scan(
+                DecoderLayer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=c.num_layers,
+            )(*layer_args)
+        else:  # params "layers_0" ... "layers_{n-1}", each its own array (see the docstring)
+            self.layers = [DecoderLayer(*layer_args) for _ in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = _dense(c.vocab_size, False, self.dtype, "lm_head")
@@ -163,8 +190,17 @@ class LlamaForCausalLM(nn.Module):
         angles = jnp.concatenate([freqs, freqs], axis=-1)  # f32[T, head_dim]
         h = self.embed_tokens(batch.token_ids)
         carry = (h, kv.k, kv.v, jnp.int32(0))
-        (h, k_pool, v_pool, _), _ = self.layers(carry, batch, jnp.cos(angles), jnp.sin(angles))
+        h, k_pool, v_pool = self._run_layers(carry, batch, jnp.cos(angles), jnp.sin(angles))
         return self.norm(h), KVPages(k=k_pool, v=v_pool)
+
+    def _run_layers(self, carry, batch: StepBatch, cos: jax.Array, sin: jax.Array):
+        """The decoder layers over `carry` (h, k_pool, v_pool, layer): scanned or unrolled."""
+        if isinstance(self.layers, nn.Module):  # the scan
+            carry, _ = self.layers(carry, batch, cos, sin)
+        else:
+            for layer in self.layers:
+                carry, _ = layer(carry, batch, cos, sin)
+        return carry[:3]
 
     def init_all(self, kv: KVPages, batch: StepBatch) -> jax.Array:
         """Touches every parameter (the forward and the head), for `init` and `eval_shape`."""

@@ -22,6 +22,7 @@ import torch
 import transformers
 
 from checkpoints import LoadedModel, model_for
+from checkpoints.loaded import layer_loop_of
 from jaxserve.batch import SeqChunk, pack_chunks
 from jaxserve.config import ModelConfig
 from jaxserve.kv_pages import KVPages
@@ -153,7 +154,7 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) ->
 @functools.partial(jax.jit, static_argnames=("config", "dtype"), donate_argnames=("kv",))
 def paged_step(config: ModelConfig, dtype: str, params: dict, kv: KVPages, batch):
     """One ragged step: logits of every token f32[T, vocab] and the updated pool."""
-    model = model_for(config, jnp.dtype(dtype))
+    model = model_for(config, jnp.dtype(dtype), layer_loop=layer_loop_of(params))
     hidden, kv = model.apply({"params": params}, kv, batch)
     return model.apply({"params": params}, hidden, method="logits"), kv
 

@@ -8,6 +8,8 @@ bfloat16, the latter must stay as close to the float32 logits as transformers' b
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -17,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import checkpoints
+from checkpoints.loaded import stack_layers
 from checkpoints.safetensors_io import read_header
 from tests.models.helpers import (
     STORIES_BUCKET,
@@ -66,6 +69,32 @@ def test_orbax_round_trip(source, tmp_path):
         checkpoints.save_orbax(model, out)
 
 
+def test_scan_and_unrolled_layer_loops_agree(tmp_path):
+    """The same HF folder loaded for either layer loop: the unrolled per-layer arrays stack back
+    into the scanned model's params bit for bit, and both loops give the same logits (qwen2:
+    fused q/k/v with biases, 2 query heads per KV head)."""
+    hf_dir = save_hf(build_hf_model("qwen2"), tmp_path / "hf")
+    scan = checkpoints.load_model(hf_dir, dtype=jnp.float32, layer_loop="scan")
+    unrolled = checkpoints.load_model(hf_dir, dtype=jnp.float32, layer_loop="unrolled")
+    assert "layers" in scan.params and "layers_1" in unrolled.params
+    restacked = stack_layers(unrolled.params)
+    assert jax.tree.structure(restacked) == jax.tree.structure(scan.params)
+    for a, b in zip(jax.tree.leaves(restacked), jax.tree.leaves(scan.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(
+        sequence_logits(unrolled, PROMPT), sequence_logits(scan, PROMPT), rtol=0, atol=1e-5
+    )
+
+
+def test_a_folder_of_the_unfused_format_asks_for_a_new_conversion(tmp_path):
+    model = checkpoints.load_model("llama-tiny", dtype=jnp.float32)
+    out = checkpoints.save_orbax(model, tmp_path / "orbax")
+    meta = json.loads((out / "jaxserve.json").read_text())
+    (out / "jaxserve.json").write_text(json.dumps({**meta, "format": "jaxserve-orbax-1"}))
+    with pytest.raises(checkpoints.ModelLoadError, match="jaxserve convert random:llama-tiny"):
+        checkpoints.load_model(out)
+
+
 def test_sharded_safetensors(tmp_path):
     hf = build_hf_model("qwen2")
     path = save_hf(hf, tmp_path / "sharded", max_shard_size="40KB")
@@ -99,7 +128,9 @@ def test_bfloat16_safetensors(tmp_path):
     }
     embed = np.asarray(as_bf16.params["embed_tokens"]["embedding"]).astype(np.float32)
     np.testing.assert_array_equal(embed, hf.model.embed_tokens.weight.detach().numpy())
-    q_bias = np.asarray(as_bf16.params["layers"]["self_attn"]["q_proj"]["bias"][1])
+    # Layer 1's q bias: the q piece of the fused qkv bias [num_kv_heads, group + 2, head_dim].
+    qkv_bias = stack_layers(as_bf16.params)["layers"]["self_attn"]["qkv_proj"]["bias"][1]
+    q_bias = np.asarray(qkv_bias[:, : as_bf16.config.q_per_kv]).reshape(-1)
     np.testing.assert_array_equal(
         q_bias.astype(np.float32), hf.model.layers[1].self_attn.q_proj.bias.detach().numpy()
     )

@@ -67,8 +67,10 @@ def test_missing_weight(llama_dir, tmp_path):
     path = _copy_with_weights(llama_dir, tmp_path / "m", drop)
     with pytest.raises(checkpoints.ModelLoadError, match="lacks weights") as e:
         checkpoints.load_model(path, dtype=jnp.float32)
-    assert "layers/mlp/up_proj/kernel[1]" in str(e.value)
-    assert "kernel[0]" not in str(e.value)  # layer 0's tensor is there
+    assert "model.layers.1.mlp.up_proj.weight" in str(e.value)
+    # Layer 0's tensor, and layer 1's gate half of the same fused param, are there.
+    assert "model.layers.0.mlp.up_proj.weight" not in str(e.value)
+    assert "gate_proj" not in str(e.value)
 
 
 def test_unknown_tensor(llama_dir, tmp_path):

@@ -14,7 +14,8 @@ from jaxserve.sharding import ShardingPlan, make_mesh
 def _assert_placed_like(model, reference, tp: int) -> None:
     """Same values as `reference`, each leaf in the plan's sharding, each shard only its slice."""
     plan = ShardingPlan.create(make_mesh(tp), model.config)
-    want_shardings = plan.params(abstract_params(model.config, model.dtype))
+    # In the layout the platform's layer loop runs (the model was loaded for it).
+    want_shardings = plan.params(abstract_params(model.config, model.dtype, layer_loop="auto"))
     flat = jax.tree_util.tree_flatten_with_path(model.params)[0]
     ref = jax.tree.leaves(reference.params)
     want = jax.tree.leaves(want_shardings)

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from checkpoints import NAMED_SHAPES
-from checkpoints.loaded import abstract_params
+from checkpoints.loaded import abstract_params, unstack_layers
 from jaxserve.batch import SeqChunk, pack_chunks
 from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_pages import pages_that_fit
@@ -48,29 +48,40 @@ def _specs(config, tp: int) -> dict[str, P]:
 
 def test_megatron_split_of_every_param():
     specs = _specs(LLAMA, 4)
-    col, row = P(None, None, MODEL), P(None, MODEL, None)
+    row = P(None, MODEL, None)
     assert specs == {
         "embed_tokens/embedding": P(MODEL, None),
         "lm_head/kernel": P(None, MODEL),
         "norm/scale": P(),
         "layers/input_layernorm/scale": P(),
         "layers/post_attention_layernorm/scale": P(),
-        "layers/self_attn/q_proj/kernel": col,
-        "layers/self_attn/q_proj/bias": P(None, MODEL),
-        "layers/self_attn/k_proj/kernel": P(None, None, KV_AXIS),
-        "layers/self_attn/k_proj/bias": P(None, KV_AXIS),
-        "layers/self_attn/v_proj/kernel": P(None, None, KV_AXIS),
-        "layers/self_attn/v_proj/bias": P(None, KV_AXIS),
+        # [layers, hidden, kv heads, group + 2, head_dim]: whole KV heads with their q groups.
+        "layers/self_attn/qkv_proj/kernel": P(None, None, KV_AXIS, None, None),
+        "layers/self_attn/qkv_proj/bias": P(None, KV_AXIS, None, None),
         "layers/self_attn/o_proj/kernel": row,
         "layers/self_attn/o_proj/bias": P(),
-        "layers/mlp/gate_proj/kernel": col,
-        "layers/mlp/gate_proj/bias": P(None, MODEL),
-        "layers/mlp/up_proj/kernel": col,
-        "layers/mlp/up_proj/bias": P(None, MODEL),
+        # [layers, hidden, 2, intermediate]: gate and up split alike, by intermediate column.
+        "layers/mlp/gate_up_proj/kernel": P(None, None, None, MODEL),
+        "layers/mlp/gate_up_proj/bias": P(None, None, MODEL),
         "layers/mlp/down_proj/kernel": row,
         "layers/mlp/down_proj/bias": P(),
     }
     assert set(_specs(LLAMA, 1).values()) == {P()}
+
+
+def test_unrolled_layers_split_like_stacked_ones():
+    """One layer of the unrolled layout ("layers_1/...") is split like the stacked param, less
+    its leading layer axis."""
+    plan = ShardingPlan.create(make_mesh(4), LLAMA)
+    stacked = _specs(LLAMA, 4)
+    unrolled = plan.params(unstack_layers(abstract_params(LLAMA, jnp.float32)))
+    flat = jax.tree_util.tree_flatten_with_path(unrolled)[0]
+    got = {"/".join(k.key for k in kp): s.spec for kp, s in flat}
+    per_layer = sum(name.startswith("layers/") for name in stacked)
+    assert len(got) == len(stacked) + (LLAMA.num_layers - 1) * per_layer
+    for name, spec in got.items():
+        if name.startswith("layers_"):
+            assert P(None, *spec) == stacked["layers/" + name.split("/", 1)[1]], name
 
 
 def test_every_named_shape_has_a_rule_for_every_param():
@@ -83,7 +94,7 @@ def test_sizes_that_do_not_divide_are_replicated():
     specs = _specs(odd, 4)
     for name in ("embed_tokens/embedding", "lm_head/kernel", "layers/mlp/down_proj/kernel"):
         assert specs[name] == P(), name
-    assert specs["layers/self_attn/q_proj/kernel"] == P()
+    assert specs["layers/self_attn/qkv_proj/kernel"] == P()
     plan = ShardingPlan.create(make_mesh(4), odd)
     assert plan.kv_shards == 1 and not plan.attention_is_local
 

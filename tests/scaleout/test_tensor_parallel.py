@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from checkpoints import NAMED_SHAPES, model_for
-from checkpoints.loaded import abstract_params
+from checkpoints.loaded import abstract_params, unstack_layers
 from jaxserve.batch import SeqChunk, pack_chunks
 from jaxserve.config import ModelConfig
 from jaxserve.kv_pages import init_kv_pages
+from jaxserve.models.llama import resolve_layer_loop
 from jaxserve.sharding import ShardingPlan, bytes_per_device, make_mesh
 
 LLAMA, QWEN3 = NAMED_SHAPES["llama-tiny"], NAMED_SHAPES["qwen3-tiny"]
@@ -47,10 +48,11 @@ def _logits_step(module, params, kv, batch):
 
 
 @functools.cache
-def host_params(config: ModelConfig) -> dict:
+def host_params(config: ModelConfig, layer_loop: str = "auto") -> dict:
     """Seeded numpy weights: norms 1, biases 0, layer weights N(0, KERNEL_STD), embeddings
     N(0, 0.05). Layer weights this large make greedy decoding wander instead of repeating one
-    token, so the decode steps test the cache. (numpy, not JAX's threefry: no compile.)"""
+    token, so the decode steps test the cache. (numpy, not JAX's threefry: no compile.) Drawn
+    stacked, so both layer loops get the same values, then laid out for `layer_loop`."""
     rng = np.random.default_rng(0)
 
     def draw(keypath, leaf):
@@ -60,12 +62,14 @@ def host_params(config: ModelConfig) -> dict:
         std = 0.05 if name == "embedding" else KERNEL_STD
         return rng.normal(0.0, std, leaf.shape).astype(np.float32)
 
-    return jax.tree_util.tree_map_with_path(draw, abstract_params(config, jnp.float32))
+    stacked = jax.tree_util.tree_map_with_path(draw, abstract_params(config, jnp.float32))
+    return stacked if resolve_layer_loop(layer_loop) == "scan" else unstack_layers(stacked)
 
 
-def _jitted_step(config, plan, backend, shardings):
+def _jitted_step(config, plan, backend, shardings, layer_loop="auto"):
+    module = model_for(config, jnp.float32, backend, plan, layer_loop=layer_loop)
     return jax.jit(
-        functools.partial(_logits_step, model_for(config, jnp.float32, backend, plan)),
+        functools.partial(_logits_step, module),
         in_shardings=(shardings, plan.kv_pages, plan.replicated),
         out_shardings=(plan.replicated, plan.kv_pages),
         donate_argnums=(1,),
@@ -78,15 +82,16 @@ def greedy_run(
     tensor_parallel: int,
     backend: str = "auto",
     decode_steps: int = DECODE_STEPS,
+    layer_loop: str = "auto",
 ):
     """(logits f32[steps, seqs, vocab], greedy tokens i32[seqs, steps], params) on a TP mesh."""
     plan = ShardingPlan.create(make_mesh(tensor_parallel), config)
-    params = plan.place(host_params(config))
+    params = plan.place(host_params(config, layer_loop))
     shardings = plan.params(params)
     kv = init_kv_pages(
         config, num_pages=BUCKET["num_pages"], page_size=BUCKET["page_size"], sharding=plan.kv_pages
     )
-    step = _jitted_step(config, plan, backend, shardings)
+    step = _jitted_step(config, plan, backend, shardings, layer_loop)
     pages = [[1 + 5 * i + j for j in range(5)] for i in range(len(PROMPTS))]  # page 0 unused
     chunks = [SeqChunk(p, 0, pages[i]) for i, p in enumerate(PROMPTS)]
     lengths = [len(p) for p in PROMPTS]
@@ -128,6 +133,19 @@ def test_kv_heads_replicated_when_they_cannot_be_split(shape, kv_shards, local):
     logits, tokens, _ = greedy_run(config, 4)
     np.testing.assert_allclose(logits, want_logits, rtol=0, atol=1e-5)
     np.testing.assert_array_equal(tokens, want_tokens)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-kv4", "llama-kv2"])
+def test_both_layer_loops_split_alike(shape):
+    """The scanned layers (stacked params, the accelerators' loop) split over 2 and 4 devices give
+    the logits of the unrolled ones (per-layer params, the CPU's) on one: the sharding rules'
+    dims, counted from the end, fit both layouts, with KV heads split or replicated."""
+    config = {**SHAPES, **ODD_SHAPES}[shape]
+    want_logits, want_tokens, _ = greedy_run(config, 1, layer_loop="unrolled")
+    for tp in (2, 4):
+        logits, tokens, _ = greedy_run(config, tp, layer_loop="scan")
+        np.testing.assert_allclose(logits, want_logits, rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(tokens, want_tokens)
 
 
 @pytest.mark.parametrize("backend", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
