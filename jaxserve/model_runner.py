@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import jax
 
-from checkpoints.loaded import LoadedModel, model_for
+from checkpoints.loaded import LoadedModel, layer_loop_of, model_for
 from jaxserve.batch import SeqChunk, StepBatch, pack_chunks
 from jaxserve.kv_pages import KVPages, init_kv_pages
 from jaxserve.multihost import StepLink, is_leader
@@ -100,7 +100,13 @@ class ModelRunner:
         self.config = config
         # One device unless a plan splits the model over a mesh (jaxserve/sharding.py).
         self.plan = plan or ShardingPlan.create(make_mesh(1), model.config)
-        self.module = model_for(model.config, model.dtype, config.attention_backend, self.plan)
+        self.module = model_for(
+            model.config,
+            model.dtype,
+            config.attention_backend,
+            self.plan,
+            layer_loop=layer_loop_of(model.params),  # the loop the params were laid out for
+        )
         self.params = self.plan.place(model.params)  # a no-op when loaded into the plan
         self.kv: KVPages = init_kv_pages(
             model.config,
