@@ -39,6 +39,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.soak is not None:
         return _cmd_soak(args)
+    if args.profile == "steps":
+        return _cmd_steps(args)
     if args.replot:
         summaries = replot(Path(args.out))
         print(report.format_table(summaries))
@@ -74,6 +76,37 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise UserError(f"{e}; install it to run the bench.") from e
     print(report.format_table(summaries))
     print(f"Wrote {spec.out_dir / 'bench.json'} and {', '.join(report.PLOTS)} in {spec.out_dir}.")
+    return 0
+
+
+def _cmd_steps(args: argparse.Namespace) -> int:
+    """`bench --profile steps`: prefill and decode step speed at llama-batched-bench's points."""
+    from pathlib import Path
+
+    from jaxserve.bench.steps import StepsSpec, format_steps, run_steps, write_steps
+    from jaxserve.bench.suite import parse_list
+
+    if args.online or _joins_cluster(args) or args.tensor_parallel != 1 or args.mesh:
+        raise UserError("--profile steps times the in-process engine on one device.")
+    budgets = parse_list(args.max_num_batched_tokens, int)
+    if len(budgets) != 1:
+        raise UserError(
+            f"--profile steps runs one step budget: --max-num-batched-tokens="
+            f"{args.max_num_batched_tokens} lists {len(budgets)} values."
+        )
+    spec = StepsSpec(
+        model=args.model,
+        dtype=args.dtype,
+        seed=args.seed,
+        decode_context=args.prompt_len,
+        decode_steps=args.output_len,
+        max_num_batched_tokens=budgets[0],
+        compile_cache=args.compile_cache,
+        command=" ".join(["jaxserve", *sys.argv[1:]]),
+    )
+    report = run_steps(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_steps(report))
+    print(f"Wrote {write_steps(report, Path(args.out))}.")
     return 0
 
 
@@ -211,10 +244,12 @@ def _add_bench_parser(sub) -> None:
     t.add_argument(
         "--profile",
         default="mixed",
-        choices=["baseline", "concurrency", "mixed", "trace"],
+        choices=["baseline", "concurrency", "mixed", "trace", "steps"],
         help="baseline: concurrency 1; concurrency: rising concurrency, fixed "
         "lengths; mixed: short/long prompts and brief/extended outputs under Poisson "
-        "arrivals; trace: a JSONL file (default: mixed)",
+        "arrivals; trace: a JSONL file; steps: the model step alone, prefill tok/s at "
+        "128/512/2048-token prompts and decode ms/step at batches 1/16/64/256 beside the "
+        "machine's matmul and bandwidth ceilings (steps.json in --out) (default: mixed)",
     )
     t.add_argument(
         "--trace",
