@@ -54,8 +54,9 @@ def abstract_params(config: ModelConfig, dtype, layer_loop: str = "scan") -> dic
     batch = pack_chunks(
         [SeqChunk([0], 0, [0])], page_size=1, num_tokens=1, num_seqs=1, pages_per_seq=1, num_pages=1
     )
+    # The pool is an argument, not a closed-over constant: unrolled layers index it directly.
     variables = jax.eval_shape(
-        lambda: model.init(jax.random.key(0), kv, batch, method=model.init_all)
+        lambda kv: model.init(jax.random.key(0), kv, batch, method=model.init_all), kv
     )
     return variables["params"]
 

@@ -4,6 +4,8 @@ An orbax round trip must give back the same config, dtype, params (bit for bit),
 tokenizer. A model saved by transformers in several shards (`model.safetensors.index.json`) and
 one saved in bfloat16 (read by our memory-mapped reader) must load and match transformers; run in
 bfloat16, the latter must stay as close to the float32 logits as transformers' bfloat16 run.
+Loaded for the scanned or the unrolled layer loop, a folder gives the same weights and logits; a
+folder of the old unfused orbax format is refused with a message saying to convert it again.
 """
 
 from __future__ import annotations
