@@ -17,11 +17,15 @@ work is split the way a kernel splits it (`attention_backend="xla"`, and `auto` 
 The tile list and the decode rows (`StepPlan`) depend only on the step's batch, so the model makes
 them once per step (`plan_step`, before the layer loop) and every layer reuses them.
 
-Chosen by measurement (benchmark of this module against the per-row gather it replaced, both
-jitted in one process, best of 5, 2-core CPU, f32, smollm2-135m's attention: 9 heads, 3 KV heads,
-head_dim 64, pages of 16, page table of 256 pages, one layer):
-  decode, 64 sequences at context ~300 (T=64, S=64): see _MEASURED
-  prefill, one 512-token prompt (T=512, S=8):       see _MEASURED
+Chosen by measurement: the per-row gather it replaced against this, both jitted in one process,
+best of 5, one layer of smollm2-135m's attention (9 heads, 3 KV heads, head_dim 64, pages of 16,
+256-page tables), f32, on the 2-core CPU while other jobs ran (load ~11, so ratios, not times):
+  decode, 64 sequences at context 280-320:     60-170 ms -> 26-63 ms   (2.3-2.7x)
+  prefill, one 512-token prompt:               930-1540 ms -> 17-25 ms (38-73x)
+  a 448-token chunk at context 1000 + 64 decodes: 1.9-2.5 s -> 68-105 ms (18-36x)
+Tile sizes: 32x128 to 256x512 were within noise of each other on prefill; 128 rows x 256 keys
+keeps loop trips few. Decode blocks: 16 or 32 keys ran 2-6x faster than 128 or 256 (the gathered
+block stays in cache between the gather and its two matmuls), and 32 halves the trips of 16.
 """
 
 from __future__ import annotations
