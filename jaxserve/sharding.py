@@ -186,7 +186,7 @@ class ShardingPlan:
             # Column-split (output features; biases follow their kernel's columns). The fused
             # qkv [.., num_kv_heads, group + 2, head_dim] is split by KV head: a device holds its
             # KV heads' k, v and whole q groups (see the module docstring for replicated KV heads).
-            (r"self_attn/qkv_proj/(kernel|bias)", -3, KV_AXIS, True),
+            (r"self_attn/qkv_proj/(kernel|bias)", -3, KV_AXIS, self.kv_shards > 1),
             (r"mlp/gate_up_proj/(kernel|bias)", -1, MODEL, c.intermediate_size % tp == 0),
             # Row-split (input features): the partial sums meet in one all-reduce.
             (r"self_attn/o_proj/kernel", -2, MODEL, heads_split),

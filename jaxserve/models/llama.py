@@ -6,12 +6,13 @@
 q/k/v are one matmul (`qkv_proj`, kernel [hidden, num_kv_heads, group + 2, head_dim]) and gate/up
 another (`gate_up_proj`, [hidden, 2, intermediate]); checkpoints/weights.py fuses them on load.
 
-The layer loop (`layer_loop`) is a platform choice. "scan" (`nn.scan`, params stacked
-[num_layers, ...] under "layers") compiles one layer body whatever the depth; the accelerators'
-default. But XLA:CPU copies each layer's weight slices out of the stacked params before every dot
+The layer loop (`layer_loop`, or $JAXSERVE_LAYER_LOOP) is a switch. "scan" (`nn.scan`, params
+stacked [num_layers, ...] under "layers") compiles one layer body whatever the depth; the default
+everywhere. XLA:CPU copies each layer's weight slices out of the stacked params before every dot
 (a dynamic-slice fusion per weight), so a step streams the weights about three times. "unrolled"
 (a Python loop, params "layers_0" ... "layers_{n-1}", each its own array) feeds the dots the
-arrays themselves; the CPU's default. Either way the KV pool rides in the carry, so each layer
+arrays themselves, but measured it wins only small decode steps and loses prefill and compile
+time, so it stays opt-in. Either way the KV pool rides in the carry, so each layer
 writes its pages in place. Measured on smollm2-135m (random weights, f32, 2-core CPU shared with
 other jobs at load ~11, so only the ratios mean anything), jitted forward + logits, best of 5,
 all variants in one process (old = scan with separate q/k/v and gate/up):
@@ -20,12 +21,14 @@ all variants in one process (old = scan with separate q/k/v and gate/up):
     1 (decode)          250 ms     261 ms         207 ms      0.83x old
     16 (decode rows)    1112 ms    1216 ms        1064 ms     0.96x old
     64 (decode rows)    2431 ms    2404 ms        2472 ms     1.02x old
+    512 (one prefill)   4333 ms    3091 ms        7867 ms     1.82x old (scan 0.71x)
     compile, T=1/16/64  34/31/29 s 18/45/18 s     148/173/50 s
+    compile, T=512      29 s       30 s           93 s
 
 A matmul-only model of the same 30 layers (same machine, quieter hour) ran T=1 in 34 ms scanned
 and 19 ms unrolled. The price is compile time: the unrolled step is ~13x the HLO and compiles
-4-8x slower, which precompile pays per bucket (the persistent cache pays it once).
-JAXSERVE_LAYER_LOOP=scan trades the decode speed back for it.
+3-5x slower, which precompile pays per bucket. A decode-only CPU deployment may still want
+JAXSERVE_LAYER_LOOP=unrolled; a per-bucket choice (unrolled for small T) would need both layouts.
 """
 
 from __future__ import annotations
@@ -161,11 +164,10 @@ LAYER_LOOPS = ("auto", "scan", "unrolled")
 
 def resolve_layer_loop(layer_loop: str = "auto") -> str:
     """The layer loop to build, "scan" or "unrolled". "auto" is $JAXSERVE_LAYER_LOOP when set,
-    else unrolled on the CPU (no weight copies) and scanned elsewhere (one body to compile)."""
+    else the scan on every platform: measured, unrolling pays on the CPU only for small decode
+    steps and costs prefill and compile time (the module docstring)."""
     if layer_loop == "auto":
-        layer_loop = os.environ.get("JAXSERVE_LAYER_LOOP") or (
-            "unrolled" if jax.default_backend() == "cpu" else "scan"
-        )
+        layer_loop = os.environ.get("JAXSERVE_LAYER_LOOP") or "scan"
     if layer_loop not in LAYER_LOOPS[1:]:
         raise ValueError(
             f"layer_loop={layer_loop!r} (or $JAXSERVE_LAYER_LOOP) is not one of {LAYER_LOOPS}."
