@@ -376,6 +376,7 @@ class Engine:
 
 
 def _metrics_of(request: Request) -> RequestMetrics:
+    """The request's timings as its outputs report them (finished or failed alike)."""
     return RequestMetrics(
         arrival_time=request.arrival_time,
         first_scheduled_time=request.first_scheduled_time,
