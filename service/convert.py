@@ -1,18 +1,12 @@
 """Between the wire and the engine: checked GenerateRequests in, GenerateResponses out.
 
-Every check raises `InvalidRequest` with a message naming the field and its value, before the
-request reaches the engine thread, so a bad request costs the engine nothing and the client
-learns exactly what to fix. `SamplingParams` keeps the final word on sampling values (its own
-messages name them too); the checks here are the ones that need the model: the vocabulary, the
-context length, the tokenizer.
+The checks themselves live in service/validation.py, shared with the HTTP front end, so a bad
+value reads the same over both; this module reads them off the protobuf messages (fields named
+as the proto spells them: `text`, `token_ids.ids`, `sampling.max_tokens`) and writes responses.
 
 Protobuf refuses a string field holding malformed UTF-8 while parsing, before any handler runs
 (gRPC would answer INTERNAL). `lenient()` deserializers turn that failure, and a message beyond
 the server's size limit, into a `MalformedRequest` the handler answers with INVALID_ARGUMENT.
-
-Text is refused before it is tokenized when it has more bytes than any prompt that fits the
-context could have (`PromptLimit`): tokenizing megabytes only to learn they do not fit would
-cost seconds of CPU that other requests need.
 """
 
 from __future__ import annotations
@@ -31,23 +25,26 @@ from jaxserve.sampling_params import (
     MAX_STOP_STRINGS,
     SamplingParams,
 )
+from service import validation
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
-
-DEFAULT_MAX_TOKENS = next(
-    f.default for f in dataclasses.fields(SamplingParams) if f.name == "max_tokens"
+from service.validation import (
+    InvalidRequest,
+    PromptLimit,
+    check_prompt_fits,
+    check_request_id,
+    check_text,
+    check_token_ids,
+    prompt_limit,  # noqa: F401 (the server and tests reach it here)
+    short,
 )
+
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
     "error": pb.FINISH_REASON_ERROR,
 }
-MAX_REQUEST_ID_CHARS = 128
 _SAMPLING_OPTIONALS = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")
-
-
-class InvalidRequest(ValueError):
-    """The client's request cannot run as sent (gRPC INVALID_ARGUMENT)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,160 +54,52 @@ class MalformedRequest:
     message: str
 
 
-def _short(text: str, limit: int = 40) -> str:
-    return repr(text if len(text) <= limit else text[:limit] + "...")
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptLimit:
-    """The most UTF-8 bytes a text that fits the context can have, worked out once at start-up.
-
-    A prompt of n tokens covers at most n * (the longest token's bytes) bytes of text, so a text
-    with more bytes than max_model_len * that has too many tokens, whatever they are. The bound
-    is loose (about 10 KB per 1k tokens of context for common vocabularies) but costs nothing.
-    A tokenizer whose normalizer deletes characters could, in principle, fit a longer text; such
-    text is refused too.
-    """
-
-    max_model_len: int
-    bytes_per_token: int  # the most bytes of text one token of the vocabulary stands for
-
-    @property
-    def max_bytes(self) -> int:
-        return self.max_model_len * self.bytes_per_token
-
-    def check(self, field: str, text: str) -> None:
-        """Raises InvalidRequest if `text` has more bytes than any prompt that fits."""
-        limit = self.max_bytes
-        # len() counts characters, never more than the bytes: the common small text is
-        # passed without encoding it, and a huge one is refused without encoding it either.
-        if len(text) <= limit // 4:
-            return
-        size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
-        if size > limit:
-            raise InvalidRequest(
-                f"{field} has {size} bytes or more; at most {limit} bytes can fit the context "
-                f"(max_model_len={self.max_model_len} tokens of at most {self.bytes_per_token} "
-                "bytes each for this tokenizer)."
-            )
-
-
-def prompt_limit(engine) -> PromptLimit:
-    """The engine's PromptLimit, from its tokenizer's vocabulary (a few ms for 150k tokens)."""
-    tokenizer = engine.tokenizer
-    if tokenizer is None:  # text is refused anyway; only token ids can be sent
-        return PromptLimit(engine.max_model_len, 1)
-    ids = list(range(len(tokenizer)))
-    # Both forms, since each can be the longer: the vocabulary's own strings ('▁the', 'Ġthe',
-    # '<0xE3>') and what a token decodes to alone (special tokens such as '<|endoftext|>').
-    pieces = [*tokenizer.convert_ids_to_tokens(ids), *tokenizer.batch_decode([[i] for i in ids])]
-    longest = max((len(p.encode("utf-8", "surrogatepass")) for p in pieces if p), default=1)
-    return PromptLimit(engine.max_model_len, max(longest, 4))  # 4: any one character fits
-
-
 def prompt_text(request: pb.GenerateRequest, engine, limit: PromptLimit) -> str | None:
     """The request's text prompt, checked to be worth tokenizing; None for a token-id prompt."""
     kind = request.WhichOneof("prompt")
     if kind is None:
-        raise InvalidRequest("The request has no prompt: set text or token_ids.")
+        raise InvalidRequest("The request has no prompt: set text or token_ids.", "prompt")
     if kind != "text":
         return None
     check_text("text", request.text, engine, limit)
     return request.text
 
 
-def check_text(field: str, text: str, engine, limit: PromptLimit) -> None:
-    """Raises InvalidRequest for a text that is empty, cannot be tokenized, or cannot fit."""
-    if not text:
-        raise InvalidRequest(f"{field}='' is empty: send some text.")
-    if engine.tokenizer is None:
-        raise InvalidRequest(
-            f"{field}={_short(text)} cannot be tokenized: model {engine.model.source} "
-            "has no tokenizer; send token ids instead."
-        )
-    limit.check(field, text)
-
-
 def prompt_ids(request: pb.GenerateRequest, engine, text_ids: list[int] | None) -> list[int]:
     """The prompt's token ids (`text_ids`: its text's, tokenized), checked against the
     vocabulary and the context."""
     if text_ids is not None:
-        ids = text_ids
-        what = f"text={_short(request.text)}"
+        ids, what, field = text_ids, f"text={short(request.text)}", "text"
     else:
-        ids = list(request.token_ids.ids)
-        if not ids:
-            raise InvalidRequest("token_ids.ids=[] is empty: send at least one token id.")
-        check_vocab("token_ids.ids", ids, engine.model.config.vocab_size)
-        what = "token_ids"
-    context = engine.max_model_len
-    if len(ids) >= context:
-        raise InvalidRequest(
-            f"The prompt ({what}) has {len(ids)} tokens, beyond the context: max_model_len="
-            f"{context} tokens must hold the prompt and at least one output token."
-        )
+        ids, what, field = list(request.token_ids.ids), "token_ids", "token_ids.ids"
+        check_token_ids(field, ids, engine)
+    check_prompt_fits(what, ids, engine, field)
     return ids
 
 
 def request_id(request: pb.GenerateRequest) -> str | None:
     """The client's request id, if it sent one."""
-    rid = request.request_id
-    if len(rid) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequest(
-            f"request_id={_short(rid)} has {len(rid)} characters; at most "
-            f"{MAX_REQUEST_ID_CHARS} allowed."
-        )
-    return rid or None
-
-
-def check_vocab(field: str, ids: list[int], vocab_size: int) -> None:
-    bad = [(i, t) for i, t in enumerate(ids) if t >= vocab_size]
-    if bad:
-        i, t = bad[0]
-        raise InvalidRequest(
-            f"{field}[{i}]={t} is outside the vocabulary [0, {vocab_size})"
-            + (f" ({len(bad)} ids are)." if len(bad) > 1 else ".")
-        )
+    return check_request_id("request_id", request.request_id)
 
 
 def sampling_params(options: pb.SamplingOptions, num_prompt_tokens: int, engine) -> SamplingParams:
     """SamplingParams of the request; unset fields take the engine's defaults."""
-    context = engine.max_model_len
-    room = context - num_prompt_tokens
-    kwargs = {
+    fields = {
         name: getattr(options, name) for name in _SAMPLING_OPTIONALS if options.HasField(name)
     }
     if options.HasField("max_tokens"):
-        if options.max_tokens > room:
-            raise InvalidRequest(
-                f"sampling.max_tokens={options.max_tokens} is beyond the context: the prompt's "
-                f"{num_prompt_tokens} tokens leave room for {room} (max_model_len={context})."
-            )
-        kwargs["max_tokens"] = options.max_tokens
-    else:
-        kwargs["max_tokens"] = min(DEFAULT_MAX_TOKENS, room)
-    if len(options.stop) > MAX_STOP_STRINGS:  # checked before the strings are copied
-        raise InvalidRequest(
-            f"sampling.stop has {len(options.stop)} strings; at most {MAX_STOP_STRINGS} allowed."
-        )
-    for i, s in enumerate(options.stop):
-        if not 0 < len(s) <= MAX_STOP_STRING_CHARS:
-            raise InvalidRequest(
-                f"sampling.stop[{i}]={_short(s)} has {len(s)} characters; it must have 1 to "
-                f"{MAX_STOP_STRING_CHARS}."
-            )
-    check_vocab(
-        "sampling.stop_token_ids", list(options.stop_token_ids), engine.model.config.vocab_size
-    )
-    try:
-        return SamplingParams(
-            **kwargs,
+        fields["max_tokens"] = options.max_tokens
+    return validation.sampling_params(
+        dict(
+            fields,
             stop=tuple(options.stop),
             stop_token_ids=tuple(options.stop_token_ids),
             ignore_eos=options.ignore_eos,
-        )
-    except ValueError as e:
-        raise InvalidRequest(f"Invalid sampling: {e}") from e
+        ),
+        num_prompt_tokens=num_prompt_tokens,
+        engine=engine,
+        prefix="sampling.",
+    )
 
 
 def response(
