@@ -186,6 +186,167 @@ def parse_line(
 # ---- the job ------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class Line:
+    """One checked input line on its way to an engine (picklable: Ray ships it to replicas)."""
+
+    lineno: int
+    id: str
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+class EngineFeed:
+    """One engine's share of a batch job: lines in, result records out as requests finish.
+
+    Both the single-process job and each Ray replica drive their engine through this, so a line
+    gives the same record wherever it runs.
+    """
+
+    def __init__(self, engine: Engine, include_token_ids: bool = False):
+        if engine.has_unfinished():
+            raise RuntimeError("A batch job needs an idle engine.")
+        self.engine = engine
+        self.include_token_ids = include_token_ids
+        self.jobs: dict[str, _Job] = {}
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def add(self, line: Line) -> str | None:
+        """Queues the line; the reason, without a final period, if the engine refuses it."""
+        try:
+            self.engine.add_request(line.prompt, line.params, request_id=line.id)
+        except ValueError as e:  # too long for the model, ids outside the vocab, ...
+            return str(e).rstrip(".")
+        self.jobs[line.id] = _Job(line.lineno, line.id)
+        return None
+
+    def step(self) -> list[dict]:
+        """One engine step; the records of the requests it finished."""
+        records = []
+        for o in self.engine.step():
+            job = self.jobs.get(o.request_id)
+            if job is None:
+                continue
+            job.text.append(o.text_delta)
+            job.token_ids += o.new_token_ids
+            if o.finished:
+                del self.jobs[o.request_id]
+                record = {
+                    "id": job.id,
+                    "text": "".join(job.text),
+                    "prompt_tokens": o.num_prompt_tokens,
+                    "output_tokens": o.num_output_tokens,
+                    "finish_reason": o.finish_reason,
+                }
+                if self.include_token_ids:
+                    record["token_ids"] = job.token_ids
+                records.append(record)
+        return records
+
+
+class BatchRun:
+    """The writer's side of a batch job, shared by `run_batch` and `run_ray`: resume, reading
+    and checking the input lazily, bad-line reports, the durable output, the progress bar and
+    the summary. Single-threaded: one writer per output file."""
+
+    def __init__(
+        self,
+        input_path: str | Path,
+        output_path: str | Path,
+        *,
+        defaults: SamplingParams | None = None,
+        stop_on_error: bool = False,
+        progress: bool = True,
+        log=None,
+    ):
+        from tqdm import tqdm
+
+        self.input_path, self.output_path = Path(input_path), Path(output_path)
+        self.defaults = defaults or SamplingParams(max_tokens=256, temperature=0.0)
+        self.stop_on_error = stop_on_error
+        self.summary = BatchSummary(total_lines=_count_lines(self.input_path))
+        self.done, self.summary.repaired_tail = recover_output(self.output_path)
+        self.out = _Output(self.output_path)
+        self.bar = tqdm(
+            total=max(0, self.summary.total_lines - len(self.done)),
+            unit="req",
+            disable=not progress,
+            dynamic_ncols=True,
+            file=sys.stderr,
+            smoothing=0.1,
+        )
+        self.say = log or (lambda msg: tqdm.write(msg, file=sys.stderr))
+        if self.summary.repaired_tail:
+            self.say(f"{self.output_path}: cut off a torn last line left by an interrupted run")
+        if self.done:
+            self.say(f"{self.output_path}: resuming, {len(self.done)} results already written")
+        self.seen: dict[str, int] = {}  # id -> line, for ids queued in this run
+        self.lines = _read_lines(self.input_path)
+        self.reading = True  # False at the end of the input, or after a bad line that stops
+        self.stop_error: BatchInputError | None = None
+        self.start = time.perf_counter()
+
+    def next_line(self) -> Line | None:
+        """The next input line to run, skipping (and reporting) the others; None at the end."""
+        while self.reading:
+            item = next(self.lines, None)
+            if item is None:
+                self.reading = False
+                break
+            lineno, raw = item
+            if not raw.strip():
+                self.bar.update(1)  # blank lines carry no request
+                continue
+            try:
+                rid, prompt, params = parse_line(raw, lineno, self.defaults)
+            except ValueError as e:
+                self.bad(lineno, str(e))
+                continue
+            if rid in self.done:
+                self.summary.already_done += 1
+                continue
+            if rid in self.seen:
+                self.bad(lineno, f"duplicate id {rid!r} (first on line {self.seen[rid]})")
+                continue
+            self.seen[rid] = lineno
+            return Line(lineno, rid, prompt, params)
+        return None
+
+    def reject(self, line: Line, reason: str) -> None:
+        """An engine refused the line: reported like a bad line; its id may come again."""
+        del self.seen[line.id]
+        self.bad(line.lineno, reason)
+
+    def bad(self, lineno: int, reason: str) -> None:
+        self.summary.bad_lines.append((lineno, reason))
+        stop = self.stop_on_error
+        self.say(f"{self.input_path}:{lineno}: {reason}; " + ("stopping" if stop else "skipped"))
+        self.bar.update(1)
+        if stop:
+            self.reading = False
+            self.stop_error = BatchInputError(f"{self.input_path} line {lineno}: {reason}.")
+
+    def write(self, records: list[dict]) -> None:
+        """Appends finished results and makes them durable before the caller goes on."""
+        for record in records:
+            self.out.add(record)
+            self.summary.completed += 1
+            self.summary.output_tokens += record["output_tokens"]
+        self.out.flush()
+        self.bar.update(len(records))
+
+    def tokens_per_s(self) -> float:
+        elapsed = time.perf_counter() - self.start
+        return self.summary.output_tokens / elapsed if elapsed > 0 else 0.0
+
+    def close(self) -> None:
+        self.out.close()
+        self.bar.close()
+        self.summary.elapsed_s = time.perf_counter() - self.start
+
+
 def run_batch(
     engine: Engine,
     input_path: str | Path,
@@ -202,106 +363,39 @@ def run_batch(
     Raises BatchInputError on the first bad line when `stop_on_error` (after finishing and
     writing the requests already running), OutputCorrupt if the output is not resumable.
     """
-    from tqdm import tqdm
-
-    input_path, output_path = Path(input_path), Path(output_path)
-    defaults = defaults or SamplingParams(max_tokens=256, temperature=0.0)
-    if engine.has_unfinished():
-        raise RuntimeError("run_batch needs an idle engine.")
-    summary = BatchSummary(total_lines=_count_lines(input_path))
-    done, summary.repaired_tail = recover_output(output_path)
-    out = _Output(output_path)
-    bar = tqdm(
-        total=max(0, summary.total_lines - len(done)),
-        unit="req",
-        disable=not progress,
-        dynamic_ncols=True,
-        file=sys.stderr,
-        smoothing=0.1,
+    feed = EngineFeed(engine, include_token_ids)
+    job = BatchRun(
+        input_path,
+        output_path,
+        defaults=defaults,
+        stop_on_error=stop_on_error,
+        progress=progress,
+        log=log,
     )
-    say = log or (lambda msg: tqdm.write(msg, file=sys.stderr))
-    if summary.repaired_tail:
-        say(f"{output_path}: cut off a torn last line left by an interrupted run")
-    if done:
-        say(f"{output_path}: resuming, {len(done)} results already written")
-    seen: dict[str, int] = {}  # id -> line, for ids queued in this run
-    jobs: dict[str, _Job] = {}
     target = 2 * engine.config.max_num_seqs  # running + as many waiting: slots never idle
-    lines = _read_lines(input_path)
-    reading, stop_error = True, None
-    start = time.perf_counter()
-
-    def bad(lineno: int, reason: str) -> None:
-        nonlocal reading, stop_error
-        summary.bad_lines.append((lineno, reason))
-        say(f"{input_path}:{lineno}: {reason}; " + ("stopping" if stop_on_error else "skipped"))
-        bar.update(1)
-        if stop_on_error:
-            reading = False
-            stop_error = BatchInputError(f"{input_path} line {lineno}: {reason}.")
-
     try:
         while True:
-            while reading and len(jobs) < target:
-                item = next(lines, None)
-                if item is None:
-                    reading = False
-                    break
-                lineno, raw = item
-                if not raw.strip():
-                    bar.update(1)  # blank lines carry no request
-                    continue
-                try:
-                    rid, prompt, params = parse_line(raw, lineno, defaults)
-                except ValueError as e:
-                    bad(lineno, str(e))
-                    continue
-                if rid in done:
-                    summary.already_done += 1
-                    continue
-                if rid in seen:
-                    bad(lineno, f"duplicate id {rid!r} (first on line {seen[rid]})")
-                    continue
-                try:
-                    engine.add_request(prompt, params, request_id=rid)
-                except ValueError as e:  # too long for the model, ids outside the vocab, ...
-                    bad(lineno, str(e).rstrip("."))
-                    continue
-                seen[rid] = lineno
-                jobs[rid] = _Job(lineno, rid)
+            while len(feed) < target and (line := job.next_line()) is not None:
+                if (reason := feed.add(line)) is not None:
+                    job.reject(line, reason)
             if not engine.has_unfinished():
-                if not reading:
+                if not job.reading:
                     break
                 continue
-            for o in engine.step():
-                job = jobs.get(o.request_id)
-                if job is None:
-                    continue
-                job.text.append(o.text_delta)
-                job.token_ids += o.new_token_ids
-                if o.finished:
-                    del jobs[o.request_id]
-                    record = {
-                        "id": job.id,
-                        "text": "".join(job.text),
-                        "prompt_tokens": o.num_prompt_tokens,
-                        "output_tokens": o.num_output_tokens,
-                        "finish_reason": o.finish_reason,
-                    }
-                    if include_token_ids:
-                        record["token_ids"] = job.token_ids
-                    out.add(record)
-                    summary.completed += 1
-                    summary.output_tokens += o.num_output_tokens
-                    bar.update(1)
-            out.flush()  # every finished result of this step, durable before the next step
-            elapsed = time.perf_counter() - start
-            if elapsed > 0:
-                bar.set_postfix_str(f"{summary.output_tokens / elapsed:.1f} tok/s", refresh=False)
+            job.write(feed.step())  # every result of this step, durable before the next step
+            job.bar.set_postfix_str(f"{job.tokens_per_s():.1f} tok/s", refresh=False)
     finally:
-        out.close()
-        bar.close()
-        summary.elapsed_s = time.perf_counter() - start
-    if stop_error is not None:
-        raise stop_error
-    return summary
+        job.close()
+    if job.stop_error is not None:
+        raise job.stop_error
+    return job.summary
+
+
+def __getattr__(name: str):
+    # The Ray path lives in batch_ray.py (it needs the optional `ray`); found here too, beside
+    # run_batch, without importing it until asked.
+    if name in ("run_ray", "BatchPredictor", "RayBatchSummary"):
+        from jaxserve import batch_ray
+
+        return getattr(batch_ray, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
