@@ -1,15 +1,92 @@
-"""Host bookkeeping of the paged KV pool: which request owns which pages, in order.
+"""Host bookkeeping of the paged KV pool: page tables, reference counts and the prefix cache.
 
 The device pool (`kv_pages.KVPages`) is one preallocated array; this class only hands out page
-numbers 0..num_pages-1 from a free list and records each request's page table, so admission and
-preemption are list operations that cost microseconds. Plain Python, no jax.
+numbers 0..num_pages-1 and records each sequence's page table, so admission and preemption are
+list operations that cost microseconds. Plain Python, no jax.
+
+Pages are shared, not copied (DESIGN.md, decision 8). Every page has a reference count: the
+number of page tables listing it. A full page whose keys and values are computed can be
+*published* under a hash chained over its tokens (`PageHasher`): a later sequence with the same
+tokens up to the end of that page reuses it instead of recomputing it. A page is in exactly one
+of three states:
+
+- used: listed by at least one table (ref count >= 1);
+- cached: no table lists it but it holds a published page; kept on an LRU list and evicted,
+  least recently freed first, only when a fresh page is needed and the free list is empty;
+- free: no table lists it and it holds nothing worth keeping.
+
+so `used + cached + free == num_pages` always. Sequences fork from a parent by sharing its pages
+(`fork`: the `n > 1` samples of one prompt, beams of a beam search); the page a sequence will
+write next is made private first if another table lists it (`copy_on_write`), so a shared page is
+never written. Published pages are full and never written again, so they need no copy.
 """
 
 from __future__ import annotations
 
+import array
+import collections
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+
+class PageHasher:
+    """Identifies full pages by a hash chained over their tokens and their parent's hash.
+
+    Two pages have the same hash only if their tokens and every token before them are the same
+    and the salts are equal (SHA-256: a collision, which would serve wrong keys and values, is
+    not a practical concern). The salt is the hook for anything else that changes the KV: the
+    model (`model_key`, one per engine) and, per request, e.g. a LoRA adapter or a tenant's
+    `cache_salt` that keeps its cache apart from others'.
+    """
+
+    def __init__(self, page_size: int, model_key: str = ""):
+        self.page_size = page_size
+        self.model_key = model_key
+        self._roots: dict[str | None, bytes] = {}
+
+    def root(self, salt: str | None = None) -> bytes:
+        """The parent hash of a sequence's first page."""
+        root = self._roots.get(salt)
+        if root is None:
+            if len(self._roots) > 256:  # per-request salts must not grow this without bound
+                self._roots.clear()
+            text = f"{self.model_key}\0{'' if salt is None else salt}"
+            root = self._roots[salt] = hashlib.sha256(text.encode()).digest()
+        return root
+
+    def extend(self, hashes: list[bytes], tail: Sequence[int], salt: str | None = None) -> None:
+        """Appends to `hashes` (a sequence's page hashes so far) those of the full pages of
+        `tail`, the sequence's tokens from position `len(hashes) * page_size` on.
+
+        Taking only the tail keeps the cost at the new pages, not the whole history.
+        """
+        ps = self.page_size
+        parent = hashes[-1] if hashes else self.root(salt)
+        for start in range(0, len(tail) - ps + 1, ps):
+            tokens = array.array("q", tail[start : start + ps]).tobytes()
+            parent = hashlib.sha256(parent + tokens).digest()
+            hashes.append(parent)
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Counters of the prefix cache since start; `hit_rate` is hits over queried tokens."""
+
+    queries: int = 0  # prompt tokens looked up at admission
+    hits: int = 0  # of those, tokens served from cached pages
+    evictions: int = 0  # cached pages dropped to make fresh ones
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
 
 class KVCacheManager:
-    """Page tables of live requests over a fixed pool of `num_pages` pages of `page_size` slots."""
+    """Page tables of live sequences over a fixed pool of `num_pages` pages of `page_size` slots.
+
+    A "sequence" is anything with a page table: a request, or one sample or beam of it.
+    """
 
     def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int):
         if num_pages < 1 or page_size < 1 or max_pages_per_seq < 1:
@@ -21,19 +98,32 @@ class KVCacheManager:
         self.max_pages_per_seq = max_pages_per_seq
         # A stack popped from the end: low page numbers go first, and freed pages are reused first.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self._refs = [0] * num_pages
+        self._hash_of: list[bytes | None] = [None] * num_pages  # published pages only
+        self._page_of: dict[bytes, int] = {}  # hash -> the page published under it
         self._tables: dict[str, list[int]] = {}
+        self._published: dict[str, int] = {}  # leading pages of each table already published
+        self.stats = PrefixCacheStats()
+
+    # ---- gauges ---------------------------------------------------------------------------
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Pages a new allocation may take: the free ones plus the cached ones it may evict."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._cached)
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - len(self._free) - len(self._cached)
 
     @property
     def usage(self) -> float:
-        """Share of the pool in use, for the KV-cache-use metric."""
+        """Share of the pool in use, for the KV-cache-use metric (cached pages are not in use)."""
         return self.num_used_pages / self.num_pages
 
     def pages_for(self, num_tokens: int) -> int:
@@ -41,55 +131,216 @@ class KVCacheManager:
         return -(-num_tokens // self.page_size)
 
     def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
+        return num_pages <= self.num_free_pages
 
-    def num_pages_of(self, request_id: str) -> int:
-        return len(self._tables.get(request_id, ()))
+    def num_pages_of(self, seq_id: str) -> int:
+        return len(self._tables.get(seq_id, ()))
 
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Grows the request's table to cover `num_tokens` slots; all or nothing.
+    def ref_count(self, page: int) -> int:
+        return self._refs[page]
 
-        Returns False, changing nothing, when the free list is too short: the caller then
-        preempts or waits. More pages than one sequence may hold is a caller bug (admission
-        refuses such requests), so it raises.
+    def num_private_pages(self, seq_id: str, exclude: Sequence[int] = ()) -> int:
+        """Pages only `seq_id` lists (freeing it releases exactly these), less `exclude`."""
+        skip = set(exclude)
+        return sum(self._refs[p] == 1 and p not in skip for p in self._tables.get(seq_id, ()))
+
+    def page_table(self, seq_id: str) -> list[int]:
+        """A copy of the sequence's pages in order (empty when it holds none)."""
+        return list(self._tables.get(seq_id, ()))
+
+    # ---- allocation -----------------------------------------------------------------------
+
+    def allocate(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Grows the sequence's table to cover `num_tokens` slots; all or nothing.
+
+        `prefix`: cached pages (from `match`) that start the table of a sequence that holds none
+        yet; they are shared, not copied. Returns False, changing nothing, when too few pages are
+        free or evictable: the caller then preempts or waits. More pages than one sequence may
+        hold is a caller bug (admission refuses such requests), so it raises.
         """
-        table = self._tables.get(request_id, [])
+        table = self._tables.get(seq_id)
         want = self.pages_for(num_tokens)
         if want > self.max_pages_per_seq:
             raise ValueError(
-                f"Request {request_id!r} needs {want} pages for {num_tokens} tokens, more than "
+                f"Sequence {seq_id!r} needs {want} pages for {num_tokens} tokens, more than "
                 f"{self.max_pages_per_seq=}."
             )
-        need = want - len(table)
-        if need <= 0:
-            return True
-        if need > len(self._free):
+        if prefix and table:
+            raise ValueError(
+                f"Sequence {seq_id!r} already holds {len(table)} pages; a cached prefix can "
+                f"only start a new table."
+            )
+        held = len(table) if table else len(prefix)
+        need = max(0, want - held)
+        reclaimed = sum(self._refs[p] == 0 for p in prefix)  # cached now, ours once shared
+        if need > self.num_free_pages - reclaimed:
             return False
+        if table is None:
+            table = self._tables[seq_id] = []
+            self._published[seq_id] = 0
+        for page in prefix:
+            self._ref(page)
+            table.append(page)
+        self._published[seq_id] += len(prefix)  # a matched page is published already
         for _ in range(need):
-            table.append(self._free.pop())
-        self._tables[request_id] = table
+            table.append(self._fresh_page())
         return True
 
-    def page_table(self, request_id: str) -> list[int]:
-        """A copy of the request's pages in order (empty when it holds none)."""
-        return list(self._tables.get(request_id, ()))
+    def _ref(self, page: int) -> None:
+        if self._refs[page] == 0:
+            del self._cached[page]
+        self._refs[page] += 1
 
-    def free(self, request_id: str) -> int:
-        """Returns all the request's pages to the pool; returns how many (0 if it held none)."""
-        table = self._tables.pop(request_id, [])
-        # Reversed so the next allocation pops them back in the same order.
-        self._free.extend(reversed(table))
+    def _fresh_page(self) -> int:
+        """A page with no content worth keeping: a free one, else the least recent cached one."""
+        if self._free:
+            page = self._free.pop()
+        else:
+            page, _ = self._cached.popitem(last=False)
+            del self._page_of[self._hash_of[page]]
+            self._hash_of[page] = None
+            self.stats.evictions += 1
+        self._refs[page] = 1
+        return page
+
+    def free(self, seq_id: str) -> int:
+        """Drops the sequence's table; returns how many pages it listed (0 if none).
+
+        A page no other table lists becomes cached if published, else free. The table is walked
+        backwards so a prefix's last page is evicted before its first: matching stops at the
+        first missing page, so evicting from the front would strand the pages behind it.
+        """
+        table = self._tables.pop(seq_id, [])
+        self._published.pop(seq_id, None)
+        unhashed = []
+        for page in reversed(table):
+            self._refs[page] -= 1
+            if self._refs[page] < 0:
+                raise AssertionError(f"Page {page} of {seq_id!r} was freed more often than held.")
+            if self._refs[page]:
+                continue
+            if self._hash_of[page] is None:
+                unhashed.append(page)
+            else:
+                self._cached[page] = None
+        # Pushed so the next allocation pops them back in table order.
+        self._free.extend(unhashed)
         return len(table)
 
-    def check_invariants(self) -> None:
-        """Raises AssertionError unless every page is either free or owned, exactly once."""
-        owned = [p for table in self._tables.values() for p in table]
-        every = owned + self._free
-        if len(every) != self.num_pages or set(every) != set(range(self.num_pages)):
-            raise AssertionError(
-                f"KV pages leaked or doubled: {len(self._free)} free + {len(owned)} owned "
-                f"!= {self.num_pages} pages, or a page is listed twice."
+    # ---- the prefix cache -----------------------------------------------------------------
+
+    def match(self, hashes: Sequence[bytes], num_tokens: int) -> list[int]:
+        """Pages holding the longest cached prefix of a sequence of `num_tokens` tokens.
+
+        `hashes` are its full pages' hashes (`PageHasher.extend`). Whole pages only, and at
+        least the last token is left out: its logits are needed, so it must be computed. Changes
+        nothing; `allocate(..., prefix=...)` takes the pages.
+        """
+        pages = []
+        for h in hashes[: (num_tokens - 1) // self.page_size]:
+            page = self._page_of.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one admission's lookup: `num_tokens` queried, `num_hit_tokens` served."""
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hit_tokens
+
+    def publish(self, seq_id: str, hashes: Sequence[bytes], num_computed_tokens: int) -> None:
+        """Publishes the sequence's full pages whose keys and values are now computed.
+
+        `hashes[i]` names page i. A page whose hash another page already holds (two sequences
+        computed the same prefix at once) stays unpublished, freed as a plain page later.
+        Costs one comparison when no page filled up since the last call.
+        """
+        done = self._published.get(seq_id)
+        if done is None:
+            return
+        full = min(num_computed_tokens // self.page_size, len(hashes))
+        if full <= done:
+            return
+        table = self._tables[seq_id]
+        for i in range(done, full):
+            page, h = table[i], hashes[i]
+            if self._hash_of[page] is None and h not in self._page_of:
+                self._hash_of[page] = h
+                self._page_of[h] = page
+        self._published[seq_id] = full
+
+    # ---- sharing between sequences --------------------------------------------------------
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        """Starts `child_id`'s table with the parent's pages covering `num_tokens` slots, shared.
+
+        For the samples of one prompt and the beams of a beam search: nothing is copied now.
+        Before the child (or the parent) writes into a page the other also lists, it calls
+        `copy_on_write`.
+        """
+        if child_id in self._tables:
+            raise ValueError(f"Sequence {child_id!r} already has a page table; cannot fork.")
+        parent = self._tables.get(parent_id)
+        n = self.pages_for(num_tokens)
+        if parent is None or n > len(parent):
+            raise ValueError(
+                f"Sequence {parent_id!r} holds {len(parent or ())} pages, fewer than the {n} "
+                f"that {num_tokens} tokens fill."
             )
-        for request_id, table in self._tables.items():
-            if not table or len(table) > self.max_pages_per_seq:
-                raise AssertionError(f"Request {request_id!r} holds {len(table)} pages.")
+        table = self._tables[child_id] = parent[:n]
+        for page in table:
+            self._refs[page] += 1
+        self._published[child_id] = min(self._published[parent_id], n)
+
+    def copy_on_write(self, seq_id: str, pos: int) -> tuple[int, int] | None:
+        """Makes the page holding slot `pos` of the sequence private before it is written.
+
+        Returns None when no other table lists it, else `(src, dst)`: the sequence's table now
+        lists the fresh page `dst`, and the caller must copy page `src`'s keys and values into
+        it on the device before the write. Raises when no page is free or evictable: the caller
+        checks `can_allocate(1)` first, as for any growth.
+        """
+        table = self._tables[seq_id]
+        i = pos // self.page_size
+        src = table[i]
+        if self._refs[src] == 1:
+            return None
+        if not self.can_allocate(1):
+            raise ValueError(
+                f"No free page to copy page {src} of {seq_id!r} into; check can_allocate first."
+            )
+        dst = self._fresh_page()
+        self._refs[src] -= 1  # still >= 1: another table lists it
+        table[i] = dst
+        self._published[seq_id] = min(self._published[seq_id], i)
+        return src, dst
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError unless the books agree: ref counts match the tables, every page
+        is used, cached or free exactly once, and the hash index matches the published pages."""
+        refs = [0] * self.num_pages
+        for seq_id, table in self._tables.items():
+            if len(table) > self.max_pages_per_seq:
+                raise AssertionError(f"Sequence {seq_id!r} holds {len(table)} pages.")
+            for page in table:
+                refs[page] += 1
+        used = [p for p in range(self.num_pages) if refs[p]]
+        every = used + self._free + list(self._cached)
+        if (
+            refs != self._refs
+            or len(every) != self.num_pages
+            or set(every) != set(range(self.num_pages))
+        ):
+            raise AssertionError(
+                f"KV pages leaked or doubled: {len(used)} used + {len(self._cached)} cached + "
+                f"{len(self._free)} free != {self.num_pages} pages, a page is listed twice, or "
+                f"the ref counts disagree with the tables."
+            )
+        if any(self._hash_of[p] is not None for p in self._free) or any(
+            self._hash_of[p] is None for p in self._cached
+        ):
+            raise AssertionError("A free page holds a hash, or a cached page none.")
+        published = {h: p for p, h in enumerate(self._hash_of) if h is not None}
+        if published != self._page_of:
+            raise AssertionError("The hash index disagrees with the published pages.")

@@ -73,6 +73,14 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Prefix cache: anything besides the tokens that changes the KV (a LoRA id, a tenant's salt
+    # keeping its cache apart); requests with different salts never share pages.
+    cache_salt: str | None = None
+    # Prompt tokens served from cached pages at the first admission (None until admitted).
+    num_cached_tokens: int | None = None
+    # Hashes of the full pages of prompt + outputs so far (kv_cache_manager.PageHasher), grown by
+    # the scheduler as pages fill; kept across preemptions, since the tokens do not change.
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -84,6 +92,8 @@ class Request:
             raise ValueError(
                 f"Request {self.request_id!r} has prompt token ids that are not ints >= 0."
             )
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt={self.cache_salt!r} must be a string or None.")
         if not isinstance(self.priority, int):
             raise ValueError(f"priority={self.priority!r} must be an integer.")
         self.eos_token_ids = tuple(self.eos_token_ids)

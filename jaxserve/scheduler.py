@@ -9,6 +9,13 @@ freed and it waits to recompute its prompt and outputs later. Under the priority
 request that finds no free slot or pages also preempts running requests less important than
 itself, as many as it needs.
 
+With the prefix cache on (the default), admission first looks up the longest run of whole pages
+whose tokens, and everything before them, a request already computed (kv_cache_manager): those
+pages join the new request's table shared, its prefill starts after them, and the token budget
+counts only what is left (always at least the last prompt token, whose logits are needed). As
+steps complete, each request publishes its newly full pages; freed and preempted requests leave
+theirs cached until a fresh page is needed, so a preempted request often resumes from its own.
+
 Importance is one total order of keys, the same for admission and for choosing victims: fcfs
 orders by arrival; priority by `arrival_time + priority * priority_aging_s` (lower first), that
 is, every second of waiting improves a request by 1 / priority_aging_s levels. Keys never change,
@@ -35,7 +42,7 @@ import numbers
 import time
 from typing import Any
 
-from jaxserve.kv_cache_manager import KVCacheManager
+from jaxserve.kv_cache_manager import KVCacheManager, PageHasher
 from jaxserve.request import FinishReason, Request, RequestStatus
 from jaxserve.scheduler_types import (  # noqa: F401 - re-exported: the scheduler's API
     BATCHING_MODES,
@@ -110,6 +117,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.kv = KVCacheManager(config.num_pages, config.page_size, config.max_pages_per_seq)
+        self._hasher = (
+            PageHasher(config.page_size, config.prefix_cache_key)
+            if config.enable_prefix_caching
+            else None
+        )
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._keys: dict[str, tuple] = {}  # admission order; the largest key is preempted first
         self._counter = itertools.count()
@@ -298,13 +310,14 @@ class Scheduler:
         for req in decoding + prefilling:
             if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
                 continue
-            n = self._chunk_len(req, plan.budget)
+            n = self._chunk_len(req, plan.budget, req.num_computed_tokens)
             if n and self._allocate_or_preempt(req, req.num_computed_tokens + n, plan):
                 plan.add(self._scheduled(req, n))
 
-    def _chunk_len(self, req: Request, budget: int) -> int:
-        """Tokens `req` may run within `budget`: all it has, a chunk, or 0 to wait a step."""
-        remaining = req.num_tokens - req.num_computed_tokens
+    def _chunk_len(self, req: Request, budget: int, computed: int) -> int:
+        """Tokens `req` may run within `budget`, `computed` being in the cache already: all it
+        has left, a chunk, or 0 to wait a step."""
+        remaining = req.num_tokens - computed
         if remaining <= budget:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
@@ -342,11 +355,19 @@ class Scheduler:
             req = queue.peek()
             if req.request_id in plan.preempted:  # made room in this step: not back at once
                 return
-            n = self._chunk_len(req, plan.budget)
+            hit = self._match_prefix(req)
+            computed = len(hit) * self.config.page_size
+            # The budget counts only the tokens still to compute, not those the cache serves.
+            n = self._chunk_len(req, plan.budget, computed)
             # Head of line blocks the rest: skipping it for smaller ones could starve it.
-            if not n or not self._make_room(req, n, plan):
+            if not n or not self._make_room(req, computed + n, hit, plan):
                 return
             queue.pop()
+            if self._hasher is not None:
+                self.kv.record_query(req.num_tokens, computed)
+            req.num_computed_tokens = computed
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = min(computed, req.num_prompt_tokens)
             req.status = RequestStatus.RUNNING
             req.slot = heapq.heappop(self._free_slots)
             if req.first_scheduled_time is None:
@@ -354,15 +375,28 @@ class Scheduler:
             self._running.append(req)
             plan.add(self._scheduled(req, n))
 
-    def _make_room(self, req: Request, n: int, plan: _Plan) -> bool:
-        """A slot and the pages of n tokens for waiting `req`, allocated; False changes nothing.
+    def _match_prefix(self, req: Request) -> list[int]:
+        """Cached pages holding the longest prefix of `req`'s tokens (none without the cache)."""
+        if self._hasher is None:
+            return []
+        hashes = req.page_hashes
+        start = len(hashes) * self.config.page_size
+        if req.num_tokens - start >= self.config.page_size:
+            self._hasher.extend(hashes, req.token_ids(start, req.num_tokens), req.cache_salt)
+        return self.kv.match(hashes, req.num_tokens)
+
+    def _make_room(self, req: Request, num_tokens: int, hit: list[int], plan: _Plan) -> bool:
+        """A slot and the pages of `num_tokens` for waiting `req`, allocated, starting with the
+        cached pages `hit`; False changes nothing.
 
         Under the priority policy (continuous batching) it may preempt running requests less
         important than `req`, least important first, but only when enough of them exist:
-        preempting without then admitting would only waste their work.
+        preempting without then admitting would only waste their work. A victim's pages count
+        only if no one else holds them and `req` is not about to reuse them.
         """
         need_slot = not self._free_slots
-        need_pages = self.kv.pages_for(req.num_computed_tokens + n) - self.kv.num_free_pages
+        reclaimed = sum(self.kv.ref_count(p) == 0 for p in hit)  # cached: not free for others
+        need_pages = self.kv.pages_for(num_tokens) - len(hit) - (self.kv.num_free_pages - reclaimed)
         if need_slot or need_pages > 0:
             if self.config.policy != "priority" or self.config.batching != "continuous":
                 return False
@@ -373,12 +407,12 @@ class Scheduler:
                     break
                 victims.append(victim)
                 need_slot = False
-                need_pages -= self.kv.num_pages_of(victim.request_id)
+                need_pages -= self.kv.num_private_pages(victim.request_id, exclude=hit)
             if need_slot or need_pages > 0:
                 return False
             for victim in victims:
                 self._preempt(victim, plan)
-        allocated = self.kv.allocate(req.request_id, req.num_computed_tokens + n)
+        allocated = self.kv.allocate(req.request_id, num_tokens, prefix=hit)
         assert allocated, "the free pages were counted above"
         return True
 
@@ -446,9 +480,21 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens = seq.end_pos
+            if self._hasher is not None:
+                self._publish(req)
             if seq.sample:
                 updates.append(self._append_token(req, token, row_logprobs, now))
         return updates
+
+    def _publish(self, req: Request) -> None:
+        """Offers `req`'s newly computed full pages to the prefix cache (cheap when none filled)."""
+        ps = self.config.page_size
+        full = req.num_computed_tokens // ps
+        hashes = req.page_hashes
+        if full > len(hashes):
+            start = len(hashes) * ps
+            self._hasher.extend(hashes, req.token_ids(start, full * ps), req.cache_salt)
+        self.kv.publish(req.request_id, hashes, req.num_computed_tokens)
 
     def _check_result(self, plan: SchedulerOutput, result: StepResult) -> None:
         # Checked before anything changes, so a runner bug cannot leave half an update behind.

@@ -43,6 +43,11 @@ class SchedulerConfig:
     # None: unbounded; else QueueFull beyond this many waiting requests that no free slot will
     # take at the next step (Scheduler.num_queued_beyond_free_slots).
     max_waiting_requests: int | None = None
+    # Reuse the KV of full pages whose tokens (and everything before them) a finished, preempted
+    # or running request already computed (kv_cache_manager). `prefix_cache_key` names what else
+    # shapes the KV, the model: caches of different keys never match.
+    enable_prefix_caching: bool = True
+    prefix_cache_key: str = ""
 
     def __post_init__(self):
         if self.batch_size is None:

@@ -26,9 +26,19 @@ EOS = 0  # the fake model's end-of-sequence token
 
 
 def make_scheduler(**overrides) -> Scheduler:
-    """A small scheduler: 8 slots, 64-token budget, 64 pages of 4 tokens, 64-token max_model_len."""
+    """A small scheduler: 8 slots, 64-token budget, 64 pages of 4 tokens, 64-token max_model_len.
+
+    The prefix cache is off unless asked for: these requests share their prompts by
+    construction, and the tests that count pages and tokens mean the uncached schedule
+    (tests/unit/test_prefix_cache.py covers the cache).
+    """
     config = dict(
-        max_num_seqs=8, max_num_batched_tokens=64, num_pages=64, page_size=4, max_model_len=64
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_pages=64,
+        page_size=4,
+        max_model_len=64,
+        enable_prefix_caching=False,
     )
     return Scheduler(SchedulerConfig(**{**config, **overrides}))
 
