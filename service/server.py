@@ -1,4 +1,7 @@
-"""The gRPC server: jaxserve.v1.JaxServe over an AsyncEngine, with health, reflection, metrics.
+"""The gRPC server: jaxserve.v1.JaxServe over an AsyncEngine, with health, reflection, metrics;
+with `http_port`, the OpenAI-compatible HTTP API (service/http/) beside it on the same loop, the
+same engine and the same lifecycle (its /health answers 503 unless SERVING; `grpc=False` serves
+HTTP alone).
 
 Lifecycle: WARMING (the port is open, health says NOT_SERVING, calls get UNAVAILABLE while the
 model loads and the buckets compile) -> SERVING -> DRAINING (on SIGTERM/SIGINT or `stop()`:
@@ -77,6 +80,8 @@ class ServerOptions:
 
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port (see JaxServeServer.port)
+    grpc: bool = True  # False: the HTTP API alone (needs http_port)
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (service/http/); 0: any free
     metrics_port: int | None = 9400  # None: no metrics endpoint; 0: any free port
     grace_s: float = 30.0  # how long calls in flight may run on after a drain begins
     tls_cert: bytes | None = None  # PEM certificate chain; TLS when given with tls_key
@@ -89,7 +94,9 @@ class ServerOptions:
     def __post_init__(self):
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both a certificate and a key (tls_cert and tls_key).")
-        for name in ("port", "metrics_port"):
+        if not self.grpc and self.http_port is None:
+            raise ValueError("grpc=False (--no-grpc) needs an http_port: nothing would be served.")
+        for name in ("port", "metrics_port", "http_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name}={port} must be in [0, 65535].")
@@ -121,6 +128,9 @@ class JaxServeServer:
         self.state = State.WARMING
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
+        self._http = None  # service.http.HttpListener, with options.http_port
+        self.http_app = None  # service.http.app.OpenAIFrontEnd, with options.http_port
         self.warmup_error: BaseException | None = None
         self._ready = asyncio.Event()  # serving, or warm-up failed
         self._force = asyncio.Event()  # end the drain now
@@ -163,20 +173,23 @@ class JaxServeServer:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         address = f"{opts.host}:{opts.port}"
-        try:
-            if opts.tls_cert is not None:
-                creds = grpc.ssl_server_credentials([(opts.tls_key, opts.tls_cert)])
-                self.port = server.add_secure_port(address, creds)
-            else:
-                self.port = server.add_insecure_port(address)
-        except RuntimeError as e:
-            raise ServeError(f"Cannot listen on {address}: {e} (is the port in use?)") from e
+        if opts.grpc:
+            try:
+                if opts.tls_cert is not None:
+                    creds = grpc.ssl_server_credentials([(opts.tls_key, opts.tls_cert)])
+                    self.port = server.add_secure_port(address, creds)
+                else:
+                    self.port = server.add_insecure_port(address)
+            except RuntimeError as e:
+                raise ServeError(f"Cannot listen on {address}: {e} (is the port in use?)") from e
         if opts.auth_token and opts.tls_cert is None and opts.host not in _LOOPBACK:
             logger.warning(
-                "an auth token is set without TLS on %s: it travels in the clear", address
+                "an auth token is set without TLS on %s: it travels in the clear", opts.host
             )
         await server.start()
         self._server = server
+        if opts.http_port is not None:
+            await self._start_http()
         if opts.metrics_port is not None:
             try:
                 self._metrics_http, _ = start_http_server(
@@ -193,6 +206,7 @@ class JaxServeServer:
             "listening",
             host=opts.host,
             port=self.port,
+            http_port=self.http_port,
             metrics_port=self.metrics_port,
             tls=opts.tls_cert is not None,
             auth=bool(opts.auth_token),
@@ -203,6 +217,28 @@ class JaxServeServer:
             await self._start_serving(self._engine_source, 0.0)
         else:
             self._spawn(self._warm_up(self._engine_source))
+
+    async def _start_http(self) -> None:
+        """The OpenAI-compatible API on its own port, over the same engine, state and drain."""
+        from service.http import HttpListener
+        from service.http.app import OpenAIFrontEnd
+
+        opts = self.options
+        self.http_app = OpenAIFrontEnd(self, self.registry)
+        self._http = HttpListener(
+            self.http_app.app,
+            opts.host,
+            opts.http_port,
+            tls_cert=opts.tls_cert,
+            tls_key=opts.tls_key,
+        )
+        try:
+            self.http_port = await self._http.start()
+        except OSError as e:
+            await self._server.stop(0)
+            raise ServeError(
+                f"Cannot serve HTTP on {opts.host}:{opts.http_port}: {e} (is the port in use?)"
+            ) from e
 
     async def wait_ready(self) -> None:
         """Returns once serving; raises the warm-up's error if it failed."""
@@ -231,6 +267,7 @@ class JaxServeServer:
         await asyncio.gather(
             # Cancels the calls left; closing their engine streams aborts their requests.
             *([self._server.stop(0)] if self._server is not None else []),
+            *([self._http.stop()] if self._http is not None else []),
             # Off the loop: it waits up to half a second for the HTTP thread's next poll.
             *([asyncio.to_thread(self._close_metrics)] if self._metrics_http is not None else []),
         )

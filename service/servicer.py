@@ -190,6 +190,25 @@ class JaxServeServicer:
 
         return handler
 
+    # ---- shared with the HTTP front end (service/http/), which admits and counts alike --------
+
+    def admit(self) -> None:
+        """Raises Refused (or EngineDeadError) unless the server's state lets a new call in."""
+        self._admit()
+
+    @contextlib.contextmanager
+    def in_flight(self):
+        """Counts a call as in flight while the block runs: the drain waits for it."""
+        self._begin()
+        try:
+            yield
+        finally:
+            self._end()
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the tokenizer threads: tokenizer work never runs on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
     def _begin(self) -> None:
         self.active += 1
         self.idle.clear()

@@ -21,10 +21,23 @@ from jaxserve.cli import (
 
 
 def register(sub) -> None:
-    srv = sub.add_parser("serve", help="serve a model over gRPC (health, reflection, metrics)")
+    srv = sub.add_parser(
+        "serve",
+        help="serve a model over gRPC (health, reflection, metrics) and/or an OpenAI-compatible "
+        "HTTP API (--http-port)",
+    )
     _add_model_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     srv.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    srv.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API on this port (0: any free port)",
+    )
+    srv.add_argument(
+        "--no-grpc", action="store_true", help="serve the HTTP API alone (needs --http-port)"
+    )
     srv.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port")
     srv.add_argument("--no-metrics", action="store_true", help="serve no metrics endpoint")
     srv.add_argument(
@@ -72,6 +85,13 @@ def register(sub) -> None:
     ):
         eng.add_argument(flag, type=kind, default=None)
     eng.add_argument("--policy", choices=["fcfs", "priority"], default=None)
+    eng.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=None,
+        help="recompute every prompt instead of reusing the KV of prefixes served before",
+    )
     eng.add_argument(
         "--priority-aging-s",
         type=float,
@@ -123,6 +143,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "token_bucket_step",
             "seq_bucket_factor",
             "compilation_cache_dir",
+            "enable_prefix_caching",
         )
         if getattr(args, name) is not None
     }
@@ -131,9 +152,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UserError("TLS needs both --tls-cert and --tls-key.")
+    if args.no_grpc and args.http_port is None:
+        raise UserError("--no-grpc needs --http-port: there would be nothing to serve.")
     options = ServerOptions(
         host=args.host,
         port=args.port,
+        grpc=not args.no_grpc,
+        http_port=args.http_port,
         metrics_port=None if args.no_metrics else args.metrics_port,
         grace_s=args.grace_period,
         tls_cert=_read_file(args.tls_cert),

@@ -1,0 +1,163 @@
+"""The OpenAI API's request bodies as pydantic models, and its response bodies as dicts.
+
+The models check types only (a string where a number belongs, an unknown role); value checks
+(temperature >= 0, max_tokens within the context, token ids in the vocabulary) are left to
+service/validation.py, so that they read the same over gRPC and HTTP. Unknown fields are
+ignored, as OpenAI's and vLLM's servers do: clients such as LangChain send fields that change
+nothing here.
+
+Field names and meanings follow OpenAI's API reference for /v1/completions and
+/v1/chat/completions, plus the extra sampling fields vLLM accepts (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxserve.outputs import TokenLogprob
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields both endpoints share: how to sample and when to stop."""
+
+    model: str | None = None  # any name is served by the one model (see /v1/models)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted and logged, as OpenAI does
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    # A text, token ids, or a list of either (mixed lists too: each is one prompt).
+    prompt: str | list[int] | list[str | list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize: a text, or chat messages rendered with the chat template."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: Any = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob | None],
+    token_ids: Sequence[int],
+    token_text: Callable[[int], str],
+    text_offset: int,
+) -> dict:
+    """/v1/completions' logprobs object for `token_ids` (entries[i] None: not known, e.g. the
+    prompt's first token); offsets start at `text_offset` characters into the choice's text."""
+    tokens, offsets, offset = [], [], text_offset
+    for t in token_ids:
+        tokens.append(token_text(t))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if e is None else e.logprob for e in entries],
+        "top_logprobs": [
+            None if e is None else {token_text(t): lp for t, lp in e.top} for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> dict:
+    """/v1/chat/completions' logprobs object: one entry per generated token."""
+
+    def one(t: int, lp: float) -> dict:
+        text = token_text(t)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries
+        ]
+    }

@@ -1,0 +1,298 @@
+"""The OpenAI-compatible HTTP API end to end: a real server on 127.0.0.1, the official `openai`
+client, and raw HTTP for what no client would send.
+
+Expected outputs come from the same engine run offline (`LLM.generate`) before it serves, so
+every text is checked, not just counted. One server serves the module; the auth, warm-up and
+--no-grpc tests start their own, cheap ones over the same compiled engine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.service.conftest import serving, wait_until
+
+PROMPT = "Once upon a time"
+GREEDY = dict(max_tokens=24, temperature=0.0)
+SEEDED = dict(max_tokens=12, temperature=1.0, seed=7)
+LONG = dict(max_tokens=150, temperature=0.0, ignore_eos=True)
+# A ChatML-style template, set on the tokenizer by the chat test (stories260k has none).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+MESSAGES = [{"role": "user", "content": "Tell me a story"}]
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    """(server, expected): expected[name] is the offline Completion of that case."""
+    llm = LLM(engine=engine)
+    seeds = [SEEDED["seed"] + i for i in range(3)]
+    cases = {
+        "greedy": (PROMPT, SamplingParams(**GREEDY)),
+        "long": (PROMPT, SamplingParams(**LONG)),
+        **{
+            f"seed{s}": (PROMPT, SamplingParams(**{**SEEDED, "seed": s}))
+            for s in [*seeds, SEEDED["seed"]]
+        },
+        "ids": ([1, 403, 407], SamplingParams(max_tokens=6, temperature=0.0)),
+    }
+    engine.tokenizer.chat_template = CHAT_TEMPLATE  # rendered here; the chat test sets it too
+    try:
+        cases["chat"] = (_chat_ids(engine), SamplingParams(max_tokens=16, temperature=0.0))
+    finally:
+        engine.tokenizer.chat_template = None
+    outs = llm.generate([p for p, _ in cases.values()], [s for _, s in cases.values()])
+    expected = dict(zip(cases, outs, strict=True))
+    with serving(engine, http_port=0) as server:
+        yield server, expected
+
+
+def _chat_ids(engine) -> list[int]:
+    tokenizer = engine.tokenizer
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert rendered == "<s>user: Tell me a story\nassistant:"
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
+    return ids
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    server, _ = served
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="none", max_retries=0
+    )
+
+
+def _post(server, path: str, body, headers=None) -> tuple[int, dict]:
+    """Raw POST (bytes or JSON); returns (status, parsed body)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.server.http_port}{path}",
+        data=data,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _get(server, path: str, headers=None) -> tuple[int, str]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.server.http_port}{path}", headers=headers or {}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_greedy_completion_equals_llm_generate_streamed_or_not(served, client):
+    _, expected = served
+    want = expected["greedy"]
+    got = client.completions.create(model="any", prompt=PROMPT, **GREEDY)
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == len(want.token_ids)
+    chunks = list(
+        client.completions.create(
+            model="any",
+            prompt=PROMPT,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert len([c for c in chunks if c.choices]) > 2  # streamed, not sent at once
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+    ids = client.completions.create(model="any", prompt=[1, 403, 407], max_tokens=6, temperature=0)
+    assert ids.choices[0].text == expected["ids"].text
+
+
+def test_list_prompts_echo_and_logprobs(served, client):
+    _, expected = served
+    got = client.completions.create(
+        model="any", prompt=[PROMPT, [1, 403, 407]], max_tokens=6, temperature=0, echo=True
+    )
+    assert [c.index for c in got.choices] == [0, 1]
+    echoed, generated = got.choices[0].text[: len(PROMPT)], got.choices[0].text[len(PROMPT) :]
+    assert echoed == PROMPT and generated and expected["greedy"].text.startswith(generated)
+    assert got.choices[1].text.endswith(expected["ids"].text)
+    lp = client.completions.create(
+        model="any", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3
+    )
+    logprobs = lp.choices[0].logprobs
+    assert len(logprobs.tokens) == 4 and len(logprobs.top_logprobs[0]) == 3
+    # Greedy: the chosen token is the most likely one, and its logprob is the top's.
+    for token, chosen, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert chosen == pytest.approx(max(top.values()), abs=1e-5) and chosen <= 0
+        assert top[token] == pytest.approx(chosen, abs=1e-5)
+
+
+def test_n_samples_each_equal_their_single_runs_with_seed_plus_i(served, client):
+    _, expected = served
+    got = client.completions.create(model="any", prompt=PROMPT, n=3, **SEEDED)
+    texts = [c.text for c in got.choices]
+    assert texts == [expected[f"seed{SEEDED['seed'] + i}"].text for i in range(3)]
+    assert len(set(texts)) > 1, texts
+    assert got.usage.prompt_tokens == len(expected["greedy"].prompt_token_ids)  # counted once
+
+
+def test_chat_without_a_template_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}])
+    assert "no chat template" in err.value.message
+    assert err.value.body["param"] == "messages"
+
+
+def test_chat_with_a_template_streams_what_the_rendered_prompt_generates(served, client, engine):
+    server, expected = served
+    want = expected["chat"]
+    engine.tokenizer.chat_template = CHAT_TEMPLATE
+    try:
+        got = client.chat.completions.create(
+            model="any", messages=MESSAGES, max_completion_tokens=16, temperature=0
+        )
+        assert got.choices[0].message.content == want.text
+        assert got.choices[0].message.role == "assistant"
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        chunks = list(
+            client.chat.completions.create(
+                model="any",
+                messages=MESSAGES,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                logprobs=True,
+                top_logprobs=2,
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+        entries = [
+            e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content
+        ]
+        assert len(entries) == len(want.token_ids)
+        assert all(len(e.top_logprobs) == 2 for e in entries)
+        status, body = _post(server, "/tokenize", {"messages": MESSAGES})
+        assert status == 200 and body["tokens"] == want.prompt_token_ids
+    finally:
+        engine.tokenizer.chat_template = None
+
+
+# (body fields over the prompt PROMPT, the param named, parts of the message): the gRPC tests'
+# bad inputs (tests/service/test_server.py BAD), as an OpenAI client would send them.
+BAD = [
+    (dict(prompt=""), "prompt", ["prompt=''", "empty"]),
+    (dict(prompt=[]), "prompt", ["prompt=[]"]),
+    (dict(prompt=PROMPT + " " + "Once upon a time " * 80), "prompt", ["tokens", "max_model_len"]),
+    (dict(prompt=[1] * 256), "prompt", ["256 tokens", "max_model_len=256"]),
+    (dict(prompt=[1, 600]), "prompt", ["prompt[1]=600", "[0, 512)"]),
+    (dict(prompt=[[1, 2], [1, 600]]), "prompt[1]", ["prompt[1][1]=600"]),
+    (dict(max_tokens=0), "max_tokens", ["max_tokens=0"]),
+    (dict(max_tokens=252), "max_tokens", ["max_tokens=252", "room for 251"]),
+    (dict(temperature=-0.5), "temperature", ["temperature=-0.5"]),
+    (dict(temperature=float("nan")), "temperature", ["temperature=nan"]),
+    (dict(temperature=float("inf")), "temperature", ["temperature=inf"]),
+    (dict(top_p=0.0), "top_p", ["top_p=0.0", "(0, 1]"]),
+    (dict(top_p=1.5), "top_p", ["top_p=1.5"]),
+    (dict(top_k=-1), "top_k", ["top_k=-1"]),
+    (dict(min_p=2.0), "min_p", ["min_p=2.0"]),
+    (dict(logprobs=21), "logprobs", ["logprobs=21"]),
+    (dict(seed=2**40), "seed", [f"seed={2**40}"]),
+    (dict(stop=["."] * 17), "stop", ["stop has 17 strings", "16"]),
+    (dict(stop=["x" * 300]), "stop", ["stop[0]=", "300 characters"]),
+    (dict(stop=["ok", ""]), "stop", ["stop[1]=''"]),
+    (dict(stop_token_ids=[9999]), "stop_token_ids", ["stop_token_ids[0]=9999"]),
+    (dict(n=0), "n", ["n=0"]),
+    (dict(suffix="The end."), "suffix", ["suffix"]),
+    (dict(temperature="hot"), "temperature", ["temperature='hot'"]),
+    (dict(prompt=None), "prompt", ["prompt=None"]),
+    (b'{"prompt": "On\xffe"}', None, ["not valid JSON"]),
+    (b'{"prompt": "Once"', None, ["not valid JSON"]),
+]
+
+
+@pytest.mark.parametrize("what,param,parts", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_input_is_400_naming_field_and_value(served, what, param, parts):
+    server, _ = served
+    body = what if isinstance(what, bytes) else {"model": "any", "prompt": PROMPT, **what}
+    status, error = _post(server, "/v1/completions", body)
+    assert status == 400, error
+    error = error["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    for part in parts:
+        assert part in error["message"]
+
+
+def test_full_waiting_queue_is_429_while_admitted_complete(served, client):
+    """48 long requests at once: the 32 the queue holds and those in running slots complete."""
+    server, expected = served
+    want = expected["long"].text
+    start = threading.Barrier(48)
+
+    def run(_):
+        start.wait()
+        return _post(server, "/v1/completions", {"prompt": PROMPT, **LONG})
+
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        results = list(pool.map(run, range(48)))
+    refused = [body for status, body in results if status == 429]
+    done = [body for status, body in results if status == 200]
+    assert refused and len(done) >= 32 and len(refused) + len(done) == 48
+    assert all("max_waiting_requests=32" in b["error"]["message"] for b in refused)
+    assert all(b["choices"][0]["text"] == want for b in done)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_pages(served, engine):
+    server, _ = served
+    async_engine = server.server.engine
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=30)
+    body = {"prompt": PROMPT, "stream": True, "max_tokens": 240, "temperature": 0}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # generating now
+    assert wait_until(lambda: async_engine.snapshot().kv_pages_used > 0)
+    generated_before = async_engine.snapshot().iteration
+    conn.sock.close()
+    conn.close()
+    wait_until(lambda: not async_engine.snapshot().request_ids, timeout=20)
+    snap = async_engine.snapshot()
+    assert snap.kv_pages_used == 0 and snap.slots_used == 0
+    assert snap.iteration - generated_before < 200  # aborted, not run to its 240 tokens
+
+
+def test_models_tokenize_detokenize_health_and_metrics(served, engine):
+    server, _ = served
+    status, body = _get(server, "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "stories260k"
+    status, body = _post(server, "/tokenize", {"prompt": PROMPT})
+    assert status == 200 and body["tokens"] == engine.encode(PROMPT)
+    status, back = _post(server, "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back["prompt"] == PROMPT
+    status, error = _post(server, "/detokenize", {"tokens": [1, 700]})
+    assert status == 400 and "tokens[1]=700" in error["error"]["message"]
+    assert _get(server, "/health") == (200, '{"status":"serving"}')
+    status, text = _get(server, "/metrics")
+    assert status == 200
+    assert 'jaxserve_http_requests_total{code="200",route="tokenize"}' in text
+    assert "jaxserve_generation_tokens_total" in text  # the engine's own registry
