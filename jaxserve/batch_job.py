@@ -260,13 +260,15 @@ class BatchRun:
         stop_on_error: bool = False,
         progress: bool = True,
         log=None,
+        summary: BatchSummary | None = None,  # to fill: a subclass adds its own fields
     ):
         from tqdm import tqdm
 
         self.input_path, self.output_path = Path(input_path), Path(output_path)
         self.defaults = defaults or SamplingParams(max_tokens=256, temperature=0.0)
         self.stop_on_error = stop_on_error
-        self.summary = BatchSummary(total_lines=_count_lines(self.input_path))
+        self.summary = summary or BatchSummary()
+        self.summary.total_lines = _count_lines(self.input_path)
         self.done, self.summary.repaired_tail = recover_output(self.output_path)
         self.out = _Output(self.output_path)
         self.bar = tqdm(

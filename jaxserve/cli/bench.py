@@ -169,11 +169,6 @@ def _cmd_soak(args: argparse.Namespace) -> int:
 def _cmd_batch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from jaxserve.batch_job import BatchInputError, OutputCorrupt, run_batch
-    from jaxserve.engine import Engine
-    from jaxserve.engine_config import EngineConfig
-    from jaxserve.sampling_params import SamplingParams
-
     src, dst = Path(args.input), Path(args.output)
     if not src.is_file():
         raise UserError(f"Input file {str(src)!r} does not exist.")
@@ -181,42 +176,9 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         raise UserError("INPUT and OUTPUT must be different files.")
     if not dst.parent.is_dir():
         raise UserError(f"Output folder {str(dst.parent)!r} does not exist.")
-    defaults = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    parallel = _parallel(args)  # before the model loads: a cluster must be joined first
-    from jaxserve import multihost
-    from jaxserve.sharding import make_mesh
-
-    model = _load(args, mesh=make_mesh(parallel["tensor_parallel"], parallel["mesh_shape"]))
-    engine = Engine(
-        EngineConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            min_token_bucket=args.min_token_bucket,
-            seq_bucket_factor=args.seq_bucket_factor,
-            compilation_cache_dir=args.compile_cache,
-            show_progress=not args.no_progress,
-            **parallel,
-        ),
-        model=model,
-    )
-    if engine.runner.lockstep is not None and not multihost.is_leader():
-        engine.runner.follow()  # multi-host: the other processes run process 0's steps
+    s = _batch_on_ray(args, src, dst) if args.ray is not None else _batch_here(args, src, dst)
+    if s is None:  # a follower process of a multi-host engine
         return 0
-    try:
-        s = run_batch(
-            engine,
-            src,
-            dst,
-            defaults=defaults,
-            stop_on_error=args.stop_on_error,
-            include_token_ids=args.token_ids,
-            progress=not args.no_progress,
-        )
-    except (BatchInputError, OutputCorrupt) as e:
-        raise UserError(str(e)) from e
-    finally:
-        engine.runner.stop_followers()  # lets them return (a no-op on one host)
     rate = s.output_tokens / s.elapsed_s if s.elapsed_s else 0.0
     print(
         f"jaxserve batch: {s.completed} completed ({s.output_tokens} tokens, {rate:.1f} tok/s), "
@@ -229,6 +191,98 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         print(f"jaxserve batch: bad input lines: {lines}{more}", file=sys.stderr)
         return 1
     return 0
+
+
+def _batch_config(args: argparse.Namespace, **parallel):
+    from jaxserve.engine_config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        min_token_bucket=args.min_token_bucket,
+        seq_bucket_factor=args.seq_bucket_factor,
+        compilation_cache_dir=args.compile_cache,
+        show_progress=not args.no_progress,
+        **parallel,
+    )
+
+
+def _batch_defaults(args: argparse.Namespace):
+    from jaxserve.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+
+
+def _batch_here(args: argparse.Namespace, src, dst):
+    """One engine in this process (one mesh, maybe over several hosts)."""
+    from jaxserve.batch_job import BatchInputError, OutputCorrupt, run_batch
+    from jaxserve.engine import Engine
+
+    defaults = _batch_defaults(args)
+    parallel = _parallel(args)  # before the model loads: a cluster must be joined first
+    from jaxserve import multihost
+    from jaxserve.sharding import make_mesh
+
+    model = _load(args, mesh=make_mesh(parallel["tensor_parallel"], parallel["mesh_shape"]))
+    engine = Engine(_batch_config(args, **parallel), model=model)
+    if engine.runner.lockstep is not None and not multihost.is_leader():
+        engine.runner.follow()  # multi-host: the other processes run process 0's steps
+        return None
+    try:
+        return run_batch(
+            engine,
+            src,
+            dst,
+            defaults=defaults,
+            stop_on_error=args.stop_on_error,
+            include_token_ids=args.token_ids,
+            progress=not args.no_progress,
+        )
+    except (BatchInputError, OutputCorrupt) as e:
+        raise UserError(str(e)) from e
+    finally:
+        engine.runner.stop_followers()  # lets them return (a no-op on one host)
+
+
+def _batch_on_ray(args: argparse.Namespace, src, dst):
+    """`--ray`: replicas on a Ray cluster, this process reading and writing (batch_ray.py)."""
+    from jaxserve.batch_ray import RayMissing, import_ray
+
+    try:
+        import_ray()  # before any work: without Ray, one line saying how to get it
+    except RayMissing as e:
+        raise UserError(str(e)) from e
+    if args.tensor_parallel != 1 or args.mesh or _joins_cluster(args):
+        raise UserError(
+            "With --ray, each replica's devices are --devices-per-replica; --tensor-parallel, "
+            "--mesh and the --distributed flags are for one engine without Ray."
+        )
+    if args.replicas < 1 or args.devices_per_replica < 1:
+        raise UserError(
+            f"--replicas {args.replicas} and --devices-per-replica {args.devices_per_replica} "
+            "must both be at least 1."
+        )
+    from jaxserve.batch_job import BatchInputError, OutputCorrupt
+    from jaxserve.batch_ray import run_ray
+
+    try:
+        return run_ray(
+            src,
+            dst,
+            config=_batch_config(args),
+            replicas=args.replicas,
+            devices_per_replica=args.devices_per_replica,
+            address=args.ray or None,
+            defaults=_batch_defaults(args),
+            stop_on_error=args.stop_on_error,
+            include_token_ids=args.token_ids,
+            progress=not args.no_progress,
+        )
+    except (BatchInputError, OutputCorrupt, ConnectionError, RuntimeError) as e:
+        raise UserError(str(e)) from e
 
 
 def _add_bench_parser(sub) -> None:
@@ -379,5 +433,25 @@ def _add_batch_parser(sub) -> None:
     )
     b.add_argument("--token-ids", action="store_true", help="also write the output token ids")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r = b.add_argument_group(
+        "Ray: data parallel over engine replicas (pip install 'jaxserve[ray]')"
+    )
+    r.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run the replicas on Ray: join the cluster at ADDRESS ('auto': the one started "
+        "on this machine by `ray start`), or without ADDRESS start a local one for this job",
+    )
+    r.add_argument("--replicas", type=int, default=1, metavar="N", help="engines (Ray actors)")
+    r.add_argument(
+        "--devices-per-replica",
+        type=int,
+        default=1,
+        metavar="K",
+        help="GPUs or TPU chips per replica, its model split over them (tensor parallel)",
+    )
     _add_parallel_args(b)
     b.set_defaults(func=_cmd_batch)

@@ -1,0 +1,381 @@
+"""`jaxserve batch --ray`: one resumable batch job over many engine replicas on a Ray cluster.
+
+Batch jobs outgrow one host long before they outgrow one model replica; the scale-out is more
+replicas, each its own engine over a share of the input, placed by an existing distributed
+runtime (Ray) rather than a home-made one. Ray is an optional extra (`pip install
+'jaxserve[ray]'`); nothing else in jaxserve imports this module.
+
+What runs where, and what is bounded:
+- The driver (the caller's thread) is the only reader of the input and the only writer of the
+  output. It reuses batch_job.BatchRun, so resume, bad-line reports and durability are those of
+  the single-process `jaxserve batch`: a rerun after a crash or a SIGKILL skips the ids already
+  written and runs the rest.
+- Each replica is a Ray actor (`_Replica`) holding one Engine, tensor-parallel over its K
+  devices, fed through batch_job.EngineFeed (so a line gives the same record wherever it runs).
+  The driver keeps at most one call in flight per replica: `work(new_lines)` queues the lines,
+  steps the engine until some requests finish and returns their records. The engine's last step
+  may still be running on the device when the call returns, so the round trip overlaps it.
+- Backpressure: a replica never holds more than `queue_lines` lines (running and waiting), and
+  the driver reads the input only to refill a replica with room, so no process's memory grows
+  with the file.
+- Failures: a replica whose call fails (its actor or node died, or its engine raised) is
+  dropped, and the lines it held go, first in line, to the others. Results reach the output only
+  through the driver, and a dropped replica's results never arrive, so no id is written twice.
+  With every replica gone the job stops with an error; a rerun resumes it.
+
+Users with a Ray Data pipeline use `BatchPredictor` with `Dataset.map_batches` instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from jaxserve.batch_job import BatchRun, BatchSummary, EngineFeed, Line, parse_line
+from jaxserve.engine_config import EngineConfig
+from jaxserve.sampling_params import SamplingParams
+
+RAY_MISSING = "jaxserve batch --ray needs Ray, which is not installed: pip install 'jaxserve[ray]'"
+
+
+class RayMissing(ImportError):
+    """Ray is not installed; the message says how to install it."""
+
+
+def import_ray():
+    """The `ray` module, or RayMissing with the one line that says how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise RayMissing(RAY_MISSING + ".") from None
+    return ray
+
+
+@dataclasses.dataclass
+class ReplicaStats:
+    """One replica's share of a job, and where it ran."""
+
+    index: int
+    host: str = ""
+    pid: int = 0
+    devices: list[str] = dataclasses.field(default_factory=list)
+    ready_s: float = 0.0  # from the job's start until its engine was built and compiled
+    completed: int = 0
+    output_tokens: int = 0
+    most_held: int = 0  # the most lines it held at once (running and queued)
+    failed: str | None = None  # why it was dropped mid-job
+
+
+@dataclasses.dataclass
+class RayBatchSummary(BatchSummary):
+    """BatchSummary plus each replica's share and the lines a failed replica handed back.
+
+    `elapsed_s` counts from the first replica ready (start-up excluded, as in run_batch, whose
+    engine is built before it starts); `startup_s` is the time until then.
+    """
+
+    startup_s: float = 0.0
+
+    replicas: list[ReplicaStats] = dataclasses.field(default_factory=list)
+    retried_lines: int = 0
+
+
+class _Replica:
+    """The body of one replica actor: an engine and the lines queued on it."""
+
+    def __init__(self, config: EngineConfig, include_token_ids: bool):
+        from jaxserve.engine import Engine
+
+        self.engine = Engine(config)
+        self.feed = EngineFeed(self.engine, include_token_ids)
+
+    def info(self) -> dict:
+        """Where this replica runs (for progress, the summary and tests that kill it)."""
+        import socket
+
+        devices = [str(d) for d in self.engine.plan.mesh.devices.flat]
+        return {"host": socket.gethostname(), "pid": os.getpid(), "devices": devices}
+
+    def work(
+        self, lines: list[Line], min_wait_s: float, max_wait_s: float, low_water: int
+    ) -> tuple[list[dict], list[tuple[str, str]]]:
+        """Queues `lines`, then steps until requests finish; (records, [(id, reason refused)]).
+
+        Returns once something finished and either `min_wait_s` passed (fewer, larger round
+        trips) or the queue ran down to `low_water` (refill before slots go idle); or after
+        `max_wait_s` in any case, so the driver's progress stays fresh.
+        """
+        refused = [(line.id, r) for line in lines if (r := self.feed.add(line)) is not None]
+        records: list[dict] = []
+        start = time.monotonic()
+        while self.engine.has_unfinished():
+            records += self.feed.step()
+            waited = time.monotonic() - start
+            if waited >= max_wait_s or (
+                records and (waited >= min_wait_s or len(self.feed) <= low_water)
+            ):
+                break
+        return records, refused
+
+
+def _actor_options(ray, devices_per_replica: int, cpus_per_replica: float) -> dict:
+    """Ray resources for one replica: K GPUs or K TPU chips where the cluster has them (Ray then
+    makes only those visible to the actor); on CPUs, K simulated devices."""
+    have = ray.cluster_resources()
+    options: dict = {"num_cpus": cpus_per_replica}
+    if have.get("GPU", 0) > 0:
+        options["num_gpus"] = devices_per_replica
+    elif have.get("TPU", 0) > 0:
+        options["resources"] = {"TPU": devices_per_replica}
+    elif devices_per_replica > 1:
+        flag = f"--xla_force_host_platform_device_count={devices_per_replica}"
+        flags = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+        options["runtime_env"] = {"env_vars": {"XLA_FLAGS": flags}}
+    return options
+
+
+@dataclasses.dataclass
+class _Handle:
+    """The driver's view of one replica: its actor, its call in flight, the lines it holds."""
+
+    actor: object
+    stats: ReplicaStats
+    ready: bool = False
+    call: object | None = None  # the ObjectRef of the call in flight
+    held: dict[str, Line] = dataclasses.field(default_factory=dict)
+
+
+def run_ray(
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    config: EngineConfig | None = None,
+    replicas: int = 1,
+    devices_per_replica: int = 1,
+    address: str | None = None,
+    defaults: SamplingParams | None = None,
+    stop_on_error: bool = False,
+    include_token_ids: bool = False,
+    progress: bool = True,
+    log=None,
+    queue_lines: int | None = None,
+    cpus_per_replica: float = 1.0,
+    min_wait_s: float = 0.05,
+    max_wait_s: float = 1.0,
+    on_progress: Callable[[RayBatchSummary], None] | None = None,
+) -> RayBatchSummary:
+    """Runs every input line not yet in the output over `replicas` engines on Ray.
+
+    `config` is each replica's EngineConfig (its tensor_parallel is set to
+    `devices_per_replica`). `address`: a cluster to join ("auto": the one started on this
+    machine with `ray start`); None starts a local one for this job, unless this process is
+    already connected. `queue_lines` bounds the lines one replica holds (default 2 x
+    max_num_seqs: every slot busy and as many waiting). `on_progress` is called with the summary
+    so far each time results are written. Raises what run_batch raises, RayMissing without Ray,
+    and RuntimeError once every replica has failed (the output holds what finished; rerun).
+    """
+    ray = import_ray()
+    if replicas < 1 or devices_per_replica < 1:
+        raise ValueError(f"{replicas=} and {devices_per_replica=} must both be >= 1.")
+    config = dataclasses.replace(
+        config or EngineConfig(),
+        tensor_parallel=devices_per_replica,
+        mesh_shape=None,
+        show_progress=False,
+    )
+    queue = queue_lines or 2 * config.max_num_seqs
+    summary = RayBatchSummary()
+    job = BatchRun(
+        input_path,
+        output_path,
+        defaults=defaults,
+        stop_on_error=stop_on_error,
+        progress=progress,
+        log=log,
+        summary=summary,
+    )
+    started_ray = not ray.is_initialized()
+    handles: list[_Handle] = []
+    try:
+        if started_ray:
+            ray.init(address=address or "local", include_dashboard=False)
+        options = _actor_options(ray, devices_per_replica, cpus_per_replica)
+        actor_class = ray.remote(_Replica).options(**options)
+        for i in range(replicas):
+            h = _Handle(actor_class.remote(config, include_token_ids), ReplicaStats(i))
+            h.call = h.actor.info.remote()  # resolves once the engine is built and compiled
+            handles.append(h)
+        summary.replicas = [h.stats for h in handles]
+        _drive(ray, job, handles, queue, (min_wait_s, max_wait_s, queue // 2), on_progress)
+    finally:
+        job.close()
+        for h in handles:
+            ray.kill(h.actor)
+        if started_ray and ray.is_initialized():
+            ray.shutdown()
+    if job.stop_error is not None:
+        raise job.stop_error
+    return summary
+
+
+def _drive(ray, job: BatchRun, handles: list[_Handle], queue: int, waits, on_progress) -> None:
+    """The driver loop: refill replicas with room, write what comes back, requeue a failed
+    replica's lines, until the input is read and nothing is held."""
+    summary: RayBatchSummary = job.summary  # type: ignore[assignment]
+    retry: collections.deque[Line] = collections.deque()
+    last_error = ""
+    started = job.start
+
+    def refill(h: _Handle) -> None:
+        lines: list[Line] = []
+        while len(h.held) + len(lines) < queue:
+            line = retry.popleft() if retry else job.next_line()
+            if line is None:
+                break
+            lines.append(line)
+        h.held.update((line.id, line) for line in lines)
+        h.stats.most_held = max(h.stats.most_held, len(h.held))
+        if h.held:  # with nothing held it idles until a failure hands lines back
+            h.call = h.actor.work.remote(lines, *waits)
+
+    while True:
+        live = [h for h in handles if h.stats.failed is None]
+        for h in live:
+            if h.ready and h.call is None:
+                refill(h)
+        calls = {h.call: h for h in live if h.call is not None}
+        if not calls:
+            if retry or job.reading:
+                raise RuntimeError(
+                    f"All {len(handles)} replicas failed, the last with: {last_error} "
+                    f"The output holds what finished; rerun the same command to resume."
+                )
+            return
+        done, _ = ray.wait(list(calls), num_returns=1, timeout=1.0)
+        for ref in done:
+            h = calls[ref]
+            h.call = None
+            try:
+                result = ray.get(ref)
+            except Exception as e:  # the actor, its node or its engine failed: drop it
+                last_error = " ".join(str(e).split())[:500]
+                h.stats.failed = last_error
+                retry.extend(h.held.values())
+                summary.retried_lines += len(h.held)
+                job.say(
+                    f"replica {h.stats.index} failed; {len(h.held)} lines go to the others: "
+                    f"{last_error[:200]}"
+                )
+                h.held.clear()
+                ray.kill(h.actor)
+                continue
+            if not h.ready:
+                h.ready = True
+                now = time.perf_counter()
+                h.stats.ready_s = now - started
+                if not any(o.ready for o in handles if o is not h):  # the first one
+                    summary.startup_s, job.start = h.stats.ready_s, now
+                h.stats.host, h.stats.pid = result["host"], result["pid"]
+                h.stats.devices = result["devices"]
+                continue
+            records, refused = result
+            for rid, reason in refused:
+                job.reject(h.held.pop(rid), reason)
+            for record in records:
+                del h.held[record["id"]]
+                h.stats.completed += 1
+                h.stats.output_tokens += record["output_tokens"]
+            job.write(records)
+            if on_progress is not None:
+                on_progress(summary)
+        _show_rates(job, handles)
+
+
+def _show_rates(job: BatchRun, handles: list[_Handle]) -> None:
+    now = time.perf_counter() - job.start + job.summary.startup_s  # since the job began
+
+    def rate(s: ReplicaStats) -> str:
+        return "failed" if s.failed else f"{s.completed / max(now - s.ready_s, 1e-9):.1f}"
+
+    each = ", ".join(f"r{h.stats.index} {rate(h.stats)}" for h in handles if h.ready)
+    job.bar.set_postfix_str(f"{job.tokens_per_s():.1f} tok/s; lines/s {each}", refresh=False)
+
+
+class BatchPredictor:
+    """A Ray Data `map_batches` callable: one engine per actor, a batch of rows in, results out.
+
+        ds = ray.data.read_json("prompts.jsonl")
+        ds = ds.map_batches(BatchPredictor, fn_constructor_kwargs={"config": EngineConfig()},
+                            concurrency=2, batch_size=64, num_cpus=1)   # num_gpus=K on GPUs
+
+    Rows carry the keys of a `jaxserve batch` input line (prompt or prompt_token_ids, id,
+    max_tokens, temperature, seed, ...); each batch comes back with its columns plus text,
+    prompt_tokens, output_tokens, finish_reason and error (None, or why the row was not run).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        defaults: SamplingParams | None = None,
+        include_token_ids: bool = False,
+    ):
+        from jaxserve.engine import Engine
+
+        self.engine = Engine(config or EngineConfig(show_progress=False))
+        self.feed = EngineFeed(self.engine, include_token_ids)
+        self.defaults = defaults or SamplingParams(max_tokens=256, temperature=0.0)
+        self.queue = 2 * self.engine.config.max_num_seqs
+
+    def __call__(self, batch: dict) -> dict:
+        """Generates for every row of `batch` (columns of equal length: numpy arrays or lists)."""
+        import numpy as np
+
+        columns = {k: (v.tolist() if hasattr(v, "tolist") else list(v)) for k, v in batch.items()}
+        n = len(next(iter(columns.values()), []))
+        results: list[dict] = [{} for _ in range(n)]
+        lines: collections.deque[Line] = collections.deque()
+        for i in range(n):
+            row = {k: v[i] for k, v in columns.items() if not _missing(v[i])}
+            try:  # the same checks as an input line of `jaxserve batch`
+                _, prompt, params = parse_line(json.dumps(row).encode(), i + 1, self.defaults)
+            except ValueError as e:
+                results[i] = {"error": str(e)}
+                continue
+            lines.append(Line(i + 1, str(i), prompt, params))  # row index: ids may repeat
+        while lines or self.engine.has_unfinished():
+            while lines and len(self.feed) < self.queue:
+                line = lines.popleft()
+                if (reason := self.feed.add(line)) is not None:
+                    results[line.lineno - 1] = {"error": reason}
+            for record in self.feed.step():
+                results[int(record.pop("id"))] = record | {"error": None}
+        out = dict(batch)
+        out["text"] = np.array([r.get("text", "") for r in results], dtype=object)
+        out["prompt_tokens"] = np.array([r.get("prompt_tokens", 0) for r in results], np.int64)
+        out["output_tokens"] = np.array([r.get("output_tokens", 0) for r in results], np.int64)
+        out["finish_reason"] = _objects([r.get("finish_reason", "error") for r in results])
+        out["error"] = _objects([r.get("error") for r in results])
+        if self.feed.include_token_ids:
+            out["token_ids"] = _objects([r.get("token_ids", []) for r in results])
+        return out
+
+
+def _objects(values: list):
+    """A 1-D object array of `values` (np.array would make equal-length lists a 2-D array)."""
+    import numpy as np
+
+    array = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):  # one by one: a slice would broadcast lists
+        array[i] = value
+    return array
+
+
+def _missing(value) -> bool:
+    """Ray Data fills a key some rows lack with None (or NaN in a float column)."""
+    return value is None or (isinstance(value, float) and value != value)
