@@ -219,7 +219,10 @@ def _prefill_tiles(q, pool, query_start, plan: StepPlan, out, sm_scale, sliding_
             jnp.zeros((*shape, head_dim), jnp.float32),
         )
         first_block = jnp.maximum(lowest[0], 0) // block_keys
-        last_block = (first_pos + rows - 1) // block_keys  # causal: the tile's last query
+        # Causal: up to the tile's last query. A padding tile (rows == 0) runs no block: XLA
+        # peels a loop it can prove runs at most once (a decode-only step's one padding tile),
+        # so only this bound keeps such a step from paying for a whole tile per layer.
+        last_block = jnp.where(rows > 0, (first_pos + rows - 1) // block_keys, first_block - 1)
         _, denom, acc = jax.lax.fori_loop(first_block, last_block + 1, kv_body, init)
         tile_out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [Hkv, g, rows, d]
         tile_out = jnp.moveaxis(tile_out, 2, 0).reshape(_TILE_ROWS, num_heads, head_dim)
