@@ -6,9 +6,11 @@ joins after it, but keeps its scheduled arrival time, so the wait it suffered be
 engine counts in its queue wait and TTFT, as it would behind a server. Closed-loop workloads
 keep `concurrency` requests outstanding, a new one arriving the moment one finishes.
 
-Online: the same workloads sent over gRPC to a running `jaxserve serve`, timed on the client
-(`run_online`, one thread per request in flight). Engine-side numbers (KV use, preemptions,
-batch occupancy) are not visible from there and stay None.
+Online: the same workloads sent over gRPC to a running `jaxserve serve`, or over the OpenAI API
+to any server that speaks it (`--backend openai`, jaxserve/bench/openai_backend.py), timed on
+the client (`run_online`, one thread per request in flight). Engine-side numbers (KV use,
+preemptions, batch occupancy; over the OpenAI API also the queue wait) are not visible from
+there and stay None.
 """
 
 from __future__ import annotations
@@ -247,11 +249,23 @@ class OnlineUnavailable(RuntimeError):
     """The gRPC client is not importable or the server cannot be reached."""
 
 
-def connect(address: str, *, timeout_s: float = 10.0):
-    """A `service.client.JaxServeClient` of a running `jaxserve serve`, checked to be serving.
+def connect(address: str, *, timeout_s: float = 10.0, backend: str = "grpc"):
+    """A `service.client.JaxServeClient` of a running `jaxserve serve`, checked to be serving;
+    with backend "openai", an `OpenAIBenchClient` of the OpenAI-compatible server at the URL.
 
     Imported lazily, so offline benches need neither grpc nor the generated stubs.
     """
+    if backend == "openai":
+        from jaxserve.bench import openai_backend
+
+        try:
+            return openai_backend.connect(address, timeout_s=timeout_s)
+        except (OSError, ValueError, openai_backend.OpenAIError) as e:
+            raise OnlineUnavailable(
+                f"No OpenAI-compatible server answers at {address}: {e}"
+            ) from None
+    if backend != "grpc":
+        raise ValueError(f"backend={backend!r} must be 'grpc' or 'openai'.")
     try:
         from service.client import JaxServeClient
     except ImportError as e:
@@ -277,11 +291,16 @@ def server_info(client) -> dict[str, Any]:
     """The served model and the engine's limits, for the report (the bench cannot set them)."""
     info = client.model_info()
     lim = info.limits
-    return {
+    known = {
         "model": info.model,
         "dtype": info.dtype,
         "vocab_size": info.vocab_size,
         "max_model_len": info.context_length,
+    }
+    if lim is None:  # an OpenAI-compatible server does not tell its engine's limits
+        return known
+    return {
+        **known,
         "max_num_seqs": lim.max_num_seqs,
         "max_num_batched_tokens": lim.max_num_batched_tokens,
         "num_pages": lim.num_kv_pages,
@@ -328,8 +347,9 @@ def run_online(
                 if resp.finish_reason:
                     record.finish_reason = _FINISH_REASONS.get(resp.finish_reason, "error")
                     record.prompt_len = resp.usage.prompt_tokens or spec.prompt_len
-                    record.first_scheduled = arrival + resp.timings.queue_wait_s
-        except Exception as e:  # grpc.RpcError: the request failed; counted, never raised
+                    if resp.timings is not None:  # None over the OpenAI API: not visible
+                        record.first_scheduled = arrival + resp.timings.queue_wait_s
+        except Exception as e:  # RpcError, OpenAIError: the request failed; counted, not raised
             logger.warning("request %s failed: %s", spec.request_id, e)
             record.finish_reason = "error"
         record.finished = time.monotonic() - t0

@@ -59,6 +59,7 @@ class BenchSpec:
     seed: int = 0
     compile_cache: str | None = None
     online: str | None = None
+    backend: str = "grpc"  # how `online` is reached: "grpc" (jaxserve serve) or "openai" (a URL)
     command: str = ""
 
 
@@ -302,7 +303,7 @@ def _run_all_offline(spec: BenchSpec, log) -> list[RunResult]:
 
 def _run_all_online(spec: BenchSpec, log) -> tuple[list[RunResult], dict]:
     """Every load in turn against the server; also returns what the server reports of itself."""
-    client = connect(spec.online)
+    client = connect(spec.online, backend=spec.backend)
     try:
         info = server_info(client)
         label = f"online {spec.online}"

@@ -52,6 +52,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             "jaxserve bench runs in one process; to bench a multi-host mesh, serve it with "
             "`jaxserve serve` and bench that with --online."
         )
+    if args.backend == "openai":
+        args.online = args.url or args.online
+        if not args.online:
+            raise UserError("--backend openai needs --url http://HOST:PORT of the server.")
     parallel = _parallel(args)  # before any device is touched
     try:
         workloads = build_workloads(args)
@@ -67,6 +71,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             seed=args.seed,
             compile_cache=args.compile_cache,
             online=args.online,
+            backend=args.backend,
             command=" ".join(["jaxserve", *sys.argv[1:]]),
         )
         summaries = run_bench(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -376,6 +381,18 @@ def _add_bench_parser(sub) -> None:
         metavar="HOST:PORT",
         default=None,
         help="send the traffic to a running `jaxserve serve` instead",
+    )
+    o.add_argument(
+        "--backend",
+        choices=["grpc", "openai"],
+        default="grpc",
+        help="how --online/--url is reached: jaxserve's gRPC, or the OpenAI API of any server "
+        "(llama-server, vLLM, `jaxserve serve --http-port`)",
+    )
+    o.add_argument(
+        "--url",
+        default=None,
+        help="with --backend openai: the server, http://HOST:PORT (the same as --online)",
     )
     o.add_argument(
         "--replot",

@@ -279,6 +279,7 @@ class OpenAIFrontEnd:
                     "owned_by": "jaxserve",
                     "root": str(engine.model.source),
                     "max_model_len": engine.max_model_len,
+                    "vocab_size": engine.model.config.vocab_size,
                 }
             ],
         }

@@ -296,3 +296,28 @@ def test_models_tokenize_detokenize_health_and_metrics(served, engine):
     assert status == 200
     assert 'jaxserve_http_requests_total{code="200",route="tokenize"}' in text
     assert "jaxserve_generation_tokens_total" in text  # the engine's own registry
+
+
+def test_bench_backend_openai_runs_against_the_http_port(served, tmp_path, capsys):
+    """`jaxserve bench --backend openai` against this server: every request finishes with the
+    exact output length (EOS ignored), counted from the server's usage."""
+    from jaxserve.cli import main
+
+    server, _ = served
+    url = f"http://127.0.0.1:{server.server.http_port}"
+    out = tmp_path / "bench"
+    argv = ["bench", "--backend", "openai", "--url", url, "--profile", "concurrency"]
+    argv += ["--concurrency", "1,4", "--num-requests", "6", "--prompt-len", "12"]
+    argv += ["--output-len", "9", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["mode"] == "online" and report["model"].endswith("stories260k")
+    runs = report["runs"]
+    assert len(runs) == 2
+    for run in runs:
+        assert run["num_finished"] == run["num_requests"] == 6
+        assert run["output_tokens"] == 6 * 9
+        assert 0 < run["ttft"]["p50"] <= run["e2e"]["p50"]
+        # Not visible over the OpenAI API: left out, not made up.
+        assert set(run["queue_wait"].values()) == {None}
+    assert "online " + url in capsys.readouterr().out
