@@ -115,6 +115,10 @@ class Engine:
                 page_size=config.page_size,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                enable_prefix_caching=config.enable_prefix_caching,
+                # Caches of different weights must never match (one engine, one model; the key
+                # matters where pages could outlive a model swap).
+                prefix_cache_key=f"{self.model.source}:{self.model.dtype}",
                 policy=config.policy,
                 priority_aging_s=config.priority_aging_s,
                 batching=config.batching,
@@ -327,6 +331,7 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             metrics=metrics,
+            num_cached_tokens=request.num_cached_tokens or 0,
             error=f"The server failed while processing this request's output: {error!r}",
         )
 
@@ -358,6 +363,7 @@ class Engine:
             num_output_tokens=request.num_output_tokens,
             metrics=metrics,
             logprobs=logprobs,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
 
     def _refresh_gauges(self) -> None:
@@ -368,6 +374,11 @@ class Engine:
             slots_used=s.num_slots_used,
             kv_pages_used=s.num_pages_used,
             kv_pages_total=self.runner.config.num_pages,
+            kv_pages_cached=s.kv.num_cached_pages,
+        )
+        cache = s.kv.stats
+        self.metrics.on_prefix_cache(
+            queries=cache.queries, hits=cache.hits, evictions=cache.evictions
         )
         self.metrics.on_preemptions(s.num_preemptions)
         self.metrics.on_compiles(

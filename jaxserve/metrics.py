@@ -24,6 +24,10 @@ class EngineStats:
     slots_used: int = 0
     kv_pages_used: int = 0
     kv_pages_total: int = 0
+    kv_pages_cached: int = 0  # free of any request but holding a prefix the cache may serve
+    prefix_cache_queries: int = 0  # prompt tokens looked up at admission
+    prefix_cache_hits: int = 0  # of those, tokens served from cached pages
+    prefix_cache_evictions: int = 0  # cached pages dropped to make fresh ones
     num_preemptions: int = 0
     num_compiles: int = 0
     compiles_after_warmup: int = 0
@@ -41,6 +45,12 @@ class EngineStats:
     def padding_efficiency(self) -> float:
         """Real tokens over padded tokens run: 1.0 means no padding."""
         return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens served from the cache over those looked up (0.0 before any)."""
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
 
     @property
     def device_idle_share(self) -> float:
@@ -63,12 +73,22 @@ class EngineMetrics:
                 ("slots_used", "Decode-batch slots held."),
                 ("kv_pages_used", "KV-cache pages in use."),
                 ("kv_pages_total", "KV-cache pages in the pool."),
+                ("kv_pages_cached", "KV-cache pages held only by the prefix cache (evictable)."),
+                ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, a share."),
                 ("padding_efficiency", "Real over padded tokens since start."),
                 ("device_idle_share", "Share of step wall time the device waited for the host."),
             ]
         }
         self._preemptions = Counter("jaxserve_preemptions", "Preemptions.", registry=r)
         self._compiles = Counter("jaxserve_compiles", "Step compilations.", registry=r)
+        self._prefix = {
+            name: Counter(f"jaxserve_prefix_cache_{name}", doc, registry=r)
+            for name, doc in [
+                ("queries", "Prompt tokens looked up in the prefix cache."),
+                ("hits", "Prompt tokens served from the prefix cache."),
+                ("evictions", "Cached KV pages evicted for fresh ones."),
+            ]
+        }
         self._prompt = Counter("jaxserve_prompt_tokens", "Prompt tokens computed.", registry=r)
         self._gen = Counter("jaxserve_generation_tokens", "Tokens generated.", registry=r)
         self._finished = Counter(
@@ -120,6 +140,15 @@ class EngineMetrics:
     def on_preemptions(self, total: int) -> None:
         self._preemptions.inc(max(0, total - self.stats.num_preemptions))
         self.stats.num_preemptions = total
+
+    def on_prefix_cache(self, *, queries: int, hits: int, evictions: int) -> None:
+        """Takes the KV manager's totals since start; Prometheus gets the increments."""
+        s = self.stats
+        for name, total in (("queries", queries), ("hits", hits), ("evictions", evictions)):
+            attr = f"prefix_cache_{name}"
+            self._prefix[name].inc(max(0, total - getattr(s, attr)))
+            setattr(s, attr, total)
+        self._gauges["prefix_cache_hit_rate"].set(s.prefix_cache_hit_rate)
 
     def on_finished(self, reason: str, m: RequestMetrics, num_output_tokens: int) -> None:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

@@ -63,3 +63,4 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # with finish_reason "error": what went wrong, for the client
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed

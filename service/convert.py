@@ -121,6 +121,7 @@ def response(
         msg.finish_reason = FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_ERROR)
         msg.usage.prompt_tokens = out.num_prompt_tokens
         msg.usage.completion_tokens = out.num_output_tokens
+        msg.usage.cached_prompt_tokens = out.num_cached_tokens
         m = out.metrics
         msg.timings.queue_wait_s = m.queue_wait or 0.0
         msg.timings.ttft_s = m.ttft or 0.0
