@@ -81,15 +81,22 @@ class RunnerConfig:
     def pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.page_size)
 
+    def seq_bucket_for(self, num_tokens: int) -> int:
+        """The sequence rows of a step of `num_tokens` (a token bucket): one shape per bucket.
+
+        A sequence runs >= 1 token, so a step of T tokens has at most min(T, max seqs) of them.
+        Padding the rows to that bound, rather than to the smallest bucket of the real count,
+        makes one compiled shape per token bucket (9 by default instead of 39, each compile
+        costs seconds at start-up). Decode-only steps, where rows cost the most (one LM-head row
+        each), are unchanged: there T is already the bucket of the sequence count. A mixed step
+        of T >= max seqs tokens pays for all max-seqs rows of sampling and head, small beside
+        its T tokens through every layer.
+        """
+        return pick_bucket(self.seq_buckets, min(num_tokens, self.seq_buckets[-1]))
+
     def buckets(self) -> list[tuple[int, int]]:
-        """Every (num_tokens, num_seqs) shape a step can take: a sequence runs >= 1 token."""
-        shapes = []
-        for t in self.token_buckets:
-            for s in self.seq_buckets:
-                shapes.append((t, s))
-                if s >= t:  # a larger seq bucket would only ever hold empty rows
-                    break
-        return shapes
+        """Every (num_tokens, num_seqs) shape a step can take, one per token bucket."""
+        return [(t, self.seq_bucket_for(t)) for t in self.token_buckets]
 
 
 class ModelRunner:
@@ -172,7 +179,7 @@ class ModelRunner:
     def pack(self, chunks: Sequence[SeqChunk]) -> StepBatch:
         """Pads host chunks to the smallest bucket that holds them."""
         num_tokens = pick_bucket(self.config.token_buckets, sum(len(c.token_ids) for c in chunks))
-        num_seqs = pick_bucket(self.config.seq_buckets, len(chunks))
+        num_seqs = self.config.seq_bucket_for(num_tokens)
         return pack_chunks(
             chunks,
             page_size=self.config.page_size,

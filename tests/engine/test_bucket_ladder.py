@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.model_runner import bucket_ladder, pick_bucket
+from jaxserve.model_runner import ModelRunner, bucket_ladder, pick_bucket
 
 
 def test_geometric_ladder_ends_at_the_largest_size():
@@ -24,3 +24,33 @@ def test_a_step_makes_the_ladder_additive_above_it():
 def test_bad_ladders_are_refused(args):
     with pytest.raises(ValueError, match="Invalid bucket ladder"):
         bucket_ladder(*args)
+
+
+def test_one_compiled_shape_per_token_bucket_holds_every_packable_step():
+    from jaxserve.batch import SeqChunk
+    from jaxserve.model_runner import RunnerConfig
+
+    config = RunnerConfig(
+        num_pages=64,
+        page_size=4,
+        max_model_len=64,
+        token_buckets=bucket_ladder(1, 64),
+        seq_buckets=bucket_ladder(1, 8),
+    )
+    shapes = config.buckets()
+    assert shapes == [(1, 1), (2, 2), (4, 4), (8, 8), (16, 8), (32, 8), (64, 8)]
+    runner = object.__new__(ModelRunner)  # pack reads only the config: no model needed
+    runner.config = config
+    for num_seqs in range(1, 9):
+        for tokens_each in (1, 2, 7):
+            chunks = [
+                SeqChunk(token_ids=[5] * tokens_each, start_pos=0, page_table=[2 * s, 2 * s + 1])
+                for s in range(num_seqs)
+            ]
+            total = num_seqs * tokens_each
+            if total > 64:
+                continue
+            batch = runner.pack(chunks)
+            shape = (batch.token_ids.shape[0], batch.kv_lens.shape[0])
+            assert shape in shapes, (num_seqs, tokens_each, shape)
+            assert shape[0] == pick_bucket(config.token_buckets, total)
