@@ -30,9 +30,12 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from jaxserve.engine import Engine
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # not at run time: a Ray driver reads and writes without importing JAX
+    from jaxserve.engine import Engine
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
 

@@ -2,13 +2,13 @@
 
 The same texts as the single-process job, every id exactly once when a replica or the driver is
 killed mid-run, and one clear line without Ray. One cluster serves the module (2 CPUs, one per
-replica); the replicas share a compilation cache, so only the first pair compiles.
+replica). The replicas' engines are tiny_engine's and use its compilation cache, so they load
+their buckets instead of compiling them again.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import importlib.util
 import json
 import os
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jaxserve.batch_job import run_batch
-from jaxserve.engine_config import EngineConfig
+from jaxserve.engine_config import EngineConfig, default_compilation_cache_dir
 from tests.bench.conftest import TINY
 
 needs_ray = pytest.mark.skipif(
@@ -34,6 +34,8 @@ CLI_FLAGS = [
     "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--min-token-bucket", "8",
     "--seq-bucket-factor", "4", "--max-model-len", "128", "--no-progress",
 ]  # fmt: skip
+if CONFIG.compilation_cache_dir:
+    CLI_FLAGS += ["--compile-cache", default_compilation_cache_dir()]
 
 
 def _write_input(path, n, max_tokens=None):
@@ -52,13 +54,13 @@ def _records(path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A local Ray cluster for the module: (address, the replicas' compilation cache)."""
+def cluster(tiny_engine) -> str:
+    """A local Ray cluster for the module, after tiny_engine filled the compilation cache."""
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20)
     try:
-        yield ray.get_runtime_context().gcs_address, tmp_path_factory.mktemp("xla")
+        yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
 
@@ -73,8 +75,7 @@ def test_two_replicas_write_every_id_once_with_the_single_process_texts(
     inp = tmp_path / "in.jsonl"
     _write_input(inp, n)
     run_batch(tiny_engine, inp, tmp_path / "single.jsonl", progress=False)
-    config = dataclasses.replace(CONFIG, compilation_cache_dir=str(cluster[1]))
-    summary = run_ray(inp, tmp_path / "ray.jsonl", config=config, replicas=2, progress=False)
+    summary = run_ray(inp, tmp_path / "ray.jsonl", config=CONFIG, replicas=2, progress=False)
 
     records = _records(tmp_path / "ray.jsonl")
     assert collections.Counter(r["id"] for r in records) == {f"p{i}": 1 for i in range(n)}
@@ -105,9 +106,8 @@ def test_a_killed_replica_hands_its_lines_to_the_other(cluster, tmp_path):
             os.kill(victim.pid, signal.SIGKILL)  # a crash: no clean shutdown, no last word
             killed.append(summary.completed)
 
-    config = dataclasses.replace(CONFIG, compilation_cache_dir=str(cluster[1]))
     summary = run_ray(
-        inp, out, config=config, replicas=2, progress=False, on_progress=kill_replica_0
+        inp, out, config=CONFIG, replicas=2, progress=False, on_progress=kill_replica_0
     )
     assert killed and killed[0] < n, "the kill must land mid-run"
     assert summary.replicas[0].failed is not None and summary.replicas[1].failed is None
@@ -122,10 +122,9 @@ def test_sigkill_of_the_driver_then_rerun_leaves_exactly_one_line_per_id(cluster
     n = 120
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_input(inp, n, max_tokens=24)
-    address, cache = cluster
     command = [
         sys.executable, "-m", "jaxserve.cli", "batch", str(inp), str(out), *CLI_FLAGS,
-        "--compile-cache", str(cache), "--ray", address, "--replicas", "2",
+        "--ray", cluster, "--replicas", "2",
     ]  # fmt: skip
     first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
