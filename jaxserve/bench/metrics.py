@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -96,6 +96,7 @@ def summarize(result: RunResult, slo: SLO) -> dict:
         "device_peak_bytes": None,
     }
     engine = result.engine or {}
+    summary["prefix_cache"] = prefix_cache_use(done)
     summary["preemptions"] = engine.get("preemptions")
     summary["requests_preempted"] = sum(r.preemptions > 0 for r in records) if engine else None
     summary["compiles_after_warmup"] = engine.get("compiles_after_warmup")
@@ -103,6 +104,22 @@ def summarize(result: RunResult, slo: SLO) -> dict:
     summary["padding_efficiency"] = engine.get("padding_efficiency")
     summary["device_idle_share"] = engine.get("device_idle_share")
     return summary
+
+
+def prefix_cache_use(records: Sequence[RequestRecord]) -> dict[str, float | None]:
+    """Prompt tokens served from the prefix cache over all prompt tokens: over every request,
+    and over all but the first to arrive (the one that finds the cache cold). None where the
+    records do not say (an online server that does not report cached tokens)."""
+    known = [r for r in records if r.cached_tokens is not None]
+    if not known:
+        return {"hit_rate": None, "hit_rate_after_first": None}
+    later = sorted(known, key=lambda r: r.arrival)[1:]
+
+    def rate(rs: Sequence[RequestRecord]) -> float | None:
+        total = sum(r.prompt_len for r in rs)
+        return sum(r.cached_tokens for r in rs) / total if total else None
+
+    return {"hit_rate": rate(known), "hit_rate_after_first": rate(later)}
 
 
 def _finite_or_str(x: float) -> float | str:

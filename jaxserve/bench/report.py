@@ -32,6 +32,10 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
+def _share(x: float | None) -> str:
+    return "-" if x is None or math.isnan(x) else f"{100 * x:.0f}%"
+
+
 def format_table(summaries: Sequence[dict]) -> str:
     """One row per (configuration, load); latencies in milliseconds."""
     head = (
@@ -49,6 +53,7 @@ def format_table(summaries: Sequence[dict]) -> str:
         "goodput",
         "KV peak",
         "preempt",
+        "prefix hit",
     )
     rows = []
     for s in summaries:
@@ -69,6 +74,7 @@ def format_table(summaries: Sequence[dict]) -> str:
                 _num(s["goodput"]),
                 "-" if kv is None else f"{100 * kv:.0f}%",
                 "-" if s["preemptions"] is None else str(s["preemptions"]),
+                _share(s.get("prefix_cache", {}).get("hit_rate")),
             )
         )
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]

@@ -46,6 +46,7 @@ class RequestRecord:
     finished: float | None
     finish_reason: str | None
     preemptions: int = 0
+    cached_tokens: int | None = None  # prompt tokens the prefix cache served; None: not known
 
     @property
     def queue_wait(self) -> float | None:
@@ -191,6 +192,7 @@ def _record(out, t0: float) -> RequestRecord:
         finished=rel(m.finished_time),
         finish_reason=out.finish_reason,
         preemptions=m.num_preemptions,
+        cached_tokens=out.num_cached_tokens,
     )
 
 
@@ -347,6 +349,7 @@ def run_online(
                 if resp.finish_reason:
                     record.finish_reason = _FINISH_REASONS.get(resp.finish_reason, "error")
                     record.prompt_len = resp.usage.prompt_tokens or spec.prompt_len
+                    record.cached_tokens = getattr(resp.usage, "cached_prompt_tokens", None)
                     if resp.timings is not None:  # None over the OpenAI API: not visible
                         record.first_scheduled = arrival + resp.timings.queue_wait_s
         except Exception as e:  # RpcError, OpenAIError: the request failed; counted, not raised

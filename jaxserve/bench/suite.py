@@ -33,6 +33,7 @@ from jaxserve.bench.workload import (
     fixed_length_workloads,
     load_trace,
     mixed_workloads,
+    shared_prefix_workloads,
 )
 from jaxserve.engine_config import EngineConfig
 
@@ -43,6 +44,7 @@ AXES = {
     "max_num_batched_tokens": "max_num_batched_tokens",
     "chunked_prefill": "enable_chunked_prefill",
     "policy": "policy",
+    "prefix_caching": "enable_prefix_caching",
 }
 
 
@@ -79,6 +81,15 @@ def build_workloads(args) -> list[Workload]:
             prompt_len=args.prompt_len,
             max_tokens=args.output_len,
         )
+    if args.profile == "shared-prefix":
+        return shared_prefix_workloads(
+            parse_list(args.rates, float),
+            num_requests=args.num_requests,
+            prefix_len=args.prefix_len,
+            question_range=parse_range(args.question_range, "--question-range"),
+            max_tokens=args.output_len,
+            seed=args.seed,
+        )
     mix = LengthMix(
         prompt_range=parse_range(args.prompt_range, "--prompt-range"),
         output_range=parse_range(args.output_range, "--output-range"),
@@ -103,8 +114,18 @@ def build_configs(
         "batching": parse_list(args.batching, str),
         "max_num_seqs": parse_list(args.max_num_seqs, int),
         "max_num_batched_tokens": parse_list(args.max_num_batched_tokens, int),
-        "chunked_prefill": [_on_off(v) for v in parse_list(args.chunked_prefill, str)],
+        "chunked_prefill": [
+            _on_off(v, "--chunked-prefill") for v in parse_list(args.chunked_prefill, str)
+        ],
         "policy": parse_list(args.policy, str),
+        # shared-prefix compares the cache on and off unless told otherwise.
+        "prefix_caching": [
+            _on_off(v, "--prefix-caching")
+            for v in parse_list(
+                args.prefix_caching or ("on,off" if args.profile == "shared-prefix" else "on"),
+                str,
+            )
+        ],
     }
     varying = [k for k, v in values.items() if len(v) > 1]
     base = EngineConfig(
@@ -150,14 +171,15 @@ def _label(chosen: dict, varying: list[str]) -> str:
         "max_num_seqs": "seqs",
         "max_num_batched_tokens": "tokens",
         "chunked_prefill": "chunked",
+        "prefix_caching": "prefix cache",
     }
     parts = []
     for k in varying or ["batching"]:
         v = chosen[k]
         if k in ("batching", "policy"):
             parts.append(str(v))
-        elif k == "chunked_prefill":
-            parts.append(f"chunked={'on' if v else 'off'}")
+        elif k in ("chunked_prefill", "prefix_caching"):
+            parts.append(f"{short[k]}={'on' if v else 'off'}")
         else:
             parts.append(f"{short[k]}={v}")
     return " ".join(parts)
@@ -181,12 +203,12 @@ def parse_range(text: str, flag: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _on_off(text: str) -> bool:
+def _on_off(text: str, flag: str) -> bool:
     if text.lower() in ("on", "true", "1", "yes"):
         return True
     if text.lower() in ("off", "false", "0", "no"):
         return False
-    raise ValueError(f"--chunked-prefill values must be on or off, not {text!r}.")
+    raise ValueError(f"{flag} values must be on or off, not {text!r}.")
 
 
 def needed_model_len(workloads: Sequence[Workload], page_size: int = 16) -> int:

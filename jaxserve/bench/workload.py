@@ -10,6 +10,9 @@ Profiles:
 - `concurrency`: fixed lengths, closed loop at each of rising concurrencies.
 - `mixed`: short and long prompts, brief and extended outputs, Poisson arrivals at each rate,
   with an optional burst of extra requests arriving together.
+- `shared-prefix`: every request starts with the same `prefix_len` tokens (a system prompt)
+  followed by a short question of its own, Poisson arrivals at each rate: what the prefix cache
+  is for.
 - `trace`: a JSONL file, one request a line: `arrival_time` (s), one of `prompt` (text),
   `prompt_token_ids` or `prompt_len`, and `max_tokens`; `id` and `priority` are optional.
 """
@@ -23,7 +26,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-PROFILES = ("baseline", "concurrency", "mixed", "trace")
+PROFILES = ("baseline", "concurrency", "mixed", "shared-prefix", "trace")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +40,9 @@ class RequestSpec:
     prompt: str | None = None  # text, tokenized by the engine
     prompt_token_ids: tuple[int, ...] | None = None  # None (and no text): random ids at run time
     priority: int = 0  # lower first, under the priority policy only
+    # The first this many random prompt tokens are the run's shared prefix, the same in every
+    # request that has one (random_prompt_ids); the rest are the request's own.
+    shared_prefix_len: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,6 +193,48 @@ def mixed_workloads(
     return workloads
 
 
+def shared_prefix_workloads(
+    rates: Sequence[float],
+    *,
+    num_requests: int,
+    prefix_len: int,
+    question_range: tuple[int, int],
+    max_tokens: int,
+    seed: int = 0,
+) -> list[Workload]:
+    """Poisson arrivals at each rate of requests that share a `prefix_len`-token prefix and end
+    in a question of their own, its length drawn from `question_range` (profile shared-prefix).
+
+    Each rate gets the same question lengths, so loads differ only in timing.
+    """
+    lo, hi = question_range
+    if prefix_len < 1 or not 1 <= lo <= hi or max_tokens < 1:
+        raise ValueError(
+            f"shared-prefix needs {prefix_len=} >= 1, question lengths 1 <= {lo} <= {hi} and "
+            f"{max_tokens=} >= 1."
+        )
+    rng = random.Random(seed)
+    questions = [rng.randint(lo, hi) for _ in range(num_requests)]
+    workloads = []
+    for rate in rates:
+        if not rate > 0:
+            raise ValueError(f"Request rate {rate} must be > 0 (inf: all at once).")
+        arrivals = poisson_arrivals(num_requests, rate, seed=seed + 1)
+        specs = tuple(
+            RequestSpec(
+                request_id=f"p{_rate_tag(rate)}-{i}",
+                arrival_s=t,
+                prompt_len=prefix_len + q,
+                max_tokens=max_tokens,
+                shared_prefix_len=prefix_len,
+            )
+            for i, (t, q) in enumerate(zip(arrivals, questions, strict=True))
+        )
+        name = f"shared-prefix{prefix_len}@{_rate_tag(rate)}/s"
+        workloads.append(Workload(name=name, load=rate, load_kind="rate", requests=specs))
+    return workloads
+
+
 def poisson_arrivals(n: int, rate: float, *, seed: int = 0) -> list[float]:
     """Arrival offsets (s) of a Poisson process: exponential gaps with mean 1/rate."""
     if math.isinf(rate):
@@ -282,8 +330,12 @@ def _trace_spec(obj: object, *, default_id: str) -> RequestSpec:
 
 def random_prompt_ids(spec: RequestSpec, vocab_size: int, seed: int = 0) -> list[int]:
     """The prompt ids of a length-only spec: random but fixed by (seed, request id), so every
-    configuration runs the very same tokens. Ids below 3 are avoided (BOS/EOS/pad on most
+    configuration runs the very same tokens; its first `shared_prefix_len` are fixed by the seed
+    alone, the same in every request. Ids below 3 are avoided (BOS/EOS/pad on most
     vocabularies)."""
-    rng = random.Random(f"{seed}:{spec.request_id}")
     low = 3 if vocab_size > 3 else 0
-    return [rng.randrange(low, vocab_size) for _ in range(spec.prompt_len)]
+    shared = random.Random(f"{seed}:shared-prefix")
+    own = random.Random(f"{seed}:{spec.request_id}")
+    n = min(spec.shared_prefix_len, spec.prompt_len)
+    prefix = [shared.randrange(low, vocab_size) for _ in range(n)]
+    return prefix + [own.randrange(low, vocab_size) for _ in range(spec.prompt_len - n)]

@@ -303,10 +303,12 @@ def _add_bench_parser(sub) -> None:
     t.add_argument(
         "--profile",
         default="mixed",
-        choices=["baseline", "concurrency", "mixed", "trace", "steps"],
+        choices=["baseline", "concurrency", "mixed", "shared-prefix", "trace", "steps"],
         help="baseline: concurrency 1; concurrency: rising concurrency, fixed "
         "lengths; mixed: short/long prompts and brief/extended outputs under Poisson "
-        "arrivals; trace: a JSONL file; steps: the model step alone, prefill tok/s at "
+        "arrivals; shared-prefix: a --prefix-len system prompt before a short question of "
+        "each request's own, Poisson arrivals, prefix cache on and off; trace: a JSONL file; "
+        "steps: the model step alone, prefill tok/s at "
         "128/512/2048-token prompts and decode ms/step at batches 1/16/64/256 beside the "
         "machine's matmul and bandwidth ceilings (steps.json in --out) (default: mixed)",
     )
@@ -331,6 +333,15 @@ def _add_bench_parser(sub) -> None:
         help="mixed: share of long prompts and of extended outputs",
     )
     t.add_argument("--burst", help="mixed: N@T adds N requests all arriving at T seconds")
+    t.add_argument(
+        "--prefix-len", type=int, default=512, help="shared-prefix: tokens every prompt shares"
+    )
+    t.add_argument(
+        "--question-range",
+        default="8:32",
+        help="shared-prefix: tokens of each request's own question LOW:HIGH (outputs: "
+        "--output-len)",
+    )
     t.add_argument("--seed", type=int, default=0, help="traffic and weight seed")
     c = b.add_argument_group("configurations compared (comma-separated lists)")
     c.add_argument("--batching", default="continuous,static,dynamic")
@@ -338,6 +349,11 @@ def _add_bench_parser(sub) -> None:
     c.add_argument("--max-num-batched-tokens", default="256")
     c.add_argument("--chunked-prefill", default="on", help="on, off or on,off")
     c.add_argument("--policy", default="fcfs", help="fcfs, priority (mixed: shorter outputs first)")
+    c.add_argument(
+        "--prefix-caching",
+        default=None,
+        help="on, off or on,off (default: on,off for shared-prefix, else on)",
+    )
     e = b.add_argument_group("held fixed")
     e.add_argument(
         "--max-model-len",
