@@ -245,6 +245,8 @@ class Engine:
             sb.top_p[row], sb.min_p[row] = p.top_p, p.min_p
             sb.seeds[row] = tracked.seed
             sb.positions[row] = seq.start_pos + len(seq.token_ids)
+            if p.logit_bias or p.min_tokens:  # rare: most rows skip this
+                _fill_bias(sb, row, tracked.request, sb.positions[row])
             want_top |= bool(seq.sample and p.logprobs)
             want_any |= seq.sample and p.logprobs is not None
         return dataclasses.replace(
@@ -384,6 +386,22 @@ class Engine:
         self.metrics.on_compiles(
             self.runner.num_compiles, self.runner.num_compiles - self._warm_compiles
         )
+
+
+def _fill_bias(sb: SamplingBatch, row: int, request: Request, position: int) -> None:
+    """Row `row`'s bias slots: its logit_bias, and -inf on the ids that would end it while its
+    output (the token at `position` is output number position - prompt length) is shorter than
+    min_tokens."""
+    p = request.sampling_params
+    bias = list(p.logit_bias)
+    if position - request.num_prompt_tokens < p.min_tokens:
+        eos = () if p.ignore_eos else request.eos_token_ids
+        bias += [(t, -np.inf) for t in dict.fromkeys((*eos, *p.stop_token_ids))]
+    bias = bias[: sb.bias_ids.shape[1]]  # SamplingParams bounds both lists to fit
+    if bias:
+        ids, values = zip(*bias, strict=True)
+        sb.bias_ids[row, : len(ids)] = ids
+        sb.bias_values[row, : len(values)] = values
 
 
 def _metrics_of(request: Request) -> RequestMetrics:

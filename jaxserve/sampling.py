@@ -1,4 +1,5 @@
-"""Sampling on the device, per row: greedy, temperature, top-k, top-p, min-p, logprobs.
+"""Sampling on the device, per row: greedy, temperature, top-k, top-p, min-p, logit bias,
+min-tokens, logprobs.
 
 Every row carries its own parameters as arrays (never static arguments, so a new mix of requests
 does not retrace), and its own PRNG key derived from (seed, position): a seeded request draws the
@@ -20,6 +21,11 @@ that may take only a few milliseconds:
 
 Within a step every row computes the same arrays (branch-free per row); the `lax.cond`s choose
 per batch which work any row needs at all.
+
+Logit bias and min-tokens are one mechanism: each row has BIAS_SLOTS (token id, value) pairs
+added to its logits before anything else (a scatter of S x BIAS_SLOTS values, nothing per
+vocabulary entry). A request's `logit_bias` fills them; a request short of `min_tokens` also
+gets -inf on its EOS and stop ids. Unused slots add 0 to token 0.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ NUM_CANDIDATES = 128
 # divides it): a cumsum over the whole vocabulary costs ~10x a pass over it on XLA:CPU, one over
 # the block sums and one inside a block do not.
 _CDF_BLOCK = 256
+# Per-row (token, bias) slots: a request's logit_bias (at most 32) and, under min_tokens, its
+# EOS and stop ids (at most 16 + the model's EOS ids).
+BIAS_SLOTS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +61,8 @@ class SamplingBatch:
     positions: jax.Array  # i32[S] position of the token being sampled (folded into the key)
     want_top_logprobs: jax.Array  # bool[] any row asked for top-n logprobs
     want_logprobs: jax.Array  # bool[] any row asked for its chosen token's logprob
+    bias_ids: jax.Array = None  # i32[S, BIAS_SLOTS] tokens whose logits get bias_values added
+    bias_values: jax.Array = None  # f32[S, BIAS_SLOTS] 0 in unused slots; -inf masks a token
 
     @staticmethod
     def empty(num_seqs: int) -> SamplingBatch:
@@ -65,6 +76,8 @@ class SamplingBatch:
             positions=np.zeros(num_seqs, np.int32),
             want_top_logprobs=np.bool_(False),
             want_logprobs=np.bool_(False),
+            bias_ids=np.zeros((num_seqs, BIAS_SLOTS), np.int32),
+            bias_values=np.zeros((num_seqs, BIAS_SLOTS), np.float32),
         )
 
 
@@ -96,6 +109,9 @@ jax.tree_util.register_dataclass(
 def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
     """Draws one token per row of logits f32[S, V] (jit-friendly, no host sync)."""
     logits = logits.astype(jnp.float32)
+    if params.bias_ids is not None:  # static: a batch built without bias slots has none
+        rows = jnp.arange(logits.shape[0])[:, None]
+        logits = logits.at[rows, params.bias_ids].add(params.bias_values)
     greedy = params.temperature <= 0
     best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     token_ids = jax.lax.cond(

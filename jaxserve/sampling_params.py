@@ -13,6 +13,9 @@ import math
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 16
+MAX_LOGIT_BIAS = 32  # biased tokens per request (a fixed number of slots per row on the device)
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 SEED_LIMIT = 2**32  # seeds become uint32 PRNG key data on the device
 
 
@@ -39,6 +42,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # stop even when ignore_eos is set
     ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n
+    # Added to the token's logit before sampling (and before the logprobs), {token id: bias}.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
 
     def __post_init__(self):
         # Lists are accepted for convenience but stored as tuples, so params stay hashable.
@@ -46,6 +52,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        if isinstance(bias, dict):  # OpenAI's shape; stored sorted so that params stay hashable
+            bias = sorted(bias.items())
+        object.__setattr__(self, "logit_bias", tuple((t, v) for t, v in bias))
         self._check_numbers()
         self._check_stops()
 
@@ -68,6 +78,21 @@ class SamplingParams:
             raise ValueError(f"{logprobs=} must be None or an integer in [0, {MAX_LOGPROBS}].")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False.")
+        min_tokens = self.min_tokens
+        if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
+            raise ValueError(f"{min_tokens=} must be an integer in [0, max_tokens={max_tokens}].")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias has {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS} allowed."
+            )
+        for t, v in self.logit_bias:
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"logit_bias token {t!r} must be a token id (an integer >= 0).")
+            if not _is_real(v) or not -MAX_ABS_LOGIT_BIAS <= v <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias[{t}]={v!r} must be a number in "
+                    f"[{-MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}]."
+                )
 
     def _check_stops(self) -> None:
         stop, stop_token_ids = self.stop, self.stop_token_ids
@@ -79,6 +104,10 @@ class SamplingParams:
                     f"Stop string {s!r} must be a non-empty str of at most "
                     f"{MAX_STOP_STRING_CHARS} characters."
                 )
+        if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"{len(stop_token_ids)} stop token ids given; at most {MAX_STOP_TOKEN_IDS} allowed."
+            )
         for t in stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"{stop_token_ids=} must hold integers >= 0; {t!r} is not.")

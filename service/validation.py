@@ -25,7 +25,7 @@ DEFAULT_MAX_TOKENS = next(
     f.default for f in dataclasses.fields(SamplingParams) if f.name == "max_tokens"
 )
 MAX_REQUEST_ID_CHARS = 128
-_LEADING_FIELD = re.compile(r"^(\w+)=")
+_LEADING_FIELD = re.compile(r"^(\w+)[=[ ]")
 
 
 class InvalidRequest(ValueError):

@@ -612,8 +612,9 @@ class OpenAIFrontEnd:
         return protocol.usage(prompt, sum(outputs))
 
 
-# Filled in as the engine learns them (see jaxserve/sampling.py); until then refused with 400.
-_SUPPORTED_EXTRAS: tuple[str, ...] = ()
+# The optional sampling fields the engine applies (jaxserve/sampling.py); the penalties are
+# refused with 400 until it does.
+_SUPPORTED_EXTRAS: tuple[str, ...] = ("logit_bias", "min_tokens")
 
 
 class _Pumps:

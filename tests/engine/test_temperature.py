@@ -10,6 +10,8 @@ the candidate draw (a top-k that keeps everything) are checked.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -36,16 +38,12 @@ def _sample(logits, params):
 
 def _draw(temperature: float, top_k: int = 0) -> np.ndarray:
     """Token counts (i64[16]) of N rows drawn at `temperature`, seeds 0..N-1."""
-    params = SamplingBatch.empty(N)
-    params = SamplingBatch(
+    params = dataclasses.replace(
+        SamplingBatch.empty(N),
         temperature=np.full(N, temperature, np.float32),
         top_k=np.full(N, top_k, np.int32),
-        top_p=params.top_p,
-        min_p=params.min_p,
         seeds=np.arange(N, dtype=np.uint32),
         positions=np.full(N, 7, np.int32),
-        want_top_logprobs=params.want_top_logprobs,
-        want_logprobs=params.want_logprobs,
     )
     tokens = np.asarray(_sample(np.tile(LOGITS, (N, 1)), params))
     return np.bincount(tokens, minlength=len(LOGITS))

@@ -46,6 +46,7 @@ def served(engine):
             for s in [*seeds, SEEDED["seed"]]
         },
         "ids": ([1, 403, 407], SamplingParams(max_tokens=6, temperature=0.0)),
+        "bias": (PROMPT, SamplingParams(max_tokens=5, temperature=0.0, logit_bias={300: 100})),
     }
     engine.tokenizer.chat_template = CHAT_TEMPLATE  # rendered here; the chat test sets it too
     try:
@@ -156,6 +157,18 @@ def test_n_samples_each_equal_their_single_runs_with_seed_plus_i(served, client)
     assert got.usage.prompt_tokens == len(expected["greedy"].prompt_token_ids)  # counted once
 
 
+def test_logit_bias_forces_a_token_and_penalties_are_refused(served, client):
+    _, expected = served
+    assert expected["bias"].token_ids == [300] * 5
+    got = client.completions.create(
+        model="any", prompt=PROMPT, max_tokens=5, temperature=0, logit_bias={"300": 100}
+    )
+    assert got.choices[0].text == expected["bias"].text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="any", prompt=PROMPT, presence_penalty=0.5)
+    assert err.value.body["param"] == "presence_penalty"
+
+
 def test_chat_without_a_template_is_a_clear_400(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}])
@@ -223,6 +236,9 @@ BAD = [
     (dict(stop=["ok", ""]), "stop", ["stop[1]=''"]),
     (dict(stop_token_ids=[9999]), "stop_token_ids", ["stop_token_ids[0]=9999"]),
     (dict(n=0), "n", ["n=0"]),
+    (dict(logit_bias={"300": 500}), "logit_bias", ["logit_bias[300]=500"]),
+    (dict(logit_bias={"9999": 1}), "logit_bias", ["9999", "vocabulary"]),
+    (dict(min_tokens=30), "min_tokens", ["min_tokens=30", "max_tokens=16"]),
     (dict(suffix="The end."), "suffix", ["suffix"]),
     (dict(temperature="hot"), "temperature", ["temperature='hot'"]),
     (dict(prompt=None), "prompt", ["prompt=None"]),
