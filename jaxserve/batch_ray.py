@@ -165,6 +165,7 @@ def run_ray(
     log=None,
     queue_lines: int | None = None,
     cpus_per_replica: float = 1.0,
+    actor_options: dict | None = None,
     min_wait_s: float = 0.05,
     max_wait_s: float = 1.0,
     on_progress: Callable[[RayBatchSummary], None] | None = None,
@@ -174,10 +175,12 @@ def run_ray(
     `config` is each replica's EngineConfig (its tensor_parallel is set to
     `devices_per_replica`). `address`: a cluster to join ("auto": the one started on this
     machine with `ray start`); None starts a local one for this job, unless this process is
-    already connected. `queue_lines` bounds the lines one replica holds (default 2 x
-    max_num_seqs: every slot busy and as many waiting). `on_progress` is called with the summary
-    so far each time results are written. Raises what run_batch raises, RayMissing without Ray,
-    and RuntimeError once every replica has failed (the output holds what finished; rerun).
+    already connected. `actor_options` (Ray's: runtime_env, accelerator_type,
+    scheduling_strategy, ...) replace the replicas' defaults. `queue_lines` bounds the lines one
+    replica holds (default 2 x max_num_seqs: every slot busy and as many waiting).
+    `on_progress` is called with the summary so far each time results are written. Raises what
+    run_batch raises, RayMissing without Ray, and RuntimeError once every replica has failed
+    (the output holds what finished; rerun).
     """
     ray = import_ray()
     if replicas < 1 or devices_per_replica < 1:
@@ -205,13 +208,15 @@ def run_ray(
         if started_ray:
             ray.init(address=address or "local", include_dashboard=False)
         options = _actor_options(ray, devices_per_replica, cpus_per_replica)
+        options |= actor_options or {}
         actor_class = ray.remote(_Replica).options(**options)
         for i in range(replicas):
             h = _Handle(actor_class.remote(config, include_token_ids), ReplicaStats(i))
             h.call = h.actor.info.remote()  # resolves once the engine is built and compiled
             handles.append(h)
         summary.replicas = [h.stats for h in handles]
-        _drive(ray, job, handles, queue, (min_wait_s, max_wait_s, queue // 2), on_progress)
+        waits = (min_wait_s, max_wait_s, queue // 2)
+        _drive(ray, job, handles, queue, waits, options, on_progress)
     finally:
         job.close()
         for h in handles:
@@ -223,13 +228,16 @@ def run_ray(
     return summary
 
 
-def _drive(ray, job: BatchRun, handles: list[_Handle], queue: int, waits, on_progress) -> None:
+def _drive(
+    ray, job: BatchRun, handles: list[_Handle], queue: int, waits, options, on_progress
+) -> None:
     """The driver loop: refill replicas with room, write what comes back, requeue a failed
     replica's lines, until the input is read and nothing is held."""
     summary: RayBatchSummary = job.summary  # type: ignore[assignment]
     retry: collections.deque[Line] = collections.deque()
     last_error = ""
     started = job.start
+    late_s = 120.0  # then say which replicas are still starting, and again at 4x, 16x, ...
 
     def refill(h: _Handle) -> None:
         lines: list[Line] = []
@@ -248,14 +256,21 @@ def _drive(ray, job: BatchRun, handles: list[_Handle], queue: int, waits, on_pro
         for h in live:
             if h.ready and h.call is None:
                 refill(h)
+        if not (retry or job.reading or any(h.held for h in live)):
+            return  # all written; a replica still waiting for resources is not needed
         calls = {h.call: h for h in live if h.call is not None}
         if not calls:
-            if retry or job.reading:
-                raise RuntimeError(
-                    f"All {len(handles)} replicas failed, the last with: {last_error} "
-                    f"The output holds what finished; rerun the same command to resume."
-                )
-            return
+            raise RuntimeError(
+                f"All {len(handles)} replicas failed, the last with: {last_error} "
+                f"The output holds what finished; rerun the same command to resume."
+            )
+        late = time.perf_counter() - started > late_s
+        if late and (waiting := [h.stats.index for h in live if not h.ready]):
+            job.say(
+                f"replicas {waiting} not started after {late_s:.0f} s; does the cluster have "
+                f"what each asks ({options})? It has {ray.available_resources()} free."
+            )
+            late_s *= 4
         done, _ = ray.wait(list(calls), num_returns=1, timeout=1.0)
         for ref in done:
             h = calls[ref]
