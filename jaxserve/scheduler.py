@@ -473,6 +473,7 @@ class Scheduler:
         now = _now(now)
         updates, self._reports = self._reports, []
         logprobs = result.logprobs or [None] * len(plan.seqs)
+        ps = self.config.page_size
         for seq, token, row_logprobs in zip(
             plan.seqs, result.sampled_token_ids, logprobs, strict=True
         ):
@@ -480,7 +481,8 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens = seq.end_pos
-            if self._hasher is not None:
+            # Only a step that fills a page has anything to publish: most decodes skip this.
+            if self._hasher is not None and seq.end_pos // ps != seq.start_pos // ps:
                 self._publish(req)
             if seq.sample:
                 updates.append(self._append_token(req, token, row_logprobs, now))
