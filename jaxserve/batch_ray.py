@@ -216,7 +216,7 @@ def run_ray(
             handles.append(h)
         summary.replicas = [h.stats for h in handles]
         waits = (min_wait_s, max_wait_s, queue // 2)
-        _drive(ray, job, handles, queue, waits, options, on_progress)
+        _Driver(ray, job, handles, queue, waits, options).run(on_progress)
     finally:
         job.close()
         for h in handles:
@@ -228,97 +228,112 @@ def run_ray(
     return summary
 
 
-def _drive(
-    ray, job: BatchRun, handles: list[_Handle], queue: int, waits, options, on_progress
-) -> None:
+class _Driver:
     """The driver loop: refill replicas with room, write what comes back, requeue a failed
     replica's lines, until the input is read and nothing is held."""
-    summary: RayBatchSummary = job.summary  # type: ignore[assignment]
-    retry: collections.deque[Line] = collections.deque()
-    last_error = ""
-    started = job.start
-    late_s = 120.0  # then say which replicas are still starting, and again at 4x, 16x, ...
 
-    def refill(h: _Handle) -> None:
+    def __init__(self, ray, job: BatchRun, handles: list[_Handle], queue: int, waits, options):
+        self.ray, self.job, self.handles, self.queue = ray, job, handles, queue
+        self.waits, self.options = waits, options
+        self.summary: RayBatchSummary = job.summary  # type: ignore[assignment]
+        self.retry: collections.deque[Line] = collections.deque()  # a failed replica's lines
+        self.last_error = ""
+        self.started = job.start
+        self.late_s = 120.0  # then say which replicas are still starting, again at 4x, 16x, ...
+
+    def run(self, on_progress) -> None:
+        while True:
+            live = [h for h in self.handles if h.stats.failed is None]
+            for h in live:
+                if h.ready and h.call is None:
+                    self.refill(h)
+            if not (self.retry or self.job.reading or any(h.held for h in live)):
+                return  # all written; a replica still waiting for resources is not needed
+            calls = {h.call: h for h in live if h.call is not None}
+            if not calls:
+                raise RuntimeError(
+                    f"All {len(self.handles)} replicas failed, the last with: {self.last_error} "
+                    "The output holds what finished; rerun the same command to resume."
+                )
+            self.warn_if_late(live)
+            done, _ = self.ray.wait(list(calls), num_returns=1, timeout=1.0)
+            for ref in done:
+                h = calls[ref]
+                h.call = None
+                try:
+                    result = self.ray.get(ref)
+                except Exception as e:  # the actor, its node or its engine failed
+                    self.drop(h, e)
+                    continue
+                if h.ready:
+                    self.take(h, *result)
+                    if on_progress is not None:
+                        on_progress(self.summary)
+                else:
+                    self.mark_ready(h, result)
+            self.show_rates()
+
+    def refill(self, h: _Handle) -> None:
         lines: list[Line] = []
-        while len(h.held) + len(lines) < queue:
-            line = retry.popleft() if retry else job.next_line()
+        while len(h.held) + len(lines) < self.queue:
+            line = self.retry.popleft() if self.retry else self.job.next_line()
             if line is None:
                 break
             lines.append(line)
         h.held.update((line.id, line) for line in lines)
         h.stats.most_held = max(h.stats.most_held, len(h.held))
         if h.held:  # with nothing held it idles until a failure hands lines back
-            h.call = h.actor.work.remote(lines, *waits)
+            h.call = h.actor.work.remote(lines, *self.waits)
 
-    while True:
-        live = [h for h in handles if h.stats.failed is None]
-        for h in live:
-            if h.ready and h.call is None:
-                refill(h)
-        if not (retry or job.reading or any(h.held for h in live)):
-            return  # all written; a replica still waiting for resources is not needed
-        calls = {h.call: h for h in live if h.call is not None}
-        if not calls:
-            raise RuntimeError(
-                f"All {len(handles)} replicas failed, the last with: {last_error} "
-                f"The output holds what finished; rerun the same command to resume."
+    def take(self, h: _Handle, records: list[dict], refused: list[tuple[str, str]]) -> None:
+        for rid, reason in refused:
+            self.job.reject(h.held.pop(rid), reason)
+        for record in records:
+            del h.held[record["id"]]
+            h.stats.completed += 1
+            h.stats.output_tokens += record["output_tokens"]
+        self.job.write(records)
+
+    def drop(self, h: _Handle, error: Exception) -> None:
+        """A failed replica: its lines go first to the others; its results never arrive."""
+        self.last_error = h.stats.failed = " ".join(str(error).split())[:500]
+        self.retry.extend(h.held.values())
+        self.summary.retried_lines += len(h.held)
+        self.job.say(
+            f"replica {h.stats.index} failed; {len(h.held)} lines go to the others: "
+            f"{self.last_error[:200]}"
+        )
+        h.held.clear()
+        self.ray.kill(h.actor)
+
+    def mark_ready(self, h: _Handle, info: dict) -> None:
+        h.ready = True
+        now = time.perf_counter()
+        h.stats.ready_s = now - self.started
+        h.stats.host, h.stats.pid, h.stats.devices = info["host"], info["pid"], info["devices"]
+        if not any(o.ready for o in self.handles if o is not h):  # rates count from here
+            self.summary.startup_s, self.job.start = h.stats.ready_s, now
+
+    def warn_if_late(self, live: list[_Handle]) -> None:
+        if time.perf_counter() - self.started < self.late_s:
+            return
+        if waiting := [h.stats.index for h in live if not h.ready]:
+            self.job.say(
+                f"replicas {waiting} not ready after {self.late_s:.0f} s: still loading and "
+                f"compiling, or waiting for resources (each asks {self.options}; the cluster "
+                f"has {self.ray.available_resources()} free)"
             )
-        late = time.perf_counter() - started > late_s
-        if late and (waiting := [h.stats.index for h in live if not h.ready]):
-            job.say(
-                f"replicas {waiting} not started after {late_s:.0f} s; does the cluster have "
-                f"what each asks ({options})? It has {ray.available_resources()} free."
-            )
-            late_s *= 4
-        done, _ = ray.wait(list(calls), num_returns=1, timeout=1.0)
-        for ref in done:
-            h = calls[ref]
-            h.call = None
-            try:
-                result = ray.get(ref)
-            except Exception as e:  # the actor, its node or its engine failed: drop it
-                last_error = " ".join(str(e).split())[:500]
-                h.stats.failed = last_error
-                retry.extend(h.held.values())
-                summary.retried_lines += len(h.held)
-                job.say(
-                    f"replica {h.stats.index} failed; {len(h.held)} lines go to the others: "
-                    f"{last_error[:200]}"
-                )
-                h.held.clear()
-                ray.kill(h.actor)
-                continue
-            if not h.ready:
-                h.ready = True
-                now = time.perf_counter()
-                h.stats.ready_s = now - started
-                if not any(o.ready for o in handles if o is not h):  # the first one
-                    summary.startup_s, job.start = h.stats.ready_s, now
-                h.stats.host, h.stats.pid = result["host"], result["pid"]
-                h.stats.devices = result["devices"]
-                continue
-            records, refused = result
-            for rid, reason in refused:
-                job.reject(h.held.pop(rid), reason)
-            for record in records:
-                del h.held[record["id"]]
-                h.stats.completed += 1
-                h.stats.output_tokens += record["output_tokens"]
-            job.write(records)
-            if on_progress is not None:
-                on_progress(summary)
-        _show_rates(job, handles)
+        self.late_s *= 4
 
+    def show_rates(self) -> None:
+        now = time.perf_counter() - self.started
 
-def _show_rates(job: BatchRun, handles: list[_Handle]) -> None:
-    now = time.perf_counter() - job.start + job.summary.startup_s  # since the job began
+        def rate(s: ReplicaStats) -> str:
+            return "failed" if s.failed else f"{s.completed / max(now - s.ready_s, 1e-9):.1f}"
 
-    def rate(s: ReplicaStats) -> str:
-        return "failed" if s.failed else f"{s.completed / max(now - s.ready_s, 1e-9):.1f}"
-
-    each = ", ".join(f"r{h.stats.index} {rate(h.stats)}" for h in handles if h.ready)
-    job.bar.set_postfix_str(f"{job.tokens_per_s():.1f} tok/s; lines/s {each}", refresh=False)
+        each = ", ".join(f"r{h.stats.index} {rate(h.stats)}" for h in self.handles if h.ready)
+        rates = f"{self.job.tokens_per_s():.1f} tok/s; lines/s {each}"
+        self.job.bar.set_postfix_str(rates, refresh=False)
 
 
 class BatchPredictor:
