@@ -123,6 +123,23 @@ class _Replica:
         return records, refused
 
 
+def _check_reachable(address: str | None) -> None:
+    """ConnectionError at once for a HOST:PORT nothing listens on (ray.init would retry for
+    minutes); other forms ("auto", "ray://...", None) are left to Ray."""
+    import socket
+
+    host, sep, port = (address or "").rpartition(":")
+    if not sep or not port.isdigit() or "/" in address:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as e:
+        raise ConnectionError(
+            f"No Ray cluster answers at {address} ({e}); start one there with "
+            f"`ray start --head --port={port}`, or give --ray no address for a local one."
+        ) from None
+
+
 def _actor_options(ray, devices_per_replica: int, cpus_per_replica: float) -> dict:
     """Ray resources for one replica: K GPUs or K TPU chips where the cluster has them (Ray then
     makes only those visible to the actor); on CPUs, K simulated devices."""
@@ -192,21 +209,23 @@ def run_ray(
         show_progress=False,
     )
     queue = queue_lines or 2 * config.max_num_seqs
-    summary = RayBatchSummary()
-    job = BatchRun(
-        input_path,
-        output_path,
-        defaults=defaults,
-        stop_on_error=stop_on_error,
-        progress=progress,
-        log=log,
-        summary=summary,
-    )
     started_ray = not ray.is_initialized()
+    if started_ray:  # before the output is touched: a wrong address changes no file
+        _check_reachable(address)
+        ray.init(address=address or "local", include_dashboard=False)
+    summary = RayBatchSummary()
     handles: list[_Handle] = []
+    job: BatchRun | None = None
     try:
-        if started_ray:
-            ray.init(address=address or "local", include_dashboard=False)
+        job = BatchRun(
+            input_path,
+            output_path,
+            defaults=defaults,
+            stop_on_error=stop_on_error,
+            progress=progress,
+            log=log,
+            summary=summary,
+        )
         options = _actor_options(ray, devices_per_replica, cpus_per_replica)
         options |= actor_options or {}
         actor_class = ray.remote(_Replica).options(**options)
@@ -218,7 +237,8 @@ def run_ray(
         waits = (min_wait_s, max_wait_s, queue // 2)
         _Driver(ray, job, handles, queue, waits, options).run(on_progress)
     finally:
-        job.close()
+        if job is not None:
+            job.close()
         for h in handles:
             ray.kill(h.actor)
         if started_ray and ray.is_initialized():
