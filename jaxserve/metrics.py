@@ -7,12 +7,19 @@ collide; the service exposes `registry` on its metrics port.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from jaxserve.outputs import RequestMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Host phases of one `Engine.step()`, in loop order. `wait` is the host blocked on the device for
+# a result: device time seen from the host, not host work. `collect` is the rest of taking a
+# result in (the copy to the host, the scheduler's update, step counters).
+HOST_PHASES = ("schedule", "pack", "dispatch", "wait", "collect", "outputs")
+# A phase costs microseconds on a small batch and milliseconds on a large one.
+_HOST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
 
 @dataclasses.dataclass
@@ -36,8 +43,12 @@ class EngineStats:
     padded_tokens: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    busy_wall_s: float = 0.0  # wall time of steps (dispatch to result), summed
-    device_idle_s: float = 0.0  # device waiting for the host between a result and the next step
+    busy_wall_s: float = 0.0  # working wall time with a step in flight (DeviceTimeline)
+    device_idle_s: float = 0.0  # working wall time with no step in flight (DeviceTimeline)
+    host_steps: int = 0  # Engine.step() calls timed by phase
+    host_phase_s: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(HOST_PHASES, 0.0)
+    )  # host seconds per phase of Engine.step(), summed over host_steps
     finished: dict[str, int] = dataclasses.field(default_factory=dict)
     good_requests: int = 0  # met both SLO targets (or every finished one when none are set)
 
@@ -54,6 +65,7 @@ class EngineStats:
 
     @property
     def device_idle_share(self) -> float:
+        """Share of the wall time the engine had work with no step in flight on the device."""
         total = self.busy_wall_s + self.device_idle_s
         return self.device_idle_s / total if total else 0.0
 
@@ -76,7 +88,7 @@ class EngineMetrics:
                 ("kv_pages_cached", "KV-cache pages held only by the prefix cache (evictable)."),
                 ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, a share."),
                 ("padding_efficiency", "Real over padded tokens since start."),
-                ("device_idle_share", "Share of step wall time the device waited for the host."),
+                ("device_idle_share", "Share of working wall time with no step in flight."),
             ]
         }
         self._preemptions = Counter("jaxserve_preemptions", "Preemptions.", registry=r)
@@ -95,6 +107,16 @@ class EngineMetrics:
             "jaxserve_requests_finished", "Finished requests.", ["reason"], registry=r
         )
         self._good = Counter("jaxserve_goodput_requests", "Requests within the SLO.", registry=r)
+        self.device = DeviceTimeline(self.stats)
+        host = Histogram(
+            "jaxserve_host_step_seconds",
+            "Host time of each engine step in one phase (wait: blocked on the device).",
+            ["phase"],
+            buckets=_HOST_BUCKETS,
+            registry=r,
+        )
+        self._host = {phase: host.labels(phase=phase) for phase in HOST_PHASES}
+        self.last_host_phases: dict[str, float] = dict.fromkeys(HOST_PHASES, 0.0)
         self._hist = {
             name: Histogram(f"jaxserve_{name}_seconds", doc, buckets=_LATENCY_BUCKETS, registry=r)
             for name, doc in [
@@ -112,8 +134,6 @@ class EngineMetrics:
         padded_tokens: int,
         prompt_tokens: int,
         generated: int,
-        busy_s: float,
-        idle_s: float,
     ) -> None:
         s = self.stats
         s.num_steps += 1
@@ -121,10 +141,17 @@ class EngineMetrics:
         s.padded_tokens += padded_tokens
         s.prompt_tokens += prompt_tokens
         s.generation_tokens += generated
-        s.busy_wall_s += busy_s
-        s.device_idle_s += idle_s
         self._prompt.inc(prompt_tokens)
         self._gen.inc(generated)
+
+    def on_host_step(self, phases: dict[str, float]) -> None:
+        """Takes one `Engine.step()`'s host seconds per phase (a `PhaseClock`'s laps)."""
+        s = self.stats
+        s.host_steps += 1
+        for phase, seconds in phases.items():
+            s.host_phase_s[phase] += seconds
+            self._host[phase].observe(seconds)
+        self.last_host_phases = phases
 
     def set_gauges(self, **values: int) -> None:
         for name, value in values.items():
@@ -171,3 +198,75 @@ class EngineMetrics:
         ok_ttft = self.ttft_slo_s is None or (ttft is not None and ttft <= self.ttft_slo_s)
         ok_tpot = self.tpot_slo_s is None or tpot is None or tpot <= self.tpot_slo_s
         return ok_ttft and ok_tpot
+
+
+class PhaseClock:
+    """Host time of one engine step by phase, as contiguous laps of `time.perf_counter`.
+
+    Each `lap(phase)` charges the time since the previous lap (or `start`) to `phase`, so every
+    moment between `start` and the last lap belongs to exactly one phase and the phases sum to at
+    most the step's wall time. One clock read per lap: cheap enough to run on every step.
+    """
+
+    __slots__ = ("_last", "phases")
+
+    def __init__(self):
+        self.phases = dict.fromkeys(HOST_PHASES, 0.0)
+        self._last = 0.0
+
+    def start(self) -> None:
+        """Begins a step: fresh phases (the previous step's dict is kept by whoever took it)."""
+        self.phases = dict.fromkeys(HOST_PHASES, 0.0)
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> float:
+        """Charges the time since the last lap to `phase`; returns the clock reading."""
+        now = time.perf_counter()
+        self.phases[phase] += now - self._last
+        self._last = now
+        return now
+
+
+class DeviceTimeline:
+    """Splits the engine's working wall time into "a step in flight" and "device idle".
+
+    A step is in flight from the moment its dispatch returns (inputs copied over, work queued)
+    until the engine sees it done. The rest of the time the engine has work is device idle, so
+    scheduling, packing, the dispatch call with its host-to-device copy, and taking the result in
+    all count as idle: the device cannot run a step the host has not finished handing over. Time
+    without work (an empty plan) counts as neither.
+
+    The engine sees a step done when it blocks on it or when a cheap readiness probe (no sync)
+    finds it ready, never before the device finished, so the idle time is a lower bound: at most
+    the stretch between the device finishing and the engine's next look is missed. Several steps
+    may be in flight at once; the device is busy while any one is.
+    """
+
+    def __init__(self, stats: EngineStats):
+        self._stats = stats
+        self._in_flight = 0
+        self._mark: float | None = None  # start of the current busy or idle stretch; None: no work
+
+    def dispatched(self, now: float) -> None:
+        """A step's dispatch returned at `now` (a `time.perf_counter` reading)."""
+        if self._in_flight == 0:
+            if self._mark is not None:
+                self._stats.device_idle_s += now - self._mark
+            self._mark = now
+        self._in_flight += 1
+
+    def finished(self, now: float) -> None:
+        """The engine saw a step in flight done at `now`."""
+        if self._in_flight <= 0:
+            raise ValueError(f"A step finished at {now} with {self._in_flight} steps in flight.")
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._stats.busy_wall_s += now - self._mark
+            self._mark = now
+
+    def no_work(self, now: float) -> None:
+        """The engine found nothing to run at `now`: the wall clock stops until the next step."""
+        if self._in_flight == 0:
+            if self._mark is not None:
+                self._stats.device_idle_s += now - self._mark
+            self._mark = None
