@@ -41,6 +41,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _cmd_soak(args)
     if args.profile == "steps":
         return _cmd_steps(args)
+    if args.profile == "host":
+        return _cmd_host(args)
     if args.replot:
         summaries = replot(Path(args.out))
         print(report.format_table(summaries))
@@ -112,6 +114,39 @@ def _cmd_steps(args: argparse.Namespace) -> int:
     report = run_steps(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_steps(report))
     print(f"Wrote {write_steps(report, Path(args.out))}.")
+    return 0
+
+
+def _cmd_host(args: argparse.Namespace) -> int:
+    """`bench --profile host`: the engine's host microseconds per step over a free device."""
+    from pathlib import Path
+
+    from jaxserve.bench.host import HostSpec, format_host, run_host, write_host
+    from jaxserve.bench.suite import parse_list
+
+    if args.online or _joins_cluster(args) or args.tensor_parallel != 1 or args.mesh:
+        raise UserError("--profile host times the in-process engine on one device.")
+    try:
+        running = parse_list(args.running, int)
+    except ValueError as e:
+        raise UserError(f"--running: {e}") from e
+    if min(running) < 1 or args.step_time < 0:
+        raise UserError(
+            f"--running {args.running!r} must list counts >= 1 and --step-time "
+            f"{args.step_time} must be >= 0."
+        )
+    spec = HostSpec(
+        model=args.model,
+        running=tuple(running),
+        context=args.prompt_len,
+        steps=args.output_len,
+        step_time_s=args.step_time,
+        seed=args.seed,
+        command=" ".join(["jaxserve", *sys.argv[1:]]),
+    )
+    report = run_host(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_host(report))
+    print(f"Wrote {write_host(report, Path(args.out))}.")
     return 0
 
 
@@ -303,14 +338,17 @@ def _add_bench_parser(sub) -> None:
     t.add_argument(
         "--profile",
         default="mixed",
-        choices=["baseline", "concurrency", "mixed", "shared-prefix", "trace", "steps"],
+        choices=["baseline", "concurrency", "mixed", "shared-prefix", "trace", "steps", "host"],
         help="baseline: concurrency 1; concurrency: rising concurrency, fixed "
         "lengths; mixed: short/long prompts and brief/extended outputs under Poisson "
         "arrivals; shared-prefix: a --prefix-len system prompt before a short question of "
         "each request's own, Poisson arrivals, prefix cache on and off; trace: a JSONL file; "
         "steps: the model step alone, prefill tok/s at "
         "128/512/2048-token prompts and decode ms/step at batches 1/16/64/256 beside the "
-        "machine's matmul and bandwidth ceilings (steps.json in --out) (default: mixed)",
+        "machine's matmul and bandwidth ceilings (steps.json in --out); host: the engine's host "
+        "microseconds per step by phase over a device call that costs nothing, at --running "
+        "decode requests of --prompt-len context, --output-len steps timed (host.json in --out) "
+        "(default: mixed)",
     )
     t.add_argument(
         "--trace",
@@ -341,6 +379,16 @@ def _add_bench_parser(sub) -> None:
         default="8:32",
         help="shared-prefix: tokens of each request's own question LOW:HIGH (outputs: "
         "--output-len)",
+    )
+    t.add_argument(
+        "--running", default="1,16,64,256,1024", help="host: running decode requests per point"
+    )
+    t.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="host: seconds the fake device takes per step (default 0: results at once)",
     )
     t.add_argument("--seed", type=int, default=0, help="traffic and weight seed")
     c = b.add_argument_group("configurations compared (comma-separated lists)")

@@ -1,0 +1,314 @@
+"""`jaxserve bench --profile host`: the engine's host work per step, apart from the device.
+
+On an accelerator a small model's step takes a few milliseconds, and the host's work per step
+(scheduling, packing, dispatch, taking the result in, building outputs) decides how much of that
+time the device waits. On the CPU the two cannot be told apart by timing whole steps, so this
+profile runs the real `Engine` (scheduler, KV pages, packing, sampling batch, outputs) over a
+runner whose device call costs nothing: `HostOnlyRunner` keeps `ModelRunner`'s `pack` and
+`execute` and replaces only `_dispatch`, the device call. By default that call is a trivial jitted
+function of the very same inputs (every array still crosses to the device and the tokens come
+back as a device array, so dispatch and transfers are measured); it returns next = last + 1 for
+each row at once, or `step_time_s` later to stand in for a device of that speed.
+
+For each number of running decode requests (1/16/64/256/1024 by default) the engine is filled,
+every request taken past its prefill, then `steps` steady decode steps are timed: the step's wall
+time and the engine's own per-phase host clock (`Engine.step`'s `PhaseClock`, the same one behind
+the `jaxserve_host_step_seconds` histogram), and the device-idle time of its `DeviceTimeline`.
+No model weights are compiled; the model's config (and only its vocabulary and EOS ids matter)
+comes from `--model`, the embedded stories260k by default. Numbers are of one run on one machine:
+compare them within a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxserve.engine as engine_module
+from checkpoints.loaded import LoadedModel
+from jaxserve.batch import StepBatch
+from jaxserve.engine import Engine
+from jaxserve.engine_config import EngineConfig
+from jaxserve.metrics import HOST_PHASES
+from jaxserve.model_runner import ModelRunner, RunnerConfig
+from jaxserve.sampling import MAX_TOP_LOGPROBS, SampleOutput, SamplingBatch
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.sharding import ShardingPlan
+
+RUNNING = (1, 16, 64, 256, 1024)
+# The phases the device waits on in a synchronous loop: from a result on the host to the next
+# dispatch. `outputs` runs while the next step is in flight; `wait` is device time.
+CRITICAL_PHASES = ("collect", "schedule", "pack", "dispatch")
+
+# (batch, sampling) -> i32[S] sampled token per row, computed on the host.
+NextTokens = Callable[[StepBatch, SamplingBatch], np.ndarray]
+
+
+class _Delayed:
+    """A result leaf that becomes ready at `ready_at` (perf_counter): a device of a given speed.
+
+    It answers the calls the engine makes on a device array: a readiness probe, a blocking
+    wait, and the copy to the host (`__array__`, which waits too).
+    """
+
+    def __init__(self, value, ready_at: float):
+        self.value = value  # i32[S] sampled tokens (numpy or a jax.Array)
+        self.ready_at = ready_at
+
+    def is_ready(self) -> bool:
+        return time.perf_counter() >= self.ready_at
+
+    def block_until_ready(self) -> _Delayed:
+        left = self.ready_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        return self
+
+    def __array__(self, dtype=None, copy=None):
+        self.block_until_ready()
+        return np.asarray(self.value, dtype=dtype)
+
+
+class HostOnlyRunner(ModelRunner):
+    """`ModelRunner` whose device call costs nothing: no params, no KV pool, no model compiled.
+
+    `pack`, `execute` and the bucket ladders are the real ones; only `_dispatch` differs. With
+    `next_tokens` the tokens are computed in numpy on the host (tests replay a real run that
+    way); without it a jitted echo of the step's inputs runs on the device.
+    """
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: RunnerConfig,
+        plan: ShardingPlan | None = None,
+        *,
+        step_time_s: float = 0.0,
+        next_tokens: NextTokens | None = None,
+    ):
+        # Deliberately not ModelRunner.__init__: it would place params and allocate the pool.
+        self.model, self.config, self.plan = model, config, plan
+        self.num_compiles = 0
+        self.lockstep = None  # one host: nothing to send to followers
+        self.step_time_s = step_time_s
+        self.next_tokens = next_tokens
+        self._echo = jax.jit(
+            functools.partial(self._echo_impl, vocab_size=model.config.vocab_size),
+            keep_unused=True,  # every input crosses to the device, as for the real step
+        )
+
+    def _echo_impl(self, batch: StepBatch, sampling: SamplingBatch, *, vocab_size: int):
+        self.num_compiles += 1  # runs only while tracing
+        last = batch.token_ids[batch.logits_indices]  # i32[S] each row's last token
+        return _sample_output((last + 1) % vocab_size, jnp)
+
+    def _dispatch(self, batch: StepBatch, sampling: SamplingBatch) -> SampleOutput:
+        if self.next_tokens is None:
+            out = self._echo(batch, sampling)
+        else:
+            tokens = np.asarray(self.next_tokens(batch, sampling), np.int32)
+            out = _sample_output(tokens, np)
+        if self.step_time_s > 0:
+            ready_at = time.perf_counter() + self.step_time_s
+            out = dataclasses.replace(out, token_ids=_Delayed(out.token_ids, ready_at))
+        return out
+
+    def precompile(self, progress: bool = True) -> float:
+        """Nothing to compile ahead: the echo compiles per bucket on first use (milliseconds)."""
+        return 0.0
+
+
+def _sample_output(tokens, xp) -> SampleOutput:
+    """A SampleOutput of `tokens` (i32[S]) with empty logprobs, in numpy or jax.numpy (`xp`)."""
+    rows = tokens.shape[0]
+    return SampleOutput(
+        token_ids=tokens.astype(xp.int32),
+        logprobs=xp.zeros(rows, xp.float32),
+        top_ids=xp.zeros((rows, MAX_TOP_LOGPROBS), xp.int32),
+        top_logprobs=xp.zeros((rows, MAX_TOP_LOGPROBS), xp.float32),
+    )
+
+
+def host_engine(
+    config: EngineConfig,
+    model: LoadedModel,
+    *,
+    step_time_s: float = 0.0,
+    next_tokens: NextTokens | None = None,
+) -> Engine:
+    """The real `Engine` of `config` over a `HostOnlyRunner` (config.num_pages must be set).
+
+    The engine builds its runner itself; the runner class it uses is swapped for the duration of
+    the constructor only (not thread-safe: build host engines from one thread).
+    """
+    if config.num_pages is None:
+        raise ValueError("A host-only engine needs config.num_pages: it has no memory to size.")
+    runner = functools.partial(HostOnlyRunner, step_time_s=step_time_s, next_tokens=next_tokens)
+    saved = engine_module.ModelRunner
+    engine_module.ModelRunner = runner
+    try:
+        return Engine(dataclasses.replace(config, precompile=False), model=model)
+    finally:
+        engine_module.ModelRunner = saved
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HostSpec:
+    """What `run_host` measures and how."""
+
+    model: str | None = None
+    running: tuple[int, ...] = RUNNING
+    context: int = 1024  # prompt tokens of each request
+    steps: int = 32  # steady decode steps timed per point
+    warmup: int = 4  # steps run (the echo's bucket compiles) before timing
+    step_time_s: float = 0.0
+    page_size: int = 16
+    seed: int = 0
+    command: str = ""
+
+
+def run_host(spec: HostSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measures every point; returns the report `write_host` saves."""
+    from checkpoints import load_model
+
+    model = load_model(spec.model, dtype="float32", seed=spec.seed)
+    # Outputs are token ids (no detokenizer): the host loop is measured, not the tokenizer.
+    model = dataclasses.replace(model, tokenizer=None)
+    points = []
+    for running in spec.running:
+        point = _time_point(spec, model, running)
+        points.append(point)
+        log(
+            f"{running} running: {point['step_us']:.0f} us/step, host {point['host_us']:.0f} us, "
+            f"device waits {point['device_idle_us']:.0f} us"
+        )
+    return {
+        "command": spec.command,
+        "model": model.source,
+        "platform": jax.devices()[0].platform,
+        "step_time_s": spec.step_time_s,
+        "context": spec.context,
+        "steps": spec.steps,
+        "load_avg_1m": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+        "points": points,
+    }
+
+
+def _time_point(spec: HostSpec, model: LoadedModel, running: int) -> dict[str, Any]:
+    """One engine with `running` decoding requests: host microseconds per step by phase."""
+    # Prefill costs the fake nothing but steps: a large budget fills 1024 long prompts quickly,
+    # so the first requests decode few tokens (and their context grows little) meanwhile.
+    budget = max(8192, 2 * running)
+    fill_steps = math.ceil(running * spec.context / (budget - running)) + 2
+    max_tokens = fill_steps + spec.warmup + spec.steps + 8  # never reached while timed
+    max_model_len = spec.context + max_tokens
+    # The fake never runs the model, so its context limit is lifted to the one asked.
+    mc = dataclasses.replace(
+        model.config,
+        max_position_embeddings=max(model.config.max_position_embeddings, max_model_len),
+    )
+    config = EngineConfig(
+        max_num_seqs=running,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        page_size=spec.page_size,
+        num_pages=running * math.ceil(max_model_len / spec.page_size),
+        show_progress=False,
+        compilation_cache_dir=None,
+    )
+    engine = host_engine(
+        config, dataclasses.replace(model, config=mc), step_time_s=spec.step_time_s
+    )
+    rng = np.random.default_rng(spec.seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, ignore_eos=True)
+    for i in range(running):
+        ids = rng.integers(3, mc.vocab_size, size=spec.context).tolist()
+        engine.add_request(ids, dataclasses.replace(params, seed=i))
+    started: set[str] = set()
+    while len(started) < running:  # every request past its prefill
+        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+    for _ in range(spec.warmup):  # the decode bucket's echo compiles here, not when timed
+        engine.step()
+    stats = engine.metrics.stats
+    before = _snapshot(stats)
+    walls = np.empty(spec.steps)
+    for i in range(spec.steps):
+        start = time.perf_counter()
+        engine.step()
+        walls[i] = time.perf_counter() - start
+    after = _snapshot(stats)
+    if after["generation_tokens"] - before["generation_tokens"] != running * spec.steps or (
+        after["prompt_tokens"] != before["prompt_tokens"]
+    ):
+        raise RuntimeError(
+            f"The timed steps of {running} running requests were not all decode-only steps of "
+            f"{running} tokens ({before} -> {after})."
+        )
+    phases_us = {
+        p: (after["phases"][p] - before["phases"][p]) / spec.steps * 1e6 for p in HOST_PHASES
+    }
+    idle = after["idle"] - before["idle"]
+    busy = after["busy"] - before["busy"]
+    return {
+        "running": running,
+        # Mean tokens per request in the cache over the timed steps.
+        "context": spec.context
+        + (before["generation_tokens"] + after["generation_tokens"]) / (2 * running),
+        "step_us": float(walls.mean() * 1e6),
+        "step_p50_us": float(np.median(walls) * 1e6),
+        "phases_us": phases_us,
+        "host_us": sum(v for p, v in phases_us.items() if p != "wait"),
+        "critical_us": sum(phases_us[p] for p in CRITICAL_PHASES),
+        "device_idle_us": idle / spec.steps * 1e6,
+        "device_idle_share": idle / (idle + busy) if idle + busy else 0.0,
+    }
+
+
+def _snapshot(stats) -> dict[str, Any]:
+    return {
+        "phases": dict(stats.host_phase_s),
+        "generation_tokens": stats.generation_tokens,
+        "prompt_tokens": stats.prompt_tokens,
+        "idle": stats.device_idle_s,
+        "busy": stats.busy_wall_s,
+    }
+
+
+def format_host(report: dict[str, Any]) -> str:
+    """The table printed to stdout: microseconds per step by phase at each batch."""
+    lines = [
+        f"host overhead: model {report['model']} (config only, no weights run), "
+        f"fake step time {report['step_time_s'] * 1e3:g} ms, {report['steps']} steps/point, "
+        f"load {report['load_avg_1m']:.1f} on {report['cpus']} CPUs",
+        "",
+        "| running | context | step us | " + " | ".join(HOST_PHASES) + " | host us | "
+        "device waits us | idle share |",
+        "|" + "---:|" * (len(HOST_PHASES) + 6),
+    ]
+    for p in report["points"]:
+        phases = " | ".join(f"{p['phases_us'][name]:.0f}" for name in HOST_PHASES)
+        lines.append(
+            f"| {p['running']} | {p['context']:.0f} | {p['step_us']:.0f} | {phases} | "
+            f"{p['host_us']:.0f} | {p['device_idle_us']:.0f} | {p['device_idle_share']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_host(report: dict[str, Any], out_dir: Path) -> Path:
+    """Saves the report as host.json in out_dir; returns its path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "host.json"
+    path.write_text(json.dumps(report, indent=2))
+    return path
