@@ -19,12 +19,19 @@ import time
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 from checkpoints.loaded import LoadedModel, layer_loop_of, model_for
 from jaxserve.batch import SeqChunk, StepBatch, pack_chunks
 from jaxserve.kv_pages import KVPages, init_kv_pages
 from jaxserve.multihost import StepLink, is_leader
-from jaxserve.sampling import SampleOutput, SamplingBatch, sample
+from jaxserve.sampling import (
+    PenaltyState,
+    SampleOutput,
+    SamplingBatch,
+    init_penalty_row,
+    sample_step,
+)
 from jaxserve.sharding import ShardingPlan, make_mesh
 
 logger = logging.getLogger(__name__)
@@ -122,6 +129,11 @@ class ModelRunner:
             dtype=model.dtype,
             sharding=self.plan.kv_pages,
         )
+        # Token counts of the penalties, one row per batch slot (sampling.PenaltyState).
+        self.penalties = jax.device_put(
+            PenaltyState.zeros(config.seq_buckets[-1], model.config.vocab_size),
+            self.plan.replicated,  # where the step keeps it, so the first step moves nothing
+        )
         self.num_compiles = 0
         # The pool is donated: the step updates it in place instead of copying it every step.
         # Shardings are pinned, so the pool keeps its split from step to step (no recompiles) and
@@ -129,10 +141,12 @@ class ModelRunner:
         rep, kv = self.plan.replicated, self.plan.kv_pages
         self._step = jax.jit(
             self._step_impl,
-            donate_argnums=(1,),
-            in_shardings=(self.plan.params(self.params), kv, rep, rep),
-            out_shardings=(rep, kv),
+            donate_argnums=(1, 4),
+            in_shardings=(self.plan.params(self.params), kv, rep, rep, rep),
+            out_shardings=(rep, kv, rep),
         )
+        # One shape (the context length) for every request: compiled once, on first use.
+        self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,))
         # Multi-host: process 0 sends every step to the others (jaxserve/multihost.py).
         self.lockstep = None
         if jax.process_count() > 1:
@@ -144,13 +158,31 @@ class ModelRunner:
                 max_seqs=config.seq_buckets[-1],
             )
 
-    def _step_impl(self, params, kv: KVPages, batch: StepBatch, sampling: SamplingBatch):
+    def _step_impl(
+        self, params, kv: KVPages, batch: StepBatch, sampling: SamplingBatch, pen: PenaltyState
+    ):
         self.num_compiles += 1  # runs only while tracing: counts compilations
         hidden, kv = self.module.apply({"params": params}, kv, batch)
         logits = self.module.apply(
             {"params": params}, hidden[batch.logits_indices], method=self.module.logits
         )
-        return sample(logits, sampling), kv
+        out, pen = sample_step(logits, sampling, pen)
+        return out, kv, pen
+
+    def set_penalty_row(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
+        """Fills batch slot `slot`'s penalty counts from a request's prompt and outputs so far.
+
+        Called when a request with penalties takes a slot, before the step that samples for it
+        (the device runs both in dispatch order). Single-host only: a multi-host mesh would need
+        the followers to make the same call.
+        """
+        if self.lockstep is not None:
+            raise RuntimeError("Penalties are not supported on a multi-host mesh yet.")
+        ids = np.zeros(self.config.max_model_len, np.int32)
+        ids[: len(token_ids)] = token_ids  # padded so every request reuses one compiled shape
+        self.penalties = self._init_penalty_row(
+            self.penalties, np.int32(slot), ids, np.int32(num_prompt), np.int32(len(token_ids))
+        )
 
     def execute(self, batch: StepBatch, sampling: SamplingBatch) -> SampleOutput:
         """Dispatches one step; returns device arrays without waiting for them."""
@@ -159,7 +191,9 @@ class ModelRunner:
         return self._dispatch(batch, sampling)
 
     def _dispatch(self, batch: StepBatch, sampling: SamplingBatch) -> SampleOutput:
-        out, self.kv = self._step(self.params, self.kv, batch, sampling)
+        out, self.kv, self.penalties = self._step(
+            self.params, self.kv, batch, sampling, self.penalties
+        )
         if jax.process_count() > 1:  # this host's copy of the replicated result, readable here
             out = jax.tree.map(lambda a: a.addressable_data(0), out)
         return out

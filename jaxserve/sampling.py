@@ -26,6 +26,19 @@ Logit bias and min-tokens are one mechanism: each row has BIAS_SLOTS (token id, 
 added to its logits before anything else (a scatter of S x BIAS_SLOTS values, nothing per
 vocabulary entry). A request's `logit_bias` fills them; a request short of `min_tokens` also
 gets -inf on its EOS and stop ids. Unused slots add 0 to token 0.
+
+Penalties (vLLM's and OpenAI's meanings), after the bias and before the temperature, for a row
+whose generated tokens so far hold token t c[t] times and whose prompt holds it or not:
+
+    seen[t]  = c[t] > 0 or t in the prompt
+    logit[t] = logit[t] / r  if seen[t] and logit[t] > 0        (repetition_penalty r, 1: off)
+               logit[t] * r  if seen[t] and logit[t] <= 0
+    logit[t] -= f * c[t] + p * (c[t] > 0)                     (frequency f, presence p, 0: off)
+
+The counts live on the device (`PenaltyState`, one row per batch slot), so the host never ships
+a [S, vocab] array: a request's row is filled once when it takes a slot (`init_penalty_row`,
+from its prompt and any outputs it had before a preemption), and each step adds the token it
+samples (`sample_step`, inside the jitted step). Rows without penalties never read it.
 """
 
 from __future__ import annotations
@@ -63,6 +76,12 @@ class SamplingBatch:
     want_logprobs: jax.Array  # bool[] any row asked for its chosen token's logprob
     bias_ids: jax.Array = None  # i32[S, BIAS_SLOTS] tokens whose logits get bias_values added
     bias_values: jax.Array = None  # f32[S, BIAS_SLOTS] 0 in unused slots; -inf masks a token
+    # Penalties (see the module docstring); rows without any read no counts.
+    presence_penalty: jax.Array = None  # f32[S] 0 means off
+    frequency_penalty: jax.Array = None  # f32[S] 0 means off
+    repetition_penalty: jax.Array = None  # f32[S] 1 means off
+    slots: jax.Array = None  # i32[S] the row's PenaltyState row (its batch slot)
+    count_sampled: jax.Array = None  # bool[S] add the sampled token to the row's counts
 
     @staticmethod
     def empty(num_seqs: int) -> SamplingBatch:
@@ -78,6 +97,11 @@ class SamplingBatch:
             want_logprobs=np.bool_(False),
             bias_ids=np.zeros((num_seqs, BIAS_SLOTS), np.int32),
             bias_values=np.zeros((num_seqs, BIAS_SLOTS), np.float32),
+            presence_penalty=np.zeros(num_seqs, np.float32),
+            frequency_penalty=np.zeros(num_seqs, np.float32),
+            repetition_penalty=np.ones(num_seqs, np.float32),
+            slots=np.zeros(num_seqs, np.int32),
+            count_sampled=np.zeros(num_seqs, np.bool_),
         )
 
 
@@ -106,12 +130,93 @@ jax.tree_util.register_dataclass(
 )
 
 
-def sample(logits: jax.Array, params: SamplingBatch) -> SampleOutput:
+@dataclasses.dataclass(frozen=True)
+class PenaltyState:
+    """Per batch slot, what the penalties need of a request's tokens; lives on the device."""
+
+    output_counts: jax.Array  # i32[max_num_seqs, V] times each token was generated
+    in_prompt: jax.Array  # bool[max_num_seqs, V] the token occurs in the prompt
+
+    @staticmethod
+    def zeros(num_slots: int, vocab: int) -> PenaltyState:
+        return PenaltyState(
+            output_counts=jnp.zeros((num_slots, vocab), jnp.int32),
+            in_prompt=jnp.zeros((num_slots, vocab), jnp.bool_),
+        )
+
+
+jax.tree_util.register_dataclass(
+    PenaltyState, data_fields=["output_counts", "in_prompt"], meta_fields=[]
+)
+
+
+def init_penalty_row(
+    state: PenaltyState,
+    slot: jax.Array,
+    token_ids: jax.Array,
+    num_prompt: jax.Array,
+    num_tokens: jax.Array,
+) -> PenaltyState:
+    """`state` with row `slot` holding one request's tokens, whatever the row held before.
+
+    slot: i32[]; token_ids: i32[L] prompt then outputs, padded to a fixed L (the context length,
+    so one compiled shape serves every request); num_prompt, num_tokens: i32[] how many of them
+    are the prompt and how many are real.
+    """
+    index = jnp.arange(token_ids.shape[0])
+    real = index < num_tokens
+    vocab = state.output_counts.shape[1]
+    counts = jnp.zeros(vocab, jnp.int32).at[token_ids].add((real & (index >= num_prompt)) * 1)
+    prompt = jnp.zeros(vocab, jnp.int32).at[token_ids].add((index < num_prompt) * 1) > 0
+    return PenaltyState(
+        output_counts=state.output_counts.at[slot].set(counts),
+        in_prompt=state.in_prompt.at[slot].set(prompt),
+    )
+
+
+def apply_penalties(logits: jax.Array, params: SamplingBatch, state: PenaltyState) -> jax.Array:
+    """logits f32[S, V] with each row's presence, frequency and repetition penalties applied.
+
+    Gathers S rows of counts only when some row has a penalty: a batch without any pays nothing.
+    """
+    rep = params.repetition_penalty
+    on = (params.presence_penalty != 0) | (params.frequency_penalty != 0) | (rep != 1)
+
+    def penalize():
+        counts = state.output_counts[params.slots].astype(jnp.float32)  # f32[S, V]
+        seen = (counts > 0) | state.in_prompt[params.slots]
+        r = rep[:, None]
+        out = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+        out = out - params.frequency_penalty[:, None] * counts
+        out = out - params.presence_penalty[:, None] * (counts > 0)
+        # Rows without penalties keep their logits bit for bit (x / 1 is exact, but be plain).
+        return jnp.where(on[:, None], out, logits)
+
+    return jax.lax.cond(jnp.any(on), penalize, lambda: logits)
+
+
+def sample_step(
+    logits: jax.Array, params: SamplingBatch, state: PenaltyState
+) -> tuple[SampleOutput, PenaltyState]:
+    """`sample` with penalties from `state`, and `state` with each counted row's new token added.
+
+    The step's own update: the token sampled now is counted before the next step reads it.
+    """
+    out = sample(logits, params, state)
+    counts = state.output_counts.at[params.slots, out.token_ids].add(params.count_sampled * 1)
+    return out, dataclasses.replace(state, output_counts=counts)
+
+
+def sample(
+    logits: jax.Array, params: SamplingBatch, penalties: PenaltyState | None = None
+) -> SampleOutput:
     """Draws one token per row of logits f32[S, V] (jit-friendly, no host sync)."""
     logits = logits.astype(jnp.float32)
     if params.bias_ids is not None:  # static: a batch built without bias slots has none
         rows = jnp.arange(logits.shape[0])[:, None]
         logits = logits.at[rows, params.bias_ids].add(params.bias_values)
+    if penalties is not None and params.slots is not None:  # static
+        logits = apply_penalties(logits, params, penalties)
     greedy = params.temperature <= 0
     best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     token_ids = jax.lax.cond(

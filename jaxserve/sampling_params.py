@@ -16,6 +16,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 16
 MAX_LOGIT_BIAS = 32  # biased tokens per request (a fixed number of slots per row on the device)
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+MAX_ABS_PENALTY = 2.0  # OpenAI's range of presence_penalty and frequency_penalty
+MAX_REPETITION_PENALTY = 10.0  # well past any useful value; bounds the division's blow-up
 SEED_LIMIT = 2**32  # seeds become uint32 PRNG key data on the device
 
 
@@ -45,6 +47,12 @@ class SamplingParams:
     # Added to the token's logit before sampling (and before the logprobs), {token id: bias}.
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    # Penalties over the tokens generated so far (sampling.py has the formula): subtract
+    # presence_penalty once from every token already generated, frequency_penalty per time.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Over prompt and generated tokens: positive logits divided by it, negative ones multiplied.
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         # Lists are accepted for convenience but stored as tuples, so params stay hashable.
@@ -78,6 +86,19 @@ class SamplingParams:
             raise ValueError(f"{logprobs=} must be None or an integer in [0, {MAX_LOGPROBS}].")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise ValueError(
+                    f"{name}={value!r} must be a number in [{-MAX_ABS_PENALTY}, "
+                    f"{MAX_ABS_PENALTY}] (0 turns it off)."
+                )
+        repetition_penalty = self.repetition_penalty
+        if not _is_real(repetition_penalty) or not 0 < repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"{repetition_penalty=} must be a number in (0, {MAX_REPETITION_PENALTY}] "
+                "(1 turns it off)."
+            )
         min_tokens = self.min_tokens
         if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
             raise ValueError(f"{min_tokens=} must be an integer in [0, max_tokens={max_tokens}].")
@@ -115,3 +136,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling needs the request's token counts on the device."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)

@@ -1,7 +1,9 @@
-"""logit_bias and min_tokens, on the device per row, against what they must do on stories260k.
+"""logit_bias, min_tokens and the penalties, on the device per row, against what they must do on
+stories260k.
 
-The expected tokens come from a numpy re-implementation over the unbiased run's returned
-logprobs (top 20 per step): the biased greedy token is argmax(logprob + bias) over them.
+The expected tokens come from a numpy re-implementation over an unbiased run's returned
+logprobs (top 20 per step): the biased greedy token is argmax(logprob + bias) over them, the
+penalized one argmax of the penalty formula (jaxserve/sampling.py) applied to them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import numpy as np
 
 from jaxserve import SamplingParams
 from jaxserve.llm import LLM
+from tests.models.helpers import sequence_logits
 
 PROMPT = "Once upon a time"
 
@@ -66,3 +69,59 @@ def test_min_tokens_masks_eos_until_reached(stories_engine):
     assert len(held.token_ids) >= n + 10
     assert held.token_ids[: n - 1] == free.token_ids[: n - 1]  # unchanged before the EOS
     assert not eos & set(held.token_ids[: n + 10])
+
+
+def _penalized(logits, counts, in_prompt, *, presence=0.0, frequency=0.0, repetition=1.0):
+    """The penalty formula of jaxserve/sampling.py in numpy: logits f64[V], counts i64[V] of
+    the generated tokens so far, in_prompt bool[V]."""
+    seen = (counts > 0) | in_prompt
+    out = np.where(seen, np.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return out - frequency * counts - presence * (counts > 0)
+
+
+def _check_against_numpy(engine, prompt, out, **penalties):
+    """Each greedy token of `out` is the argmax of the formula over the model's own logits (a
+    separate dense forward of prompt + outputs), and its returned logprob that of the
+    penalized distribution."""
+    logits = sequence_logits(engine.model, prompt + out.token_ids[:-1]).astype(np.float64)
+    vocab = logits.shape[-1]
+    counts = np.zeros(vocab, np.int64)
+    in_prompt = np.zeros(vocab, bool)
+    in_prompt[prompt] = True
+    for i, token in enumerate(out.token_ids):
+        want = _penalized(logits[len(prompt) - 1 + i], counts, in_prompt, **penalties)
+        top2 = np.sort(want)[-2:]
+        assert top2[1] - top2[0] > 1e-3, f"step {i}: a near tie, pick another prompt"
+        assert token == int(np.argmax(want)), f"step {i}"
+        logprob = want[token] - np.log(np.sum(np.exp(want - want.max()))) - want.max()
+        assert abs(out.logprobs[i].logprob - logprob) < 1e-3, f"step {i}"
+        counts[token] += 1
+
+
+def test_frequency_and_presence_change_greedy_exactly_as_the_formula_says(stories_engine):
+    llm = LLM(engine=stories_engine)
+    prompt = stories_engine.encode(PROMPT)
+    compiles = stories_engine.runner.num_compiles
+    greedy = dict(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
+    pen = dict(frequency=1.5, presence=0.5)
+    plain, penalized = llm.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(**greedy),
+            SamplingParams(**greedy, frequency_penalty=1.5, presence_penalty=0.5),
+        ],
+    )
+    assert penalized.token_ids != plain.token_ids  # the story repeats itself: the penalty bites
+    _check_against_numpy(stories_engine, prompt, penalized, **pen)
+    _check_against_numpy(stories_engine, prompt, plain)  # its neighbour row: no penalty at all
+    assert stories_engine.runner.num_compiles == compiles  # per-row arrays: nothing recompiles
+
+
+def test_repetition_penalty_counts_the_prompt_too(stories_engine):
+    llm = LLM(engine=stories_engine)
+    prompt = stories_engine.encode(PROMPT)
+    greedy = dict(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
+    [plain] = llm.generate([prompt], SamplingParams(**greedy))
+    [penalized] = llm.generate([prompt], SamplingParams(**greedy, repetition_penalty=1.8))
+    assert penalized.token_ids != plain.token_ids
+    _check_against_numpy(stories_engine, prompt, penalized, repetition=1.8)
