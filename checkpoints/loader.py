@@ -46,14 +46,17 @@ def load_model(
     subtree per layer for "unrolled".
     """
     dtype = jnp.dtype(dtype if dtype is not None else default_dtype())
-    unrolled = resolve_layer_loop(layer_loop) == "unrolled"
+
+    def unrolled(config) -> bool:  # decided per model: see resolve_layer_loop
+        return resolve_layer_loop(layer_loop, config, dtype) == "unrolled"
+
     if spec is None:
         spec = DEFAULT_MODEL_DIR
     if isinstance(spec, str) and spec in NAMED_SHAPES:
         config = NAMED_SHAPES[spec]
         abstract = abstract_params(config, dtype)
         params = random_params(abstract, seed, _shardings(mesh, config, abstract))
-        if unrolled:  # drawn stacked: one jitted draw of few leaves compiles in seconds
+        if unrolled(config):  # drawn stacked: one jitted draw of few leaves compiles in seconds
             params = _unstack(params, mesh, config)
         return LoadedModel(
             config=config,
@@ -73,10 +76,10 @@ def load_model(
     try:
         if is_orbax_dir(path):
             model = restore_orbax(path, dtype=dtype, mesh=mesh)
-            if unrolled:
+            if unrolled(model.config):
                 model.params = _unstack(model.params, mesh, model.config)
             return model
-        return _load_hf(path, dtype, mesh, unrolled)
+        return _load_hf(path, dtype, mesh, layer_loop)
     except (UnsupportedModelError, FileNotFoundError, ValueError, OSError) as e:
         raise ModelLoadError(f"Cannot load model from {str(path)!r}: {e}") from e
 
@@ -95,7 +98,7 @@ def _unstack(params: dict, mesh, config) -> dict:
     return unstack_layers(params, _shardings(mesh, config, target))
 
 
-def _load_hf(path: Path, dtype, mesh=None, unrolled: bool = False) -> LoadedModel:
+def _load_hf(path: Path, dtype, mesh=None, layer_loop: str = "scan") -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     if not (path / "config.json").exists():
@@ -108,7 +111,8 @@ def _load_hf(path: Path, dtype, mesh=None, unrolled: bool = False) -> LoadedMode
         eos = tuple([ids] if isinstance(ids, int) else (ids or []))
     config = model_config_from_hf(hf_config, eos)
     abstract = abstract_params(config, dtype)
-    if unrolled:  # read straight into per-layer arrays: no stacked copy on the way
+    # Unrolled: read straight into per-layer arrays, no stacked copy on the way.
+    if resolve_layer_loop(layer_loop, config, dtype) == "unrolled":
         abstract = unstack_layers(abstract)
     tied = config.tie_word_embeddings
     if mesh is None:

@@ -7,28 +7,27 @@ q/k/v are one matmul (`qkv_proj`, kernel [hidden, num_kv_heads, group + 2, head_
 another (`gate_up_proj`, [hidden, 2, intermediate]); checkpoints/weights.py fuses them on load.
 
 The layer loop (`layer_loop`, or $JAXSERVE_LAYER_LOOP) is a switch. "scan" (`nn.scan`, params
-stacked [num_layers, ...] under "layers") compiles one layer body whatever the depth; the default
-everywhere. XLA:CPU copies each layer's weight slices out of the stacked params before every dot
-(a dynamic-slice fusion per weight), so a step streams the weights about three times. "unrolled"
-(a Python loop, params "layers_0" ... "layers_{n-1}", each its own array) feeds the dots the
-arrays themselves, but measured it wins only small decode steps and loses prefill and compile
-time, so it stays opt-in. Either way the KV pool rides in the carry, so each layer
-writes its pages in place. Measured on smollm2-135m (random weights, f32, 2-core CPU shared with
-other jobs at load ~11, so only the ratios mean anything), jitted forward + logits, best of 5,
-all variants in one process (old = scan with separate q/k/v and gate/up):
+stacked [num_layers, ...] under "layers") compiles one layer body whatever the depth. XLA:CPU
+copies each layer's weight slices out of the stacked params before every dot (a dynamic-slice
+fusion per weight), so a step streams the weights about three times. "unrolled" (a Python loop,
+params "layers_0" ... "layers_{n-1}", each its own array) feeds the dots the arrays themselves,
+at the price of num_layers copies of the layer to compile. Either way the KV pool rides in the
+carry, so each layer writes its pages in place. "auto" (`resolve_layer_loop`) unrolls on the
+CPU when the decoder weights exceed 64 MiB (past the caches, where the copies cost bandwidth)
+and scans everywhere else. Measured on smollm2-135m (random weights, f32) through the engine,
+both layouts in one process, in CPU-seconds (the 2-core machine was shared, load 4-12, so wall
+times meant little; XLA uses both cores either way):
 
-    T (tokens)          old        scan (fused)   unrolled (fused)
-    1 (decode)          250 ms     261 ms         207 ms      0.83x old
-    16 (decode rows)    1112 ms    1216 ms        1064 ms     0.96x old
-    64 (decode rows)    2431 ms    2404 ms        2472 ms     1.02x old
-    512 (one prefill)   4333 ms    3091 ms        7867 ms     1.82x old (scan 0.71x)
-    compile, T=1/16/64  34/31/29 s 18/45/18 s     148/173/50 s
-    compile, T=512      29 s       30 s           93 s
+                                  scan        unrolled
+    decode step, batch 1          105 ms      59 ms      0.56x
+    decode step, batch 16         389 ms      288 ms     0.74x
+    prefill, one 512-token step   2.62 s      2.44 s     0.93x
+    compile, 64-token bucket      31 s        108 s      3.5x
+    compile, 512-token bucket     14 s        31 s       2.2x
 
-A matmul-only model of the same 30 layers (same machine, quieter hour) ran T=1 in 34 ms scanned
-and 19 ms unrolled. The price is compile time: the unrolled step is ~13x the HLO and compiles
-3-5x slower, which precompile pays per bucket. A decode-only CPU deployment may still want
-JAXSERVE_LAYER_LOOP=unrolled; a per-bucket choice (unrolled for small T) would need both layouts.
+(An earlier measurement under heavier load had unrolled prefill 1.8x slower; in one process,
+interleaved, it is not.) Small models keep the scan: their weights stay in cache, so the copies
+cost little, and compile time is most of their start-up.
 """
 
 from __future__ import annotations
@@ -162,12 +161,39 @@ class DecoderLayer(nn.Module):
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 
 
-def resolve_layer_loop(layer_loop: str = "auto") -> str:
-    """The layer loop to build, "scan" or "unrolled". "auto" is $JAXSERVE_LAYER_LOOP when set,
-    else the scan on every platform: measured, unrolling pays on the CPU only for small decode
-    steps and costs prefill and compile time (the module docstring)."""
+# Decoder weights above which the CPU unrolls the layer loop: past the caches, the scan's copy of
+# each weight slice streams the weights from memory twice more per step (see the docstring).
+UNROLL_MIN_LAYER_BYTES = 64 * 2**20
+
+
+def layer_weight_bytes(config: ModelConfig, dtype) -> int:
+    """Bytes of the decoder layers' matmul weights (what a decode step streams), for
+    `resolve_layer_loop`."""
+    c = config
+    q_kv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    per_layer = c.hidden_size * (q_kv + 3 * c.intermediate_size) + c.num_heads * c.head_dim * (
+        c.hidden_size
+    )
+    return c.num_layers * per_layer * jnp.dtype(dtype).itemsize
+
+
+def resolve_layer_loop(
+    layer_loop: str = "auto", config: ModelConfig | None = None, dtype=jnp.float32
+) -> str:
+    """The layer loop to build, "scan" or "unrolled".
+
+    "auto" is $JAXSERVE_LAYER_LOOP when set; else "unrolled" on the CPU for a model whose decoder
+    weights exceed UNROLL_MIN_LAYER_BYTES (there the scan's weight-slice copies cost a decode
+    step up to half its time), and the scan everywhere else: on accelerators and for small
+    models, where compile time (one layer body instead of num_layers) matters more. Without a
+    `config` "auto" means the scan. Loaders and `LlamaForCausalLM` resolve it the same way, so
+    the params' layout and the module agree.
+    """
     if layer_loop == "auto":
         layer_loop = os.environ.get("JAXSERVE_LAYER_LOOP") or "scan"
+        big = config is not None and layer_weight_bytes(config, dtype) > UNROLL_MIN_LAYER_BYTES
+        if not os.environ.get("JAXSERVE_LAYER_LOOP") and big and jax.default_backend() == "cpu":
+            layer_loop = "unrolled"
     if layer_loop not in LAYER_LOOPS[1:]:
         raise ValueError(
             f"layer_loop={layer_loop!r} (or $JAXSERVE_LAYER_LOOP) is not one of {LAYER_LOOPS}."
@@ -182,7 +208,9 @@ class LlamaForCausalLM(nn.Module):
     attention_backend: str = "auto"
     dtype: jnp.dtype = jnp.float32
     plan: ShardingPlan | None = None  # the mesh the step is split over (None: one device)
-    layer_loop: str = "auto"  # "scan" | "unrolled" | "auto" (by platform: resolve_layer_loop)
+    layer_loop: str = (
+        "auto"  # "scan" | "unrolled" | "auto" (by platform and size: resolve_layer_loop)
+    )
 
     def setup(self):
         c = self.config
@@ -190,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
             c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype
         )
         layer_args = (c, self.attention_backend, self.dtype, self.plan)
-        if resolve_layer_loop(self.layer_loop) == "scan":
+        if resolve_layer_loop(self.layer_loop, c, self.dtype) == "scan":
             self.layers = nn.scan(
                 DecoderLayer,
                 variable_axes={"params": 0},

@@ -20,7 +20,8 @@ from jaxserve.engine_config import EngineConfig
 from service.client import JaxServeClient
 from service.server import JaxServeServer, ServerOptions
 
-# One token bucket (32) x two seq buckets (1, 8); a 256-token context keeps page tables small.
+# One token bucket (32), so one compiled step shape (32 tokens, 8 rows); a 256-token context keeps
+# page tables small.
 SMALL = dict(
     max_num_seqs=8,
     max_num_batched_tokens=32,
