@@ -28,7 +28,7 @@ from jaxserve.batch import SeqChunk
 from jaxserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_pages import kv_bytes_per_page, pages_that_fit
-from jaxserve.metrics import EngineMetrics
+from jaxserve.metrics import EngineMetrics, PhaseClock
 from jaxserve.model_runner import ModelRunner, RunnerConfig, bucket_ladder, enable_compilation_cache
 from jaxserve.multihost import agree_min
 from jaxserve.outputs import RequestMetrics, RequestOutput, TokenLogprob
@@ -60,8 +60,8 @@ class _Tracked:
 class _InFlight:
     plan: SchedulerOutput
     out: object  # SampleOutput of device arrays
-    dispatched_at: float
     padded_tokens: int
+    seen_done: bool = False  # the device timeline already counts it finished
 
 
 class Engine:
@@ -134,8 +134,7 @@ class Engine:
         self.metrics = EngineMetrics(config.ttft_slo_s, config.tpot_slo_s)
         self._tracked: dict[str, _Tracked] = {}
         self._inflight: _InFlight | None = None
-        self._last_result_at: float | None = None
-        self._idle_pending = 0.0
+        self._clock = PhaseClock()  # host time of each step by phase
         self._next_id = 0
         self._warm_compiles = 0
         if config.precompile:
@@ -212,6 +211,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one iteration; returns the outputs of requests that made progress or finished."""
+        self._clock.start()
         updates = []
         if self._inflight is None:
             updates += self._dispatch(self.scheduler.schedule())
@@ -220,26 +220,42 @@ class Engine:
             updates += self._dispatch(self.scheduler.schedule())
         outputs = self._outputs(updates)  # overlaps with the step just dispatched
         self._refresh_gauges()
+        self._probe_done()
+        self._clock.lap("outputs")
+        self.metrics.on_host_step(self._clock.phases)
         return outputs
+
+    def _probe_done(self) -> None:
+        """Tells the device timeline if the step in flight is done, without waiting for it
+        (the caller's time until the next `step()` is then device idle, not busy)."""
+        flight = self._inflight
+        if flight is not None and not flight.seen_done:
+            is_ready = getattr(flight.out.token_ids, "is_ready", None)  # numpy: always ready
+            if is_ready is None or is_ready():
+                flight.seen_done = True
+                self.metrics.device.finished(time.perf_counter())
 
     def _dispatch(self, plan: SchedulerOutput) -> list:
         """Packs the plan and starts it on the device, without waiting.
 
         An empty plan has nothing to run but may carry aborts: it is closed at once.
         """
+        now = self._clock.lap("schedule")  # the plan was made just before this call
         if not plan.seqs:
             self._inflight = None
             # Idle for want of work, not waiting on the host: not device idle time.
-            self._last_result_at = None
-            return self.scheduler.update(plan, StepResult(sampled_token_ids=[]))
+            self.metrics.device.no_work(now)
+            updates = self.scheduler.update(plan, StepResult(sampled_token_ids=[]))
+            self._clock.lap("collect")
+            return updates
         chunks = [SeqChunk(s.token_ids, s.start_pos, s.page_table) for s in plan.seqs]
         batch = self.runner.pack(chunks)
         sampling = self._sampling_batch(plan, len(batch.kv_lens))
-        now = time.perf_counter()
+        self._clock.lap("pack")
         out = self.runner.execute(batch, sampling)
-        # The device sat idle from the previous result until this dispatch (host preparation).
-        self._idle_pending = now - self._last_result_at if self._last_result_at else 0.0
-        self._inflight = _InFlight(plan, out, now, len(batch.token_ids))
+        # In flight only once the dispatch (and its copy to the device) has returned.
+        self.metrics.device.dispatched(self._clock.lap("dispatch"))
+        self._inflight = _InFlight(plan, out, len(batch.token_ids))
         return []
 
     def _sampling_batch(self, plan: SchedulerOutput, num_rows: int) -> SamplingBatch:
@@ -279,9 +295,11 @@ class Engine:
     def _collect(self):
         """Waits for the step in flight and applies its tokens to the scheduler."""
         flight = self._inflight
+        if not flight.seen_done:
+            # The same wait device_get would do, split off so the copy back counts as idle.
+            jax.block_until_ready(flight.out)
+            self.metrics.device.finished(self._clock.lap("wait"))
         host = jax.device_get(flight.out)  # the one device-to-host copy of the step
-        done = time.perf_counter()
-        self._last_result_at = done
         plan = flight.plan
         sampled = [int(host.token_ids[i]) if s.sample else None for i, s in enumerate(plan.seqs)]
         logprobs = [
@@ -298,10 +316,9 @@ class Engine:
             prompt_tokens=sum(len(s.token_ids) for s in plan.seqs if not s.sample)
             + sum(len(s.token_ids) - 1 for s in plan.seqs if s.sample),
             generated=sum(t is not None for t in sampled),
-            busy_s=done - flight.dispatched_at,
-            idle_s=self._idle_pending,
         )
         self._inflight = None
+        self._clock.lap("collect")
         return updates
 
     def _logprob_of(self, host, row: int, request_id: str) -> TokenLogprob | None:
