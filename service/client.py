@@ -20,7 +20,19 @@ from service.auth import metadata
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
 from service.gen.jaxserve.v1 import jaxserve_pb2_grpc as pb_grpc
 
-_SCALARS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "logprobs")
+_SCALARS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+)
 
 
 def make_request(
@@ -31,6 +43,7 @@ def make_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    logit_bias: dict[int, float] | None = None,
     **sampling,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; `sampling` takes SamplingOptions' scalar fields (None: unset)."""
@@ -41,6 +54,7 @@ def make_request(
         stop=list(stop),
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
+        logit_bias=logit_bias or {},
         **{k: v for k, v in sampling.items() if v is not None},
     )
     request = pb.GenerateRequest(sampling=options, priority=priority, request_id=request_id)

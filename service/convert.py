@@ -44,7 +44,18 @@ FINISH_REASONS = {
     "abort": pb.FINISH_REASON_ABORT,
     "error": pb.FINISH_REASON_ERROR,
 }
-_SAMPLING_OPTIONALS = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")
+_SAMPLING_OPTIONALS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +106,7 @@ def sampling_params(options: pb.SamplingOptions, num_prompt_tokens: int, engine)
             stop=tuple(options.stop),
             stop_token_ids=tuple(options.stop_token_ids),
             ignore_eos=options.ignore_eos,
+            logit_bias=dict(options.logit_bias),
         ),
         num_prompt_tokens=num_prompt_tokens,
         engine=engine,

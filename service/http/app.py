@@ -441,15 +441,6 @@ class OpenAIFrontEnd:
                 "written into the text.",
                 "skip_special_tokens",
             )
-        for name in (
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "logit_bias",
-            "min_tokens",
-        ):
-            if name not in _SUPPORTED_EXTRAS and getattr(body, name) not in (None, 0, 1.0, {}):
-                raise InvalidRequest(f"{name} is not supported yet by this server.", name)
         fields = {
             name: getattr(body, name)
             for name in ("temperature", "top_p", "top_k", "min_p", "seed", *_SUPPORTED_EXTRAS)
@@ -612,9 +603,15 @@ class OpenAIFrontEnd:
         return protocol.usage(prompt, sum(outputs))
 
 
-# The optional sampling fields the engine applies (jaxserve/sampling.py); the penalties are
-# refused with 400 until it does.
-_SUPPORTED_EXTRAS: tuple[str, ...] = ("logit_bias", "min_tokens")
+# The optional sampling fields passed to SamplingParams when set (jaxserve/sampling.py applies
+# them on the device).
+_SUPPORTED_EXTRAS: tuple[str, ...] = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+)
 
 
 class _Pumps:

@@ -15,6 +15,7 @@ import threading
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 
@@ -25,6 +26,7 @@ PROMPT = "Once upon a time"
 GREEDY = dict(max_tokens=24, temperature=0.0)
 SEEDED = dict(max_tokens=12, temperature=1.0, seed=7)
 LONG = dict(max_tokens=150, temperature=0.0, ignore_eos=True)
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3)
 # A ChatML-style template, set on the tokenizer by the chat test (stories260k has none).
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -47,6 +49,7 @@ def served(engine):
         },
         "ids": ([1, 403, 407], SamplingParams(max_tokens=6, temperature=0.0)),
         "bias": (PROMPT, SamplingParams(max_tokens=5, temperature=0.0, logit_bias={300: 100})),
+        "penalized": (PROMPT, SamplingParams(**LONG, **PENALTIES)),
     }
     engine.tokenizer.chat_template = CHAT_TEMPLATE  # rendered here; the chat test sets it too
     try:
@@ -157,16 +160,48 @@ def test_n_samples_each_equal_their_single_runs_with_seed_plus_i(served, client)
     assert got.usage.prompt_tokens == len(expected["greedy"].prompt_token_ids)  # counted once
 
 
-def test_logit_bias_forces_a_token_and_penalties_are_refused(served, client):
+def test_logit_bias_forces_a_token(served, client):
     _, expected = served
     assert expected["bias"].token_ids == [300] * 5
     got = client.completions.create(
         model="any", prompt=PROMPT, max_tokens=5, temperature=0, logit_bias={"300": 100}
     )
     assert got.choices[0].text == expected["bias"].text
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="any", prompt=PROMPT, presence_penalty=0.5)
-    assert err.value.body["param"] == "presence_penalty"
+
+
+def test_penalties_reach_the_engine_and_bad_ones_are_a_400(served, client):
+    _, expected = served
+    assert expected["penalized"].text != expected["long"].text  # they change this story
+    got = client.completions.create(
+        model="any",
+        prompt=PROMPT,
+        max_tokens=LONG["max_tokens"],
+        temperature=0,
+        presence_penalty=PENALTIES["presence_penalty"],
+        frequency_penalty=PENALTIES["frequency_penalty"],
+        extra_body=dict(ignore_eos=True, repetition_penalty=PENALTIES["repetition_penalty"]),
+    )
+    assert got.choices[0].text == expected["penalized"].text
+    for name, value in [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="any", prompt=PROMPT, extra_body={name: value})
+        assert err.value.body["param"] == name
+        assert str(value) in err.value.message
+
+
+def test_penalties_over_grpc_too(served):
+    server, expected = served
+    with server.client() as grpc_client:
+        got = grpc_client.generate_unary(PROMPT, **LONG, **PENALTIES)
+        assert list(got.token_ids) == expected["penalized"].token_ids
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_client.generate_unary(PROMPT, presence_penalty=2.5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "presence_penalty=2.5" in err.value.details()
 
 
 def test_chat_without_a_template_is_a_clear_400(client):
