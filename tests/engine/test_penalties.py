@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve import SamplingParams
+from jaxserve.engine import Engine
+from jaxserve.engine_config import EngineConfig
 from jaxserve.llm import LLM
 from tests.models.helpers import sequence_logits
 
@@ -125,3 +127,21 @@ def test_repetition_penalty_counts_the_prompt_too(stories_engine):
     [penalized] = llm.generate([prompt], SamplingParams(**greedy, repetition_penalty=1.8))
     assert penalized.token_ids != plain.token_ids
     _check_against_numpy(stories_engine, prompt, penalized, repetition=1.8)
+
+
+def test_a_preempted_request_resumes_with_its_counts(stories_engine):
+    """Pages for ~2.5 of 4 long requests: preempted ones refill their slot's counts from their
+    prompt and outputs so far, so the penalized tokens do not change."""
+    tiny = dict(max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=8, seq_bucket_factor=4)
+    short_of_pages = Engine(
+        EngineConfig(num_pages=10, page_size=16, show_progress=False, **tiny),
+        model=stories_engine.model,
+    )
+    prompts = ["Once upon a time", "Tom had a red ball", "The little dog", "A cat"]
+    params = SamplingParams(
+        max_tokens=60, temperature=0, ignore_eos=True, frequency_penalty=1.0, repetition_penalty=1.3
+    )
+    preempted = LLM(engine=short_of_pages).generate(prompts, params)
+    assert short_of_pages.metrics.stats.num_preemptions > 0
+    reference = LLM(engine=stories_engine).generate(prompts, params)
+    assert [a.token_ids for a in preempted] == [b.token_ids for b in reference]
