@@ -183,6 +183,7 @@ def run_ray(
     queue_lines: int | None = None,
     cpus_per_replica: float = 1.0,
     actor_options: dict | None = None,
+    min_ready: int = 1,
     min_wait_s: float = 0.05,
     max_wait_s: float = 1.0,
     on_progress: Callable[[RayBatchSummary], None] | None = None,
@@ -194,7 +195,8 @@ def run_ray(
     machine with `ray start`); None starts a local one for this job, unless this process is
     already connected. `actor_options` (Ray's: runtime_env, accelerator_type,
     scheduling_strategy, ...) replace the replicas' defaults. `queue_lines` bounds the lines one
-    replica holds (default 2 x max_num_seqs: every slot busy and as many waiting).
+    replica holds (default 2 x max_num_seqs: every slot busy and as many waiting). Lines go
+    out once `min_ready` replicas are ready (1: at once; all: even shares from the first line).
     `on_progress` is called with the summary so far each time results are written. Raises what
     run_batch raises, RayMissing without Ray, and RuntimeError once every replica has failed
     (the output holds what finished; rerun).
@@ -235,7 +237,8 @@ def run_ray(
             handles.append(h)
         summary.replicas = [h.stats for h in handles]
         waits = (min_wait_s, max_wait_s, queue // 2)
-        _Driver(ray, job, handles, queue, waits, options).run(on_progress)
+        driver = _Driver(ray, job, handles, queue, waits, options)
+        driver.run(min(min_ready, replicas), on_progress)
     finally:
         if job is not None:
             job.close()
@@ -261,12 +264,15 @@ class _Driver:
         self.started = job.start
         self.late_s = 120.0  # then say which replicas are still starting, again at 4x, 16x, ...
 
-    def run(self, on_progress) -> None:
+    def run(self, min_ready: int, on_progress) -> None:
         while True:
             live = [h for h in self.handles if h.stats.failed is None]
-            for h in live:
-                if h.ready and h.call is None:
-                    self.refill(h)
+            ready = [h for h in live if h.ready]
+            if len(ready) >= min(min_ready, len(live)):
+                min_ready = 0  # once started, a replica that fails or lags stops nothing
+                for h in ready:
+                    if h.call is None:
+                        self.refill(h)
             if not (self.retry or self.job.reading or any(h.held for h in live)):
                 return  # all written; a replica still waiting for resources is not needed
             calls = {h.call: h for h in live if h.call is not None}

@@ -75,7 +75,9 @@ def test_two_replicas_write_every_id_once_with_the_single_process_texts(
     inp = tmp_path / "in.jsonl"
     _write_input(inp, n)
     run_batch(tiny_engine, inp, tmp_path / "single.jsonl", progress=False)
-    summary = run_ray(inp, tmp_path / "ray.jsonl", config=CONFIG, replicas=2, progress=False)
+    summary = run_ray(
+        inp, tmp_path / "ray.jsonl", config=CONFIG, replicas=2, min_ready=2, progress=False
+    )
 
     records = _records(tmp_path / "ray.jsonl")
     assert collections.Counter(r["id"] for r in records) == {f"p{i}": 1 for i in range(n)}
@@ -85,8 +87,8 @@ def test_two_replicas_write_every_id_once_with_the_single_process_texts(
         r["output_tokens"] for r in records
     )
     shares = [s.completed for s in summary.replicas]
-    assert sum(shares) == n and min(shares) > n // 5, shares  # both engines did real work
     queue = 2 * CONFIG.max_num_seqs
+    assert sum(shares) == n and min(shares) >= queue, shares  # both filled from the start
     assert all(0 < s.most_held <= queue for s in summary.replicas)  # backpressure held
     assert len({s.pid for s in summary.replicas}) == 2
 
