@@ -66,6 +66,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple((t, v) for t, v in bias))
         self._check_numbers()
         self._check_stops()
+        penalized = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+        object.__setattr__(self, "_has_penalties", bool(penalized))
 
     def _check_numbers(self) -> None:
         max_tokens, temperature, top_k = self.max_tokens, self.temperature, self.top_k
@@ -139,5 +141,6 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether sampling needs the request's token counts on the device."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+        """Whether sampling needs the request's token counts on the device (read per row per
+        step, so worked out once in __post_init__)."""
+        return self._has_penalties
