@@ -19,6 +19,10 @@ counts lines first, for the progress bar's total and ETA.
 Bad lines (not JSON, no prompt, bad values, a duplicate id, a prompt the model cannot take) are
 reported on stderr with their line numbers and skipped, or, with `stop_on_error`, end the job:
 requests already running are finished and written first, so no work is thrown away.
+
+The job is two parts so that `jaxserve batch --ray` (batch_ray.py) runs the same one over many
+engines: `BatchRun` is the one writer's side (input, resume, output, progress) and `EngineFeed`
+one engine's (lines in, result records out).
 """
 
 from __future__ import annotations
