@@ -207,13 +207,17 @@ class AsyncEngine:
             logger.exception("could not release the multi-host followers")
 
     def _step(self) -> None:
-        for out in self.engine.step():
+        outputs = self.engine.step()
+        for out in outputs:
             if out.finished:  # released first: a caller that sees the end may reuse the id
                 self._live.discard(out.request_id)
                 self._release(out.request_id)
-            self._deliver(out.request_id, out)
         self._iteration += 1
+        # Published before delivery: a caller that sees its request end then reads a snapshot
+        # without it (its slot and pages already back), never the one before.
         self._publish()
+        for out in outputs:
+            self._deliver(out.request_id, out)
 
     def _close(self) -> None:
         """Ends every open stream, pending adds included, with EngineDeadError."""
