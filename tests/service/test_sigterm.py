@@ -105,3 +105,29 @@ def test_sigterm_during_8_streams_drains_them_and_exits_0(serve_process):
         assert all(rest[-1].finish_reason for rest in rests)
     assert proc.wait(60) == 0
     _next_log(lines, "stopped", timeout=5)
+
+
+def test_sigterm_during_warm_up_exits_0_without_an_abort():
+    """SIGTERM while warm-up is still compiling: the server stops at once and the process exits
+    0, rather than aborting in C++ at interpreter exit with the compile thread still in XLA."""
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port=0", "--metrics-port=0"]
+    cmd += SMALL_FLAGS
+    env = dict(os.environ, JAXSERVE_COMPILATION_CACHE="")  # no cache: warm-up really compiles
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_logs, args=(proc.stderr, lines), daemon=True).start()
+    try:
+        _next_log(lines, "listening", timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    seen = []
+    while not lines.empty():
+        seen.append(lines.get().get("msg", ""))
+    assert "serving" not in seen  # it was stopped during warm-up, not after
+    assert not any("terminate called" in m or "FATAL" in m for m in seen), seen
