@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -179,7 +177,7 @@ class HostSpec:
 
 
 def run_host(spec: HostSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Measures every point; returns the report `write_host` saves."""
+    """Measures every point; returns the report `jaxserve bench` saves."""
     from checkpoints import load_model
 
     model = load_model(spec.model, dtype="float32", seed=spec.seed)
@@ -304,11 +302,3 @@ def format_host(report: dict[str, Any]) -> str:
             f"{p['host_us']:.0f} | {p['device_idle_us']:.0f} | {p['device_idle_share']:.2f} |"
         )
     return "\n".join(lines)
-
-
-def write_host(report: dict[str, Any], out_dir: Path) -> Path:
-    """Saves the report as host.json in out_dir; returns its path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "host.json"
-    path.write_text(json.dumps(report, indent=2))
-    return path

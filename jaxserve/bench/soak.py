@@ -681,9 +681,3 @@ def format_report(r: dict) -> str:
     lines.append(f"server exit status after SIGTERM: {r['server_exit_code']}")
     lines += [f"FAIL: {f}" for f in r["failures"]] or ["soak: PASS"]
     return "\n".join(lines)
-
-
-def write_report(report: dict, out_dir: Path) -> Path:
-    path = out_dir / "soak.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    return path

@@ -20,11 +20,9 @@ across runs.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -59,7 +57,7 @@ class StepsSpec:
 
 
 def run_steps(spec: StepsSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Measures every point and both ceilings; returns the report `write_steps` saves."""
+    """Measures every point and both ceilings; returns the report `jaxserve bench` saves."""
     from checkpoints import load_model
 
     model = load_model(spec.model, dtype=spec.dtype, seed=spec.seed)
@@ -281,11 +279,3 @@ def format_steps(report: dict[str, Any]) -> str:
             f"{d['tok_per_s']:.1f} | {d['gflop_per_s']:.1f} | {d['gb_per_s']:.1f} |"
         )
     return "\n".join(lines)
-
-
-def write_steps(report: dict[str, Any], out_dir: Path) -> Path:
-    """Saves the report as steps.json in out_dir; returns its path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "steps.json"
-    path.write_text(json.dumps(report, indent=2))
-    return path

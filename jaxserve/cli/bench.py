@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from jaxserve.cli import (
     UserError,
@@ -22,7 +24,6 @@ def register(sub) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from jaxserve.bench import report
     from jaxserve.bench.metrics import SLO
@@ -88,9 +89,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_steps(args: argparse.Namespace) -> int:
     """`bench --profile steps`: prefill and decode step speed at llama-batched-bench's points."""
-    from pathlib import Path
 
-    from jaxserve.bench.steps import StepsSpec, format_steps, run_steps, write_steps
+    from jaxserve.bench.steps import StepsSpec, format_steps, run_steps
     from jaxserve.bench.suite import parse_list
 
     if args.online or _joins_cluster(args) or args.tensor_parallel != 1 or args.mesh:
@@ -113,15 +113,14 @@ def _cmd_steps(args: argparse.Namespace) -> int:
     )
     report = run_steps(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_steps(report))
-    print(f"Wrote {write_steps(report, Path(args.out))}.")
+    print(f"Wrote {_save(report, Path(args.out), 'steps.json')}.")
     return 0
 
 
 def _cmd_host(args: argparse.Namespace) -> int:
     """`bench --profile host`: the engine's host microseconds per step over a free device."""
-    from pathlib import Path
 
-    from jaxserve.bench.host import HostSpec, format_host, run_host, write_host
+    from jaxserve.bench.host import HostSpec, format_host, run_host
     from jaxserve.bench.suite import parse_list
 
     if args.online or _joins_cluster(args) or args.tensor_parallel != 1 or args.mesh:
@@ -146,16 +145,15 @@ def _cmd_host(args: argparse.Namespace) -> int:
     )
     report = run_host(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_host(report))
-    print(f"Wrote {write_host(report, Path(args.out))}.")
+    print(f"Wrote {_save(report, Path(args.out), 'host.json')}.")
     return 0
 
 
 def _cmd_soak(args: argparse.Namespace) -> int:
     """`bench --soak SECONDS`: one `jaxserve serve` configuration under long mixed traffic;
     exit status 1 if it leaked, compiled, or answered anything unexpected."""
-    from pathlib import Path
 
-    from jaxserve.bench.soak import SoakError, SoakSpec, format_report, run_soak, write_report
+    from jaxserve.bench.soak import SoakError, SoakSpec, format_report, run_soak
     from jaxserve.bench.suite import parse_list, parse_range
     from jaxserve.bench.workload import LengthMix
 
@@ -202,12 +200,11 @@ def _cmd_soak(args: argparse.Namespace) -> int:
     except SoakError as e:
         raise UserError(str(e)) from e
     print(format_report(report))
-    print(f"Wrote {write_report(report, spec.out_dir)} and server.log.")
+    print(f"Wrote {_save(report, spec.out_dir, 'soak.json')} and server.log.")
     return 0 if report["ok"] else 1
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     src, dst = Path(args.input), Path(args.output)
     if not src.is_file():
@@ -536,3 +533,11 @@ def _add_batch_parser(sub) -> None:
     )
     _add_parallel_args(b)
     b.set_defaults(func=_cmd_batch)
+
+
+def _save(report: dict, out_dir: Path, name: str) -> Path:
+    """Writes a profile's report as `name` (JSON) in `out_dir`; returns its path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
