@@ -190,10 +190,9 @@ def resolve_layer_loop(
     the params' layout and the module agree.
     """
     if layer_loop == "auto":
-        layer_loop = os.environ.get("JAXSERVE_LAYER_LOOP") or "scan"
         big = config is not None and layer_weight_bytes(config, dtype) > UNROLL_MIN_LAYER_BYTES
-        if not os.environ.get("JAXSERVE_LAYER_LOOP") and big and jax.default_backend() == "cpu":
-            layer_loop = "unrolled"
+        by_size = "unrolled" if big and jax.default_backend() == "cpu" else "scan"
+        layer_loop = os.environ.get("JAXSERVE_LAYER_LOOP") or by_size
     if layer_loop not in LAYER_LOOPS[1:]:
         raise ValueError(
             f"layer_loop={layer_loop!r} (or $JAXSERVE_LAYER_LOOP) is not one of {LAYER_LOOPS}."
