@@ -1,0 +1,311 @@
+"""A measured model of what one engine step costs, so latency can be planned and simulated.
+
+Every step runs one token bucket (model_runner.bucket_ladder), so within a bucket the matmul
+shapes are fixed and the time varies with the work the attention does. Per token bucket we fit,
+by least squares over measured steps,
+
+    seconds = fixed + per_token * tokens + per_pair * attended
+
+where `tokens` are the step's real tokens and `attended` the (query token, cached token) pairs
+its attention reads: a decode at context c attends c, a prefill chunk of n tokens after s cached
+ones n * s + n * (n + 1) / 2. Steps are timed as the engine loop sees them (host work included),
+which is what a request waits for. Buckets with too few samples share slopes fitted over all
+buckets and keep an intercept of their own; buckets never measured interpolate the intercepts of
+their neighbours.
+
+A model is saved as JSON keyed by model, dtype, device kind and token buckets (`CostKey`), so a
+file measured on one machine is never silently applied to another. Pure Python and numpy: the
+scheduler's SLO policy and the simulator use it without JAX.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+FEATURES = ("fixed", "tokens", "attended")
+MIN_SAMPLES_OWN_FIT = 12  # fewer samples in a bucket: shared slopes, own intercept
+_OUTLIER_FACTOR = 2.0  # a step this many times slower than predicted was disturbed: refit without
+
+
+class CostModelError(ValueError):
+    """A cost model file that cannot be read, or one measured for something else."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostKey:
+    """What a cost model was measured for: it applies to nothing else."""
+
+    model: str
+    dtype: str
+    device_kind: str
+    token_buckets: tuple[int, ...]
+
+    def mismatch(self, other: CostKey) -> str | None:
+        """A sentence naming the first field that differs (buckets: `other` needs ours), or None."""
+        for name in ("model", "dtype", "device_kind"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return f"the cost model was measured for {name}={mine!r}, not {theirs!r}."
+        missing = sorted(set(other.token_buckets) - set(self.token_buckets))
+        if missing:
+            return (
+                f"the cost model has no token buckets {missing} (it measured "
+                f"{list(self.token_buckets)})."
+            )
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSample:
+    """One measured step."""
+
+    tokens: int  # real tokens run
+    attended: int  # (query, key) pairs the attention read
+    seconds: float
+
+
+def attended_pairs(spans: Iterable[tuple[int, int]]) -> int:
+    """Pairs attended by chunks of (start_pos, num_tokens): causal, each token sees itself."""
+    return sum(n * s + n * (n + 1) // 2 for s, n in spans)
+
+
+def plan_features(plan) -> tuple[int, int]:
+    """(tokens, attended) of a SchedulerOutput."""
+    return plan.num_batched_tokens, attended_pairs(
+        (s.start_pos, len(s.token_ids)) for s in plan.seqs
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BucketFit:
+    """The fitted line of one token bucket."""
+
+    bucket: int
+    coef: tuple[float, float, float]  # seconds: fixed, per token, per attended pair
+    samples: int  # steps measured in this bucket (0: interpolated)
+    shared_slopes: bool  # too few samples for slopes of its own
+    rel_rms: float | None  # relative RMS error over its samples; None without samples
+
+    def predict(self, tokens: int, attended: int) -> float:
+        fixed, per_token, per_pair = self.coef
+        return fixed + per_token * tokens + per_pair * attended
+
+
+class CostModel:
+    """Predicts the seconds of a step from its tokens and attended pairs."""
+
+    def __init__(self, key: CostKey, fits: Sequence[BucketFit], *, fit_error: dict | None = None):
+        if not fits:
+            raise CostModelError("A cost model needs at least one fitted bucket.")
+        self.key = key
+        self.fits = {f.bucket: f for f in sorted(fits, key=lambda f: f.bucket)}
+        self._buckets = list(self.fits)
+        self.fit_error = fit_error or {}
+
+    def fit_for(self, tokens: int) -> BucketFit:
+        """The fit of the bucket a step of `tokens` pads to (the largest beyond the ladder)."""
+        i = bisect.bisect_left(self._buckets, tokens)
+        return self.fits[self._buckets[min(i, len(self._buckets) - 1)]]
+
+    def predict(self, tokens: int, attended: int) -> float:
+        """Seconds of one step; never below a microsecond (a line may dip near zero)."""
+        return max(1e-6, self.fit_for(tokens).predict(tokens, attended))
+
+    def predict_plan(self, plan) -> float:
+        """Seconds of a SchedulerOutput's step (0 for an empty plan: nothing runs)."""
+        if not plan.seqs:
+            return 0.0
+        return self.predict(*plan_features(plan))
+
+    def to_json(self) -> dict:
+        return {
+            "jaxserve_cost_model": 1,
+            "key": {**dataclasses.asdict(self.key), "token_buckets": list(self.key.token_buckets)},
+            "features": list(FEATURES),
+            "fit_error": self.fit_error,
+            "buckets": [
+                {**dataclasses.asdict(f), "coef": list(f.coef)} for f in self.fits.values()
+            ],
+        }
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def from_json(cls, obj: dict) -> CostModel:
+        try:
+            k = obj["key"]
+            key = CostKey(
+                model=str(k["model"]),
+                dtype=str(k["dtype"]),
+                device_kind=str(k["device_kind"]),
+                token_buckets=tuple(int(b) for b in k["token_buckets"]),
+            )
+            fits = [
+                BucketFit(
+                    bucket=int(b["bucket"]),
+                    coef=tuple(float(c) for c in b["coef"]),
+                    samples=int(b["samples"]),
+                    shared_slopes=bool(b["shared_slopes"]),
+                    rel_rms=None if b["rel_rms"] is None else float(b["rel_rms"]),
+                )
+                for b in obj["buckets"]
+            ]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CostModelError(f"Not a jaxserve cost model: missing or bad field {e}.") from None
+        return cls(key, fits, fit_error=obj.get("fit_error") or {})
+
+    @classmethod
+    def load(cls, path: str | Path, expect: CostKey | None = None) -> CostModel:
+        """Reads a saved model; with `expect`, refuses one measured for something else."""
+        path = Path(path)
+        try:
+            obj = json.loads(path.read_text())
+        except OSError as e:
+            raise CostModelError(f"Cannot read cost model {str(path)!r}: {e.strerror}.") from None
+        except json.JSONDecodeError as e:
+            raise CostModelError(f"Cost model {str(path)!r} is not JSON: {e}.") from None
+        if not isinstance(obj, dict):
+            raise CostModelError(f"Cost model {str(path)!r} is not a JSON object.")
+        model = cls.from_json(obj)
+        if expect is not None and (why := model.key.mismatch(expect)):
+            raise CostModelError(f"Cost model {str(path)!r} does not apply: {why}")
+        return model
+
+    def describe(self) -> str:
+        """One line per bucket: the fitted terms and the fit's error."""
+        lines = [
+            f"cost model of {self.key.model} ({self.key.dtype}, {self.key.device_kind}): "
+            f"relative RMS error {_pct(self.fit_error.get('rel_rms'))} over "
+            f"{self.fit_error.get('samples', 0)} steps",
+            "| bucket | steps | fixed ms | us/token | ns/attended pair | rel RMS |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for f in self.fits.values():
+            fixed, per_token, per_pair = f.coef
+            shared = " (shared slopes)" if f.shared_slopes and f.samples else ""
+            lines.append(
+                f"| {f.bucket} | {f.samples}{shared} | {fixed * 1e3:.2f} | {per_token * 1e6:.2f} | "
+                f"{per_pair * 1e9:.3f} | {_pct(f.rel_rms)} |"
+            )
+        return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def fit(samples: Sequence[StepSample], key: CostKey) -> CostModel:
+    """Fits one line per token bucket of `key` to measured steps (see the module docstring)."""
+    buckets = list(key.token_buckets)
+    if not samples:
+        raise CostModelError("Cannot fit a cost model without measured steps.")
+    kept = list(samples)
+    for _ in range(2):  # fit, drop the steps a noisy neighbour slowed down, fit again
+        model = _fit_once(kept, buckets, key)
+        pred = [model.predict(s.tokens, s.attended) for s in kept]
+        survivors = [s for s, p in zip(kept, pred, strict=True) if s.seconds <= _OUTLIER_FACTOR * p]
+        if len(survivors) == len(kept) or len(survivors) < len(kept) // 2:
+            break
+        kept = survivors
+    return _with_errors(model, samples, kept)
+
+
+def _fit_once(samples: Sequence[StepSample], buckets: list[int], key: CostKey) -> CostModel:
+    by_bucket: dict[int, list[StepSample]] = {b: [] for b in buckets}
+    for s in samples:
+        i = min(bisect.bisect_left(buckets, s.tokens), len(buckets) - 1)
+        by_bucket[buckets[i]].append(s)
+    measured = [b for b in buckets if by_bucket[b]]
+    # Shared slopes: one intercept per measured bucket, one slope per feature for all.
+    rows = np.zeros((len(samples), len(measured) + 2), np.float64)  # f64[n, buckets + 2]
+    times = np.zeros(len(samples), np.float64)  # f64[n]
+    r = 0
+    for j, b in enumerate(measured):
+        for s in by_bucket[b]:
+            rows[r, j], rows[r, -2], rows[r, -1], times[r] = 1.0, s.tokens, s.attended, s.seconds
+            r += 1
+    shared = _nonneg_lstsq(rows, times, fixed_columns=len(measured))
+    slopes = (float(shared[-2]), float(shared[-1]))
+    intercepts = {b: float(shared[j]) for j, b in enumerate(measured)}
+    fits = []
+    for b in buckets:
+        pts = by_bucket[b]
+        if len(pts) >= MIN_SAMPLES_OWN_FIT and _varies(pts):
+            x = np.asarray([[1.0, s.tokens, s.attended] for s in pts], np.float64)  # f64[n, 3]
+            y = np.asarray([s.seconds for s in pts], np.float64)  # f64[n]
+            coef = tuple(float(c) for c in _nonneg_lstsq(x, y, fixed_columns=1))
+            fits.append(BucketFit(bucket=b, coef=coef, samples=len(pts), shared_slopes=False,
+                                  rel_rms=None))  # fmt: skip
+        elif pts:
+            fits.append(BucketFit(bucket=b, coef=(intercepts[b], *slopes), samples=len(pts),
+                                  shared_slopes=True, rel_rms=None))  # fmt: skip
+    have = {f.bucket: f.coef[0] for f in fits}
+    for b in buckets:
+        if b not in have:  # never measured: between its neighbours' intercepts
+            fixed = float(np.interp(b, list(have), list(have.values())))
+            fits.append(BucketFit(bucket=b, coef=(fixed, *slopes), samples=0, shared_slopes=True,
+                                  rel_rms=None))  # fmt: skip
+    return CostModel(key, fits)
+
+
+def _varies(pts: Sequence[StepSample]) -> bool:
+    """Whether both features take more than one value: else their slopes are not identifiable."""
+    return len({s.tokens for s in pts}) > 1 and len({s.attended for s in pts}) > 1
+
+
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, fixed_columns: int) -> np.ndarray:
+    """Least squares where the slope columns (after the first `fixed_columns`) stay >= 0.
+
+    A step never gets cheaper with more work; a negative slope is noise that would make the SLO
+    policy pile on tokens. Columns whose slope comes out negative are dropped and the rest refit.
+    """
+    active = list(range(x.shape[1]))
+    while True:
+        coef = np.zeros(x.shape[1], np.float64)  # f64[columns]
+        # Relative scaling keeps the tiny per-pair column from being lost to rounding.
+        scale = np.maximum(np.abs(x[:, active]).max(axis=0), 1e-30)
+        sol, *_ = np.linalg.lstsq(x[:, active] / scale, y, rcond=None)
+        coef[active] = sol / scale
+        negative = [c for c in active if c >= fixed_columns and coef[c] < 0]
+        if not negative:
+            return coef
+        active = [c for c in active if c not in negative]
+
+
+def _with_errors(
+    model: CostModel, samples: Sequence[StepSample], kept: Sequence[StepSample]
+) -> CostModel:
+    """The model with each bucket's and the overall relative error filled in."""
+    per: dict[int, list[float]] = {}
+    for s in kept:
+        f = model.fit_for(s.tokens)
+        per.setdefault(f.bucket, []).append(
+            (model.predict(s.tokens, s.attended) - s.seconds) / s.seconds
+        )
+    fits = [
+        dataclasses.replace(f, rel_rms=_rms(per[f.bucket]) if f.bucket in per else None)
+        for f in model.fits.values()
+    ]
+    errs = [e for v in per.values() for e in v]
+    fit_error = {
+        "samples": len(samples),
+        "outliers_dropped": len(samples) - len(kept),
+        "rel_rms": _rms(errs),
+        "median_abs_rel": float(np.median(np.abs(errs))) if errs else None,
+    }
+    return CostModel(model.key, fits, fit_error=fit_error)
+
+
+def _rms(xs: Sequence[float]) -> float | None:
+    return math.sqrt(sum(x * x for x in xs) / len(xs)) if xs else None

@@ -1,0 +1,119 @@
+"""The step-cost model: fits known lines back, keeps its key, survives noisy steps (no JAX)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jaxserve.cost_model import (
+    CostKey,
+    CostModel,
+    CostModelError,
+    StepSample,
+    attended_pairs,
+    fit,
+    plan_features,
+)
+from tests.unit.helpers import add_all, make_requests, make_scheduler
+
+KEY = CostKey(model="m", dtype="float32", device_kind="cpu", token_buckets=(8, 16, 32, 64))
+# Ground truth per bucket: fixed seconds grow with the bucket; shared per-token and per-pair costs.
+TRUE = {
+    8: (1e-3, 2e-5, 3e-8),
+    16: (1.5e-3, 2e-5, 3e-8),
+    32: (2.5e-3, 2e-5, 3e-8),
+    64: (4e-3, 2e-5, 3e-8),
+}
+
+
+def _samples(buckets=(8, 16, 32, 64), per_bucket=40, noise=0.02, seed=0):
+    rng = random.Random(seed)
+    out = []
+    lower = {8: 1, 16: 9, 32: 17, 64: 33}
+    for b in buckets:
+        fixed, per_token, per_pair = TRUE[b]
+        for _ in range(per_bucket):
+            tokens = rng.randint(lower[b], b)
+            attended = rng.randint(tokens, tokens * 600)
+            t = fixed + per_token * tokens + per_pair * attended
+            out.append(StepSample(tokens, attended, t * (1 + rng.gauss(0, noise))))
+    return out
+
+
+def test_attended_pairs_of_decode_and_prefill():
+    # A decode at context 9 (8 cached + itself) attends 9; a 3-token chunk after 4 cached
+    # tokens attends 5 + 6 + 7 = 18.
+    assert attended_pairs([(8, 1)]) == 9
+    assert attended_pairs([(4, 3)]) == 18
+    assert attended_pairs([(8, 1), (4, 3)]) == 27
+
+
+def test_plan_features_read_a_real_plan():
+    sched = make_scheduler()
+    add_all(sched, make_requests(2, prompt_len=8))
+    plan = sched.schedule(now=0.0)
+    # Two whole 8-token prompts: 16 tokens, each attending 1 + 2 + ... + 8 = 36 pairs.
+    assert plan_features(plan) == (16, 72)
+
+
+def test_fit_recovers_known_lines():
+    model = fit(_samples(), KEY)
+    for b, (fixed, per_token, per_pair) in TRUE.items():
+        for tokens, attended in ((b, b * 100), (b // 2 + 1, b * 500)):
+            want = fixed + per_token * tokens + per_pair * attended
+            assert model.predict(tokens, attended) == pytest.approx(want, rel=0.05)
+    assert model.fit_error["rel_rms"] < 0.05
+
+
+def test_disturbed_steps_are_dropped_not_fitted():
+    samples = _samples(noise=0.0)
+    # Every tenth step ran 5x slower (a neighbour took the core): the fit must not follow them.
+    noisy = [
+        StepSample(s.tokens, s.attended, s.seconds * (5 if i % 10 == 0 else 1))
+        for i, s in enumerate(samples)
+    ]
+    model = fit(noisy, KEY)
+    assert model.fit_error["outliers_dropped"] >= len(samples) // 10
+    fixed, per_token, per_pair = TRUE[32]
+    want = fixed + per_token * 32 + per_pair * 3200
+    assert model.predict(32, 3200) == pytest.approx(want, rel=0.03)
+
+
+def test_unmeasured_bucket_interpolates_between_neighbours():
+    model = fit(_samples(buckets=(8, 64)), KEY)
+    assert model.fits[16].samples == 0 and model.fits[16].shared_slopes
+    low, high = model.predict(16, 0), model.predict(32, 0)
+    assert model.predict(8, 0) < low < high < model.predict(64, 0)
+
+
+def test_slopes_never_negative():
+    # Times that fall with more work (noise on a flat cost) must not give a negative slope.
+    samples = [StepSample(t, t * 10, 1e-3 - 1e-7 * t) for t in range(1, 9)] * 3
+    model = fit(samples, CostKey(model="m", dtype="f", device_kind="cpu", token_buckets=(8,)))
+    assert all(c >= 0 for c in model.fits[8].coef[1:])
+
+
+def test_save_load_round_trip_and_key_check(tmp_path):
+    model = fit(_samples(), KEY)
+    path = model.save(tmp_path / "cost.json")
+    loaded = CostModel.load(path, expect=KEY)
+    assert loaded.predict(20, 4000) == pytest.approx(model.predict(20, 4000), rel=1e-12)
+    # An engine with a subset of the buckets can use it; another device kind cannot.
+    CostModel.load(path, expect=CostKey(model="m", dtype="float32", device_kind="cpu",
+                                        token_buckets=(8, 16)))  # fmt: skip
+    with pytest.raises(CostModelError, match="device_kind='cpu', not 'tpu'"):
+        CostModel.load(path, expect=CostKey(model="m", dtype="float32", device_kind="tpu",
+                                            token_buckets=(8,)))  # fmt: skip
+    with pytest.raises(CostModelError, match=r"no token buckets \[128\]"):
+        CostModel.load(path, expect=CostKey(model="m", dtype="float32", device_kind="cpu",
+                                            token_buckets=(8, 128)))  # fmt: skip
+
+
+def test_load_rejects_other_files(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"key": {}}')
+    with pytest.raises(CostModelError, match="Not a jaxserve cost model"):
+        CostModel.load(bad)
+    with pytest.raises(CostModelError, match="Cannot read"):
+        CostModel.load(tmp_path / "missing.json")
