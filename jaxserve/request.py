@@ -14,6 +14,9 @@ from collections.abc import Sequence
 
 from jaxserve.sampling_params import SamplingParams
 
+# Stands for an output token a step in flight samples: never a vocabulary id.
+PENDING_TOKEN = -1
+
 
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request, ordered so that `status > PREEMPTED` means finished."""
@@ -64,7 +67,13 @@ class Request:
     priority: int = 0  # lower is more important (vLLM's convention); only the priority policy
     eos_token_ids: tuple[int, ...] = ()  # the model's; ignored when sampling_params.ignore_eos
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose keys and values are in the KV cache
+    # Tokens whose keys and values are in the KV cache, or will be once the steps already
+    # planned have run: the scheduler counts a step's work as done when it plans it.
+    num_computed_tokens: int = 0
+    # Output tokens that planned steps sample but whose values the host does not know yet
+    # (asynchronous scheduling: the device feeds them to the next step itself). They count in
+    # `num_tokens`, so the next step plans them; `token_ids` shows each as PENDING_TOKEN.
+    num_pending: int = 0
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None  # row of the decode batch, held while RUNNING
     stop_reason: int | str | None = None  # the token id or stop string that stopped it
@@ -111,6 +120,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt, outputs and pending outputs: the tokens the scheduler plans over."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and outputs whose values the host knows (what may be hashed or shown)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -131,7 +146,14 @@ class Request:
         return _REASON_OF.get(self.status)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + outputs, without building the whole list each step."""
+        """Tokens [start, end) of prompt + outputs, without building the whole list each step.
+
+        Positions past the known tokens are pending outputs: PENDING_TOKEN, which the runner
+        replaces on the device with the token the earlier step sampled.
+        """
+        known = len(self.prompt_token_ids) + len(self.output_token_ids)
+        if end > known:
+            return self.token_ids(start, known) + [PENDING_TOKEN] * (end - max(start, known))
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]

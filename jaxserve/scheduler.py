@@ -29,12 +29,25 @@ comparison, admit fixed groups that run until all members finish; they emit the 
 one runner serves all three modes.
 
 The scheduler is plain Python without jax, so it runs in microseconds and is tested without a
-model. It is driven from one thread in strict turns, `schedule()` then `update()`; only
-`abort_request` merely records an id, for the next `schedule()` to act on.
+model. It is driven from one thread: every `schedule()` is followed, in order, by one `update()`
+with that plan's sampled tokens; only `abort_request` merely records an id, for the next
+`schedule()` to act on.
+
+Asynchronous scheduling: a plan counts as done the moment it is made. `num_computed_tokens`
+moves to the end of each scheduled chunk, and every row that samples adds a *pending* output
+token to its request (`Request.num_pending`), whose value only its `update()` brings. So the next
+`schedule()` may run before the last plan's `update()`: a decoding request's next chunk is its
+pending token, which the runner takes from the previous step on the device (PENDING_TOKEN on the
+host). What the host cannot know yet costs at most one wasted row: a request that will reach
+max_tokens is not planned past it, but one that samples EOS (or whose stop string the engine finds
+late) has already run one more step, whose token `update()` then drops. Called strictly in turns
+(`schedule`, `update`, `schedule`, ...) nothing is pending at any `schedule()`, which then plans
+exactly as a synchronous scheduler would.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -134,7 +147,8 @@ class Scheduler:
         self._group_waiting = _WaitQueue()
         self._aborts: dict[str, None] = {}  # ids to abort at the next schedule(), in order
         self._reports: list[RequestUpdate] = []  # finishes the next update() must return
-        self._outstanding: SchedulerOutput | None = None  # planned, not yet updated
+        # Planned, not yet updated, oldest first: update() must come in this order.
+        self._outstanding: collections.deque[SchedulerOutput] = collections.deque()
         self._step = 0
         self.num_preemptions = 0  # total, for metrics
 
@@ -249,9 +263,10 @@ class Scheduler:
         return True
 
     def schedule(self, now: float | None = None) -> SchedulerOutput:
-        """Plans the next step: what every scheduled request runs, within all the limits."""
-        if self._outstanding is not None:
-            raise RuntimeError(f"Step {self._outstanding.step} was planned but never updated.")
+        """Plans the next step: what every scheduled request runs, within all the limits.
+
+        Earlier plans may still await their update() (asynchronous scheduling, module docstring).
+        """
         now = _now(now)
         aborted = self._apply_aborts(now)
         if self.config.batching != "continuous":
@@ -263,14 +278,20 @@ class Scheduler:
         if self.config.token_buckets is not None and self.config.enable_chunked_prefill:
             self._land_on_bucket(plan)
         self._step += 1
-        self._outstanding = SchedulerOutput(
+        out = SchedulerOutput(
             seqs=list(plan.seqs.values()),
             num_batched_tokens=self.config.max_num_batched_tokens - plan.budget,
             preempted_ids=plan.preempted,
             aborted_ids=aborted,
             step=self._step,
         )
-        return self._outstanding
+        for seq in out.seqs:  # counted as done now: the next plan starts where this one ends
+            req = seq.request
+            req.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            if seq.sample:
+                req.num_pending += 1
+        self._outstanding.append(out)
+        return out
 
     def _apply_aborts(self, now: float) -> list[str]:
         aborts, self._aborts = self._aborts, {}
@@ -303,9 +324,19 @@ class Scheduler:
         # Decodes first: one token each always fits (max_num_batched_tokens >= max_num_seqs),
         # so a long prompt being prefilled never stalls the streams of the others.
         decoding, prefilling = [], []
+        max_len = self.config.max_model_len
         for req in self._running:
             todo = req.num_tokens - req.num_computed_tokens
-            (decoding if todo == 1 else prefilling).append(req)
+            if todo == 1:
+                # A pending token that will end the request by length: nothing more to run.
+                if req.num_pending and (
+                    req.num_output_tokens + req.num_pending >= req.sampling_params.max_tokens
+                    or req.num_tokens >= max_len
+                ):
+                    continue
+                decoding.append(req)
+            elif todo:
+                prefilling.append(req)
         prefilling.sort(key=lambda r: self._keys[r.request_id])
         for req in decoding + prefilling:
             if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
@@ -353,7 +384,9 @@ class Scheduler:
         queue = self._group_waiting if self._group is not None else self._waiting
         while queue and plan.budget > 0:
             req = queue.peek()
-            if req.request_id in plan.preempted:  # made room in this step: not back at once
+            # Made room in this step, or preempted while a step in flight samples for it (it
+            # recomputes its outputs, so it waits until they are known): not back yet.
+            if req.request_id in plan.preempted or req.num_pending:
                 return
             hit = self._match_prefix(req)
             computed = len(hit) * self.config.page_size
@@ -449,6 +482,7 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
         return ScheduledSeq(
+            request=req,
             request_id=req.request_id,
             slot=req.slot,
             token_ids=req.token_ids(start, end),
@@ -463,13 +497,18 @@ class Scheduler:
     ) -> list[RequestUpdate]:
         """Applies a step's sampled tokens; returns what changed, finished requests included.
 
-        Must follow every schedule(), even of an empty plan (it also delivers aborts). A row
-        whose request finished since the plan (finish_request) is ignored.
+        Must follow every schedule(), even of an empty plan (it also delivers aborts), in the
+        order of the plans. A row whose request finished since the plan (EOS in an earlier step,
+        finish_request, an abort) is dropped. A request preempted since the plan still takes the
+        token it sampled: it was computed from the request's own keys and values.
         """
-        if plan is not self._outstanding:
-            raise RuntimeError(f"update() got plan {plan.step}, not the outstanding one.")
+        if not self._outstanding or plan is not self._outstanding[0]:
+            oldest = self._outstanding[0].step if self._outstanding else None
+            raise RuntimeError(
+                f"update() got plan {plan.step}; the oldest plan awaiting its update is {oldest}."
+            )
         self._check_result(plan, result)
-        self._outstanding = None
+        self._outstanding.popleft()
         now = _now(now)
         updates, self._reports = self._reports, []
         logprobs = result.logprobs or [None] * len(plan.seqs)
@@ -477,26 +516,32 @@ class Scheduler:
         for seq, token, row_logprobs in zip(
             plan.seqs, result.sampled_token_ids, logprobs, strict=True
         ):
-            req = self._requests.get(seq.request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            req = seq.request
+            if req.status > RequestStatus.PREEMPTED:  # finished: same as req.is_finished
                 continue
-            req.num_computed_tokens = seq.end_pos
             # Only a step that fills a page has anything to publish: most decodes skip this.
-            if self._hasher is not None and seq.end_pos // ps != seq.start_pos // ps:
+            # Before the token is taken: a token that ends the request frees its pages.
+            if (
+                self._hasher is not None
+                and seq.end_pos // ps != seq.start_pos // ps
+                and req.status == RequestStatus.RUNNING
+            ):
                 self._publish(req)
             if seq.sample:
+                req.num_pending -= 1
                 updates.append(self._append_token(req, token, row_logprobs, now))
         return updates
 
     def _publish(self, req: Request) -> None:
         """Offers `req`'s newly computed full pages to the prefix cache (cheap when none filled)."""
         ps = self.config.page_size
-        full = req.num_computed_tokens // ps
+        # Pending tokens have no value to hash yet; their pages are published by a later update.
+        full = min(req.num_computed_tokens, req.num_known_tokens) // ps
         hashes = req.page_hashes
         if full > len(hashes):
             start = len(hashes) * ps
             self._hasher.extend(hashes, req.token_ids(start, full * ps), req.cache_salt)
-        self.kv.publish(req.request_id, hashes, req.num_computed_tokens)
+        self.kv.publish(req.request_id, hashes, full * ps)
 
     def _check_result(self, plan: SchedulerOutput, result: StepResult) -> None:
         # Checked before anything changes, so a runner bug cannot leave half an update behind.
@@ -521,7 +566,7 @@ class Scheduler:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif (
             req.num_output_tokens >= req.sampling_params.max_tokens
-            or req.num_tokens >= self.config.max_model_len  # add_request makes this redundant
+            or req.num_known_tokens >= self.config.max_model_len  # redundant after add_request
         ):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:

@@ -114,6 +114,7 @@ class ScheduledSeq:
     Read-only by convention: not frozen, because a frozen init costs a microsecond per row.
     """
 
+    request: Request  # the request itself: its id may be reused once it finishes
     request_id: str
     slot: int  # batch row the request holds while running
     token_ids: list[int]  # tokens to run now: a prefill chunk, or the one last token when decoding
@@ -130,7 +131,7 @@ class ScheduledSeq:
 
 @dataclasses.dataclass(kw_only=True)
 class SchedulerOutput:
-    """The plan of one step: host ints and lists only."""
+    """The plan of one step: host ints and lists, and the requests they belong to."""
 
     seqs: list[ScheduledSeq]
     num_batched_tokens: int  # sum of len(seq.token_ids): picks the token bucket

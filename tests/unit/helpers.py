@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from jaxserve.request import Request
+from jaxserve.request import PENDING_TOKEN, Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import (
     RequestUpdate,
@@ -101,6 +101,9 @@ class FakeRunner:
     def __init__(self, page_size: int):
         self.page_size = page_size
         self.cache: dict[int, int] = {}  # KV slot -> token id written there
+        # Batch slot -> the token its row sampled last: what the real runner keeps on the device
+        # to feed a pending token (PENDING_TOKEN) into the next step.
+        self.last_sampled: dict[int, int] = {}
 
     def _slot(self, page_table: list[int], pos: int) -> int:
         return page_table[pos // self.page_size] * self.page_size + pos % self.page_size
@@ -110,10 +113,13 @@ class FakeRunner:
         for seq in plan.seqs:
             assert len(seq.page_table) * self.page_size >= seq.end_pos, seq
             for i, token in enumerate(seq.token_ids):
+                if token == PENDING_TOKEN:
+                    token = self.last_sampled[seq.slot]
                 self.cache[self._slot(seq.page_table, seq.start_pos + i)] = token
             if seq.sample:
                 history = [self.cache[self._slot(seq.page_table, p)] for p in range(seq.end_pos)]
                 sampled.append(fake_next_token(history))
+                self.last_sampled[seq.slot] = sampled[-1]
             else:
                 sampled.append(None)
         return StepResult(sampled_token_ids=sampled)

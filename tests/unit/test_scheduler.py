@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxserve.request import FinishReason, RequestStatus
+from jaxserve.request import PENDING_TOKEN, FinishReason, RequestStatus
 from jaxserve.scheduler import QueueFull, RequestRejected, SchedulerConfig, StepResult
 from tests.unit.helpers import (
     EOS,
@@ -350,20 +350,26 @@ def test_logprobs_and_numpy_like_ints_pass_through():
     assert update.logprobs == ["row"]
 
 
-def test_schedule_and_update_alternate_strictly_and_bad_results_change_nothing():
+def test_updates_follow_the_plans_in_order_and_bad_results_change_nothing():
     sched = make_scheduler()
-    sched.add_request(make_request("a"))
-    plan = sched.schedule()
-    with pytest.raises(RuntimeError, match="Step 1 was planned but never updated"):
-        sched.schedule()
+    sched.add_request(make_request("a", 4))
+    first = sched.schedule()
+    second = sched.schedule()  # planned ahead: the first step's token is still pending
+    req = sched.get_request("a")
+    assert [(s.start_pos, s.token_ids) for s in second.seqs] == [(4, [PENDING_TOKEN])]
+    assert req.num_pending == 2 and req.num_computed_tokens == 5
+    with pytest.raises(RuntimeError, match="got plan 2; the oldest plan awaiting its update is 1"):
+        sched.update(second, StepResult(sampled_token_ids=[3]))
     with pytest.raises(ValueError, match="do not match the plan's 1 sequences"):
-        sched.update(plan, StepResult(sampled_token_ids=[]))
+        sched.update(first, StepResult(sampled_token_ids=[]))
     with pytest.raises(ValueError, match="needed a sampled token, got None"):
-        sched.update(plan, StepResult(sampled_token_ids=[None]))
-    assert sched.get_request("a").num_computed_tokens == 0
-    sched.update(plan, StepResult(sampled_token_ids=[3]))
-    with pytest.raises(RuntimeError, match="not the outstanding one"):
-        sched.update(plan, StepResult(sampled_token_ids=[3]))
+        sched.update(first, StepResult(sampled_token_ids=[None]))
+    assert req.num_pending == 2 and req.output_token_ids == []
+    sched.update(first, StepResult(sampled_token_ids=[3]))
+    sched.update(second, StepResult(sampled_token_ids=[5]))
+    assert req.output_token_ids == [3, 5] and req.num_pending == 0
+    with pytest.raises(RuntimeError, match="oldest plan awaiting its update is None"):
+        sched.update(second, StepResult(sampled_token_ids=[3]))
 
 
 def test_empty_plans_are_fine_and_slots_are_reused_lowest_first():

@@ -4,15 +4,20 @@ Hypothesis draws a scheduler config (tight pools force preemption), a stream of 
 arrivals, priorities, stop tokens, stop strings and aborts, and runs it on the fake model. After
 every step the scheduler's invariants and the plan's limits must hold; at the end nothing is
 left allocated, and every request's output equals what the fake model gives it alone, however
-it was batched, chunked or preempted (an aborted one: a prefix of it).
+it was batched, chunked or preempted (an aborted one: a prefix of it). Each workload runs
+synchronously (every plan updated before the next) and asynchronously (the next plan made while
+the last one is in flight, as the engine does): the outputs must be the same.
 """
 
 from __future__ import annotations
 
+import collections
+
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.request import FinishReason, Request, RequestStatus
+from jaxserve.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import RequestRejected, Scheduler, SchedulerConfig, SchedulerOutput
 from tests.unit.helpers import EOS, FakeRunner, reference_output
@@ -95,7 +100,7 @@ def _fields(req: Request) -> dict:
     )
 
 
-def _check_plan(plan: SchedulerOutput, sched: Scheduler) -> None:
+def _check_plan(plan: SchedulerOutput, sched: Scheduler, ahead: bool) -> None:
     cfg = sched.config
     assert plan.num_batched_tokens == sum(len(s.token_ids) for s in plan.seqs)
     assert plan.num_batched_tokens <= cfg.max_num_batched_tokens
@@ -107,21 +112,41 @@ def _check_plan(plan: SchedulerOutput, sched: Scheduler) -> None:
         req = sched.get_request(seq.request_id)
         assert req.status == RequestStatus.RUNNING and req.slot == seq.slot
         assert seq.page_table == sched.kv.page_table(req.request_id)
-        assert seq.start_pos == req.num_computed_tokens and seq.token_ids
-        assert seq.token_ids == req.all_token_ids[seq.start_pos : seq.end_pos]
-        assert seq.sample == (seq.end_pos == req.num_tokens)
+        # A plan counts as computed once made.
+        assert seq.end_pos == req.num_computed_tokens and seq.token_ids
+        assert seq.sample == (seq.end_pos == req.num_tokens - seq.sample)  # the tokens before
+        if ahead:  # at most the one token the step in flight samples, last, is not known yet
+            known = req.num_known_tokens
+            assert req.num_pending == (known < seq.end_pos) + seq.sample
+            k = min(known, seq.end_pos) - seq.start_pos
+            assert seq.token_ids[:k] == req.all_token_ids[seq.start_pos : seq.start_pos + k]
+            assert seq.token_ids[k:] in ([], [PENDING_TOKEN])
+        else:  # nothing pending: planned exactly as before asynchronous scheduling
+            assert seq.token_ids == req.all_token_ids[seq.start_pos : seq.end_pos]
+            assert req.num_pending == seq.sample
         assert len(seq.page_table) <= cfg.max_pages_per_seq
         if not cfg.enable_chunked_prefill:
             assert seq.sample  # a whole prompt (or one decode token) each time
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_random_workloads_keep_invariants_and_outputs(data):
+def test_random_workloads_keep_invariants_and_outputs(ahead, data):
     config = data.draw(configs())
     specs = data.draw(workloads(config))
     sched, runner = Scheduler(config), FakeRunner(config.page_size)
     accepted: dict[str, tuple[dict, Request]] = {}
+    in_flight: collections.deque = collections.deque()  # (plan, result, now), oldest first
+
+    def update_oldest() -> None:
+        plan, result, at = in_flight.popleft()
+        for update in sched.update(plan, result, now=at):
+            spec, req = accepted[update.request.request_id]
+            if not update.finished and req.num_output_tokens == spec["stop_string_at"]:
+                assert sched.finish_request(req.request_id, FinishReason.STOP)
+        sched.check_invariants()
+
     for now in range(400):
         for spec in (s for s in specs if s["arrive"] == now):
             req = _request(spec)
@@ -135,14 +160,15 @@ def test_random_workloads_keep_invariants_and_outputs(data):
             if spec["abort_at"] == now:
                 sched.abort_request(spec["id"])
         plan = sched.schedule(now=float(now))
-        _check_plan(plan, sched)
-        for update in sched.update(plan, runner.execute(plan), now=float(now)):
-            spec, req = accepted[update.request.request_id]
-            if not update.finished and req.num_output_tokens == spec["stop_string_at"]:
-                assert sched.finish_request(req.request_id, FinishReason.STOP)
-        sched.check_invariants()
+        _check_plan(plan, sched, ahead)
+        in_flight.append((plan, runner.execute(plan), float(now)))
+        # Asynchronous: the newest plan stays in flight while the one before it is updated.
+        while len(in_flight) > (1 if ahead and not plan.is_empty else 0):
+            update_oldest()
         if now > 15 and not sched.has_unfinished():
             break
+    while in_flight:
+        update_oldest()
     assert not sched.has_unfinished(), "requests left unfinished after 400 steps"
     assert (sched.num_pages_used, sched.num_slots_used, sched.num_waiting) == (0, 0, 0)
     for spec, req in accepted.values():
