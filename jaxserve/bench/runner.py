@@ -21,14 +21,15 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
 from jaxserve.bench.workload import RequestSpec, Workload, random_prompt_ids
-from jaxserve.engine import Engine
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the records and metrics also serve `jaxserve simulate`, which has no JAX
+    from jaxserve.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +227,8 @@ def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 def memory_use(engine: Engine) -> dict[str, Any]:
     """Bytes of params and of the KV pool, and the device's peak when the backend reports one
     (accelerators do; the CPU backend does not, and then the two pools are the footprint)."""
+    import jax
+
     nbytes = lambda tree: int(sum(x.nbytes for x in jax.tree_util.tree_leaves(tree)))  # noqa: E731
     peak = None
     try:
