@@ -61,6 +61,11 @@ class EngineConfig:
     show_progress: bool = True
     ttft_slo_s: float | None = None  # goodput targets: a request meeting both counts as good
     tpot_slo_s: float | None = None
+    # SLO-aware scheduling (jaxserve/slo_policy.py): each step's prefill is sized so the step's
+    # predicted time keeps decodes within tpot_slo_s. Needs the step-cost model `cost_model`
+    # (a JSON file written by `jaxserve bench --profile steps`).
+    slo_scheduling: bool = False
+    cost_model: str | None = None
 
     def __post_init__(self):
         for name in (
@@ -104,6 +109,11 @@ class EngineConfig:
         if self.token_bucket_step is not None and self.token_bucket_step < 1:
             raise ValueError(
                 f"token_bucket_step={self.token_bucket_step} must be >= 1 (or None: geometric)."
+            )
+        if self.slo_scheduling and (self.tpot_slo_s is None or not self.cost_model):
+            raise ValueError(
+                f"slo_scheduling needs a TPOT target and a step-cost model: "
+                f"tpot_slo_s={self.tpot_slo_s!r}, cost_model={self.cost_model!r}."
             )
         if self.token_bucket_factor < 2 or self.seq_bucket_factor < 2:
             raise ValueError(

@@ -99,7 +99,7 @@ def _load(args: argparse.Namespace, spec: str | None = None, mesh=None):
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here, not at the top: these modules import the helpers above.
-    from jaxserve.cli import bench, generate, serve
+    from jaxserve.cli import bench, generate, serve, simulate, tune
 
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(sub)
     serve.register(sub)
     bench.register(sub)
+    simulate.register(sub)
+    tune.register(sub)
     return parser
 
 

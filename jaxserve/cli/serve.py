@@ -98,6 +98,25 @@ def register(sub) -> None:
         default=None,
         help="priority policy: a waiting request gains one level per this many seconds (10)",
     )
+    eng.add_argument(
+        "--no-chunked-prefill",
+        dest="enable_chunked_prefill",
+        action="store_false",
+        default=None,
+        help="run each prompt whole in one step (needs a budget of max-model-len tokens)",
+    )
+    slo = srv.add_argument_group("latency targets (goodput; SLO-aware scheduling)")
+    slo.add_argument("--ttft-slo", dest="ttft_slo_s", type=float, default=None, metavar="S")
+    slo.add_argument("--tpot-slo", dest="tpot_slo_s", type=float, default=None, metavar="S")
+    slo.add_argument(
+        "--slo-scheduling",
+        action="store_true",
+        default=None,
+        help="size each step's prefill so decodes keep --tpot-slo (needs --cost-model)",
+    )
+    slo.add_argument(
+        "--cost-model", default=None, metavar="FILE", help="from `jaxserve bench --profile steps`"
+    )
     _add_parallel_args(srv)
     srv.set_defaults(func=_cmd_serve)
 
@@ -144,6 +163,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "seq_bucket_factor",
             "compilation_cache_dir",
             "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "ttft_slo_s",
+            "tpot_slo_s",
+            "slo_scheduling",
+            "cost_model",
         )
         if getattr(args, name) is not None
     }

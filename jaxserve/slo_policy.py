@@ -1,0 +1,143 @@
+"""SLO-aware scheduling: size each step's prefill so running decodes keep their TPOT target.
+
+Continuous batching puts prefill chunks in the same steps as decodes, so every token a prompt
+gets in a step slows the output of every running request. Under load the default (fill the
+token budget) makes each decode step as slow as a full prefill step, and every request misses
+its TPOT target. `SloPolicy` is consulted by the scheduler once per step (`Scheduler.step_budget`)
+and returns the step's token budget:
+
+- no decodes running, or no TPOT target: the whole budget (no one's TPOT to protect);
+- otherwise the largest token bucket whose predicted step time (jaxserve/cost_model.py), with
+  one token per decode and the rest prefill, stays within `headroom * tpot_s`; at least the
+  decodes themselves, plus the padding of their bucket, which runs anyway;
+- when the next request to start (a partial prefill, else the head of the queue) would miss
+  its TTFT target at that rate but can still meet it at a larger budget, the smallest budget
+  that meets it: a short, bounded slowdown of the decodes buys a request's whole goodput. A
+  request that cannot meet its target at any budget gets no boost: it is served at the capped
+  rate rather than making everyone late.
+
+Nothing starves: the cap never stops decodes, decodes always finish (max_tokens), and when none
+run the budget is whole, so the queue drains in policy order. With no SLO, or with
+`EngineConfig.slo_scheduling` off, nothing is attached and the scheduler plans as before.
+Plain Python (no JAX), called with the scheduler's running list and waiting queue.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Sequence
+
+from jaxserve.cost_model import CostModel
+from jaxserve.request import Request
+
+
+class SloPolicy:
+    """The step budget for a TPOT target and a TTFT target (module docstring)."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        *,
+        tpot_s: float,
+        ttft_s: float | None,
+        token_buckets: Sequence[int],
+        max_num_batched_tokens: int,
+        headroom: float = 0.9,
+    ):
+        if not tpot_s > 0 or not math.isfinite(tpot_s):
+            raise ValueError(f"The TPOT target tpot_s={tpot_s!r} must be > 0 seconds.")
+        if ttft_s is not None and (not ttft_s > 0 or not math.isfinite(ttft_s)):
+            raise ValueError(f"The TTFT target ttft_s={ttft_s!r} must be > 0 seconds, or None.")
+        if not 0 < headroom <= 1:
+            raise ValueError(f"headroom={headroom} must be in (0, 1].")
+        self.cost = cost
+        self.tpot_s, self.ttft_s = tpot_s, ttft_s
+        self.target_s = headroom * tpot_s
+        self.max_budget = max_num_batched_tokens
+        self.buckets = sorted(b for b in token_buckets if b < max_num_batched_tokens)
+        self.buckets.append(max_num_batched_tokens)
+        self.num_capped = self.num_boosted = 0  # steps, for stats and tests
+
+    def __call__(self, running: Sequence[Request], waiting: Iterable[Request], now: float) -> int:
+        decodes = decode_pairs = 0
+        spans: list[tuple[int, int]] = []  # (cached, left) of partial prefills, in plan order
+        first = None  # the next request to get its first token
+        for req in running:
+            left = req.num_tokens - req.num_computed_tokens
+            if left == 1:
+                decodes += 1
+                decode_pairs += req.num_tokens
+            elif left > 1:
+                spans.append((req.num_computed_tokens, left))
+                if first is None and not req.output_token_ids:
+                    first = req
+        if decodes == 0:
+            return self.max_budget
+        if first is None:
+            first = next(iter(waiting), None)
+
+        def step_s(budget: int) -> float:
+            return self.cost.predict(budget, decode_pairs + _prefill_pairs(spans, budget - decodes))
+
+        # The decodes' own bucket: its padding runs anyway, so prefill may fill it.
+        floor = self.buckets[min(bisect.bisect_left(self.buckets, decodes), len(self.buckets) - 1)]
+        budget = floor
+        for b in self.buckets:
+            if b > floor and step_s(b) <= self.target_s:
+                budget = b
+        if budget < self.max_budget:
+            self.num_capped += 1
+            boosted = self._boost(budget, first, decodes, step_s, now)
+            if boosted > budget:
+                self.num_boosted += 1
+                return boosted
+        return budget
+
+    def _boost(self, budget: int, first: Request | None, decodes: int, step_s, now: float) -> int:
+        """The smallest budget >= `budget` that gets `first` its first token within its TTFT
+        target, or `budget` when none does or none is needed."""
+        if self.ttft_s is None or first is None or first.output_token_ids:
+            return budget  # a preempted request already had its first token
+        left = first.num_tokens - first.num_computed_tokens
+        deadline = first.arrival_time + self.ttft_s
+        for b in [budget, *(x for x in self.buckets if x > budget)]:
+            room = max(1, b - decodes)
+            if now + math.ceil(left / room) * step_s(b) <= deadline:
+                return b
+        return budget  # late at any budget: served without slowing everyone
+
+
+def _prefill_pairs(spans: Sequence[tuple[int, int]], tokens: int) -> int:
+    """Attended pairs of `tokens` prefill tokens handed to the partial prefills in order, the
+    rest to a fresh prompt (an upper bound: splitting a fresh chunk over prompts attends less)."""
+    pairs = 0
+    for cached, left in spans:
+        if tokens <= 0:
+            return pairs
+        n = min(left, tokens)
+        pairs += n * cached + n * (n + 1) // 2
+        tokens -= n
+    return pairs + max(tokens, 0) * (max(tokens, 0) + 1) // 2
+
+
+def attach(scheduler, config, cost: CostModel | None) -> SloPolicy | None:
+    """Gives `scheduler` an SloPolicy when `config` (an EngineConfig) asks for SLO-aware
+    scheduling; returns it, or None (and the scheduler plans exactly as without this module)."""
+    if not getattr(config, "slo_scheduling", False):
+        return None
+    if config.tpot_slo_s is None:
+        raise ValueError("slo_scheduling needs a TPOT target (tpot_slo_s / --tpot-slo).")
+    if cost is None:
+        raise ValueError("slo_scheduling needs a step-cost model (--cost-model FILE).")
+    if scheduler.config.batching != "continuous":
+        return None  # static and dynamic groups run whole: nothing to size
+    policy = SloPolicy(
+        cost,
+        tpot_s=config.tpot_slo_s,
+        ttft_s=config.ttft_slo_s,
+        token_buckets=scheduler.config.token_buckets or (scheduler.config.max_num_batched_tokens,),
+        max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
+    )
+    scheduler.step_budget = policy
+    return policy

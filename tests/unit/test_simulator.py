@@ -1,0 +1,104 @@
+"""The simulator: the real scheduler on a virtual clock, reported as the bench reports (no JAX)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve.bench.metrics import SLO, summarize
+from jaxserve.bench.workload import LengthMix, RequestSpec, Workload, mixed_workloads
+from jaxserve.cost_model import BucketFit, CostKey, CostModel
+from jaxserve.engine_config import EngineConfig
+from jaxserve.simulator import simulate, token_ladder
+
+BUCKETS = token_ladder(1, 64)
+
+
+def fake_cost(fixed=1e-3, per_token=1e-4, per_pair=0.0) -> CostModel:
+    """Every bucket the same line: a step of t tokens costs fixed + per_token * t seconds."""
+    key = CostKey(model="fake", dtype="float32", device_kind="cpu", token_buckets=BUCKETS)
+    fits = [
+        BucketFit(
+            bucket=b,
+            coef=(fixed, per_token, per_pair),
+            samples=0,
+            shared_slopes=True,
+            rel_rms=None,
+        )
+        for b in BUCKETS
+    ]
+    return CostModel(key, fits)
+
+
+CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+
+
+def _mixed(rate=50.0, n=40, seed=0) -> Workload:
+    mix = LengthMix(prompt_range=(8, 64), output_range=(4, 32))
+    return mixed_workloads([rate], num_requests=n, mix=mix, seed=seed)[0]
+
+
+def test_one_request_timed_step_by_step():
+    # An 8-token prompt (a whole bucket) and 3 outputs on an idle engine: one prefill step
+    # (1 + 0.8 ms, which samples the first token), then two 1-token decode steps (1.1 ms each).
+    w = Workload(
+        name="one",
+        load=1.0,
+        load_kind="rate",
+        requests=(RequestSpec(request_id="a", arrival_s=0.5, prompt_len=8, max_tokens=3),),
+    )
+    result = simulate(w, CONFIG, fake_cost())
+    (r,) = result.records
+    assert r.finish_reason == "length" and r.output_len == 3
+    assert r.arrival == pytest.approx(0.5)
+    assert r.ttft == pytest.approx(1.8e-3)
+    assert r.tpot == pytest.approx(1.1e-3)
+    assert result.engine["steps"] == 3
+
+
+def test_same_seed_same_result_and_other_seed_differs():
+    def run(seed):
+        result = simulate(_mixed(seed=seed), CONFIG, fake_cost(), seed=seed)
+        return [(r.request_id, r.first_token, r.finished) for r in result.records]
+
+    assert run(0) == run(0)
+    assert run(0) != run(1)
+
+
+def test_every_request_finishes_at_its_length_and_metrics_follow():
+    w = _mixed()
+    result = simulate(w, CONFIG, fake_cost())
+    lengths = {s.request_id: s.max_tokens for s in w.requests}
+    assert sorted(r.request_id for r in result.records) == sorted(lengths)
+    assert all(r.output_len == lengths[r.request_id] for r in result.records)
+    summary = summarize(result, SLO(ttft_s=10.0, tpot_s=1.0))
+    assert summary["num_finished"] == len(lengths)
+    assert summary["good_requests"] == len(lengths)  # nothing misses such loose targets
+    tight = summarize(result, SLO(ttft_s=1e-3, tpot_s=1e-3))
+    assert tight["good_requests"] < len(lengths)
+
+
+def test_slower_steps_slow_every_latency():
+    w = _mixed()
+    fast = summarize(simulate(w, CONFIG, fake_cost(fixed=1e-3)), SLO(1.0, 0.1))
+    slow = summarize(simulate(w, CONFIG, fake_cost(fixed=5e-3)), SLO(1.0, 0.1))
+    assert slow["ttft"]["p50"] > fast["ttft"]["p50"]
+    assert slow["tpot"]["p50"] > 3 * fast["tpot"]["p50"]
+
+
+def test_static_batching_waits_for_the_whole_group():
+    w = _mixed(rate=1000.0, n=16)
+    cont = summarize(simulate(w, CONFIG, fake_cost()), SLO(1.0, 0.1))
+    static = summarize(simulate(w, CONFIG.replace(batching="static"), fake_cost()), SLO(1.0, 0.1))
+    assert static["ttft"]["p99"] > cont["ttft"]["p99"]
+
+
+def test_simulator_path_imports_no_jax():
+    code = (
+        "import sys; import jaxserve.simulator, jaxserve.cli.simulate, jaxserve.tuner; "
+        "print('jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,66 @@
+"""The tuner: searches the grid in the simulator and ranks by goodput (no JAX)."""
+
+from __future__ import annotations
+
+from jaxserve.bench.metrics import SLO
+from jaxserve.bench.workload import LengthMix, mixed_workloads
+from jaxserve.engine_config import EngineConfig
+from jaxserve.tuner import Grid, serve_command, tune
+from tests.unit.test_simulator import fake_cost
+
+BASE = EngineConfig(max_model_len=128, cost_model="cost.json", ttft_slo_s=0.5, tpot_slo_s=0.02)
+
+
+def _workload():
+    mix = LengthMix(prompt_range=(8, 64), output_range=(4, 32))
+    return mixed_workloads([200.0], num_requests=40, mix=mix, seed=0)
+
+
+def test_grid_skips_invalid_combinations():
+    grid = Grid(max_num_batched_tokens=(16, 64, 128), max_num_seqs=(32,), policy=("fcfs",))
+    configs = grid.configs(BASE, max_model_len=128)
+    # 16 < 32 seqs is invalid; chunking off needs a budget of a whole 128-token context.
+    assert sorted(
+        (c.max_num_batched_tokens, c.enable_chunked_prefill, c.slo_scheduling) for c in configs
+    ) == sorted((b, ch, s) for b in (64, 128) for ch in (True, False) for s in (False, True)
+                if ch or b >= 128)  # fmt: skip
+
+
+def test_tune_ranks_by_simulated_goodput():
+    # Steps cost 1 ms + 0.3 ms per token: a larger budget makes every decode step slower, so
+    # under a 20 ms TPOT target the 64-token budget must beat the 512-token one.
+    cost = fake_cost(fixed=1e-3, per_token=3e-4)
+    grid = Grid(
+        max_num_batched_tokens=(64, 512),
+        max_num_seqs=(16,),
+        enable_chunked_prefill=(True,),
+        policy=("fcfs",),
+        slo_scheduling=(False,),
+    )
+    trials = tune(_workload(), BASE, cost, SLO(0.5, 0.02), grid, max_model_len=128)
+    assert [t.config.max_num_batched_tokens for t in trials] == [64, 512]
+    assert trials[0].goodput > trials[1].goodput
+    goodputs = [t.goodput for t in trials]
+    assert goodputs == sorted(goodputs, reverse=True)
+
+
+def test_serve_command_reproduces_the_knobs():
+    config = BASE.replace(
+        max_num_seqs=16, max_num_batched_tokens=128, enable_chunked_prefill=False,
+        slo_scheduling=True, policy="priority",
+    )  # fmt: skip
+    cmd = serve_command(config, "tiny")
+    for part in (
+        "--model tiny",
+        "--max-num-seqs 16",
+        "--max-num-batched-tokens 128",
+        "--policy priority",
+        "--no-chunked-prefill",
+        "--max-model-len 128",
+        "--ttft-slo 0.5",
+        "--tpot-slo 0.02",
+        "--slo-scheduling",
+        "--cost-model cost.json",
+    ):
+        assert part in cmd, (part, cmd)
+    assert "--slo-scheduling" not in serve_command(config.replace(slo_scheduling=False))
