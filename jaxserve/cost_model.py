@@ -30,8 +30,10 @@ from pathlib import Path
 import numpy as np
 
 FEATURES = ("fixed", "tokens", "attended")
-MIN_SAMPLES_OWN_FIT = 12  # fewer samples in a bucket: shared slopes, own intercept
-_OUTLIER_FACTOR = 2.0  # a step this many times slower than predicted was disturbed: refit without
+MIN_SAMPLES_OWN_FIT = 30  # fewer samples in a bucket: shared slopes, own intercept
+# A step this many times slower than predicted was not the step's doing (a compile, a swap):
+# refit without it. Milder slowdowns (a busy neighbour) stay in: serving meets them too.
+_OUTLIER_FACTOR = 4.0
 
 
 class CostModelError(ValueError):
@@ -211,7 +213,7 @@ def fit(samples: Sequence[StepSample], key: CostKey) -> CostModel:
     if not samples:
         raise CostModelError("Cannot fit a cost model without measured steps.")
     kept = list(samples)
-    for _ in range(2):  # fit, drop the steps a noisy neighbour slowed down, fit again
+    for _ in range(4):  # fit, drop the steps something else slowed down, fit again
         model = _fit_once(kept, buckets, key)
         pred = [model.predict(s.tokens, s.attended) for s in kept]
         survivors = [s for s, p in zip(kept, pred, strict=True) if s.seconds <= _OUTLIER_FACTOR * p]
@@ -235,7 +237,7 @@ def _fit_once(samples: Sequence[StepSample], buckets: list[int], key: CostKey) -
         for s in by_bucket[b]:
             rows[r, j], rows[r, -2], rows[r, -1], times[r] = 1.0, s.tokens, s.attended, s.seconds
             r += 1
-    shared = _nonneg_lstsq(rows, times, fixed_columns=len(measured))
+    shared = _nonneg_lstsq(rows, times)
     slopes = (float(shared[-2]), float(shared[-1]))
     intercepts = {b: float(shared[j]) for j, b in enumerate(measured)}
     fits = []
@@ -244,7 +246,7 @@ def _fit_once(samples: Sequence[StepSample], buckets: list[int], key: CostKey) -
         if len(pts) >= MIN_SAMPLES_OWN_FIT and _varies(pts):
             x = np.asarray([[1.0, s.tokens, s.attended] for s in pts], np.float64)  # f64[n, 3]
             y = np.asarray([s.seconds for s in pts], np.float64)  # f64[n]
-            coef = tuple(float(c) for c in _nonneg_lstsq(x, y, fixed_columns=1))
+            coef = tuple(float(c) for c in _nonneg_lstsq(x, y))
             fits.append(BucketFit(bucket=b, coef=coef, samples=len(pts), shared_slopes=False,
                                   rel_rms=None))  # fmt: skip
         elif pts:
@@ -264,11 +266,11 @@ def _varies(pts: Sequence[StepSample]) -> bool:
     return len({s.tokens for s in pts}) > 1 and len({s.attended for s in pts}) > 1
 
 
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, fixed_columns: int) -> np.ndarray:
-    """Least squares where the slope columns (after the first `fixed_columns`) stay >= 0.
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (an active set, one column out at a time).
 
-    A step never gets cheaper with more work; a negative slope is noise that would make the SLO
-    policy pile on tokens. Columns whose slope comes out negative are dropped and the rest refit.
+    A step never gets cheaper with more work, nor costs less than nothing; a negative term is
+    noise that would make the SLO policy pile on tokens or the simulator run steps for free.
     """
     active = list(range(x.shape[1]))
     while True:
@@ -277,10 +279,10 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray, *, fixed_columns: int) -> np.nda
         scale = np.maximum(np.abs(x[:, active]).max(axis=0), 1e-30)
         sol, *_ = np.linalg.lstsq(x[:, active] / scale, y, rcond=None)
         coef[active] = sol / scale
-        negative = [c for c in active if c >= fixed_columns and coef[c] < 0]
-        if not negative:
-            return coef
-        active = [c for c in active if c not in negative]
+        worst = min(active, key=lambda c: coef[c])
+        if coef[worst] >= 0 or len(active) == 1:
+            return np.maximum(coef, 0.0)
+        active.remove(worst)
 
 
 def _with_errors(

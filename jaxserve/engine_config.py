@@ -66,6 +66,9 @@ class EngineConfig:
     # (a JSON file written by `jaxserve bench --profile steps`).
     slo_scheduling: bool = False
     cost_model: str | None = None
+    # With slo_scheduling and a TTFT target: refuse (abort) a waiting request that would miss
+    # ttft_slo_s even if started now, rather than spend capacity on a request already lost.
+    shed_late: bool = False
 
     def __post_init__(self):
         for name in (
@@ -114,6 +117,11 @@ class EngineConfig:
             raise ValueError(
                 f"slo_scheduling needs a TPOT target and a step-cost model: "
                 f"tpot_slo_s={self.tpot_slo_s!r}, cost_model={self.cost_model!r}."
+            )
+        if self.shed_late and (not self.slo_scheduling or self.ttft_slo_s is None):
+            raise ValueError(
+                f"shed_late needs slo_scheduling and a TTFT target: slo_scheduling="
+                f"{self.slo_scheduling}, ttft_slo_s={self.ttft_slo_s!r}."
             )
         if self.token_bucket_factor < 2 or self.seq_bucket_factor < 2:
             raise ValueError(

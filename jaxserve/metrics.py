@@ -51,6 +51,9 @@ class EngineStats:
     )  # host seconds per phase of Engine.step(), summed over host_steps
     finished: dict[str, int] = dataclasses.field(default_factory=dict)
     good_requests: int = 0  # met both SLO targets (or every finished one when none are set)
+    # The step-cost model SLO-aware scheduling plans with (slo_policy.attach_to_engine): its
+    # file, key and fit error; None without one.
+    cost_model: dict | None = None
 
     @property
     def padding_efficiency(self) -> float:

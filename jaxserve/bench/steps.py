@@ -15,20 +15,27 @@ read once per step + KV read), and the machine's ceilings measured in the same r
 matmul of the model's shapes and an XLA gemv streaming a ~512 MB matrix. Numbers are
 measurements of one run on one machine: compare ratios taken in the same run, never absolutes
 across runs.
+
+Then the step-cost model (jaxserve/cost_model.py) for an engine of the spec's `cost_seqs` rows
+and step budget: decode-only batches of every token bucket at a few contexts, then a stream of
+random prompts whose chunks share steps with decodes, every step timed as the engine loop runs
+it; fitted per token bucket and written beside steps.json as cost_model.json.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import cost_model
 from jaxserve.engine import DEFAULT_MAX_MODEL_LEN, Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_pages import kv_bytes_per_page
@@ -54,6 +61,10 @@ class StepsSpec:
     max_num_batched_tokens: int = 512  # the engine's step budget (prefill chunk size)
     compile_cache: str | None = None
     command: str = ""
+    # The cost model's engine: its rows, and the contexts its decode batches are timed at.
+    cost_seqs: int = 64
+    cost_contexts: tuple[int, ...] = (32, 128, 512)
+    cost_model: bool = True  # False: the llama-batched-bench points alone
 
 
 def run_steps(spec: StepsSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -99,7 +110,8 @@ def run_steps(spec: StepsSpec, log: Callable[[str], None] = print) -> dict[str, 
         decode.append(shape.decode_point(b, step_s, ctx))
         log(f"decode batch {b}: {step_s * 1e3:.1f} ms/step")
     ceilings = measure_ceilings(mc, budget)
-    return {
+    del engine  # its KV pool, before the cost model's engine allocates one
+    report = {
         "command": spec.command,
         "model": model.source,
         "dtype": str(jnp.dtype(model.dtype)),
@@ -111,6 +123,103 @@ def run_steps(spec: StepsSpec, log: Callable[[str], None] = print) -> dict[str, 
         "decode": decode,
         "ceilings": ceilings,
     }
+    if spec.cost_model:
+        cm = measure_cost_model(model, spec, log)
+        log(cm.describe())
+        report["cost_model"] = cm.to_json()
+    return report
+
+
+# ---- the step-cost model ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def recording_steps(engine: Engine) -> Iterator[list[cost_model.StepSample]]:
+    """Yields a list that, when the block ends, holds one sample per step the engine ran in it.
+
+    The engine plans once per loop iteration, so the interval between two plans is what one
+    step held the loop (its device time, or the host's when longer), which is what a request
+    waits for. Which step: synchronous, a plan is made right after the previous step's tokens
+    came back, so the interval after plan k is step k's; asynchronous, plan k+1 is made before
+    step k is waited for, so step k's interval is the one after plan k+1. Intervals touching an
+    empty plan (the engine idled) are not counted.
+    """
+    scheduler = engine.scheduler
+    schedule = scheduler.schedule
+    lag = 1 if getattr(engine.config, "async_scheduling", False) else 0
+    calls: list[tuple[float, tuple[int, int] | None]] = []  # (perf_counter, features) per plan
+
+    def timed(now=None):
+        plan = schedule(now)
+        feats = cost_model.plan_features(plan) if plan.seqs else None
+        calls.append((time.perf_counter(), feats))
+        return plan
+
+    samples: list[cost_model.StepSample] = []
+    scheduler.schedule = timed
+    try:
+        yield samples
+    finally:
+        del scheduler.schedule  # the class's method again
+    for k in range(len(calls) - lag - 1):
+        window = calls[k : k + lag + 2]
+        if all(feats is not None for _, feats in window):
+            start, end = window[-2][0], window[-1][0]
+            samples.append(cost_model.StepSample(*calls[k][1], seconds=end - start))
+
+
+def measure_cost_model(model, spec: StepsSpec, log: Callable[[str], None] = print):
+    """Times steps of every token bucket at a few contexts on an engine of `spec.cost_seqs` rows
+    and the spec's budget; returns the fitted `cost_model.CostModel`."""
+    mc = model.config
+    context = min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    decode_tokens = 8
+    contexts = sorted({min(c, context - decode_tokens) for c in spec.cost_contexts})
+    seqs = spec.cost_seqs
+    budget = max(spec.max_num_batched_tokens, seqs)
+    engine = Engine(
+        EngineConfig(
+            max_num_seqs=seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max(contexts) + 4 * decode_tokens,
+            compilation_cache_dir=spec.compile_cache,
+            show_progress=False,
+        ),
+        model=model,
+    )
+    rng = np.random.default_rng(spec.seed)
+    start = time.perf_counter()
+    with recording_steps(engine) as samples:
+        # Decode-only steps: every batch of the ladder, at each context.
+        for ctx in contexts:
+            b = 1
+            while b <= seqs:
+                for _ in range(b):
+                    _request(engine, ctx, decode_tokens, rng)
+                _drain(engine)
+                b *= 2
+        # Mixed steps: prompts of random lengths arriving while others decode, so prefill
+        # chunks of every size share steps with decode batches of every size.
+        longest = max(contexts)
+        for _ in range(3 * seqs):
+            _request(engine, int(rng.integers(8, longest + 1)), int(rng.integers(2, 33)), rng)
+            for _ in range(int(rng.integers(0, 3))):
+                engine.step()
+        _drain(engine)
+    runner = engine.runner.config
+    key = cost_model.CostKey(
+        model=model.source,
+        dtype=str(jnp.dtype(model.dtype)),
+        device_kind=jax.devices()[0].device_kind,
+        token_buckets=tuple(runner.token_buckets),
+    )
+    log(f"cost model: {len(samples)} steps timed in {time.perf_counter() - start:.1f}s")
+    return cost_model.fit(samples, key)
+
+
+def _drain(engine: Engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
 
 
 def _request(engine: Engine, prompt_len: int, max_tokens: int, rng) -> str:

@@ -110,10 +110,13 @@ def _cmd_steps(args: argparse.Namespace) -> int:
         max_num_batched_tokens=budgets[0],
         compile_cache=args.compile_cache,
         command=" ".join(["jaxserve", *sys.argv[1:]]),
+        cost_seqs=max(parse_list(args.max_num_seqs, int)),  # the cost model's engine rows
     )
     report = run_steps(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_steps(report))
     print(f"Wrote {_save(report, Path(args.out), 'steps.json')}.")
+    if "cost_model" in report:  # also alone, for `jaxserve simulate --cost-model`
+        print(f"Wrote {_save(report['cost_model'], Path(args.out), 'cost_model.json')}.")
     return 0
 
 
@@ -436,6 +439,21 @@ def _add_bench_parser(sub) -> None:
     o = b.add_argument_group("targets and output")
     o.add_argument("--ttft-slo", type=float, default=1.0, help="goodput TTFT target, seconds")
     o.add_argument("--tpot-slo", type=float, default=0.1, help="goodput TPOT target, seconds")
+    o.add_argument(
+        "--slo-scheduling",
+        default="off",
+        help="on, off or on,off: size prefill to keep decodes within --tpot-slo "
+        "(needs --cost-model)",
+    )
+    o.add_argument(
+        "--cost-model", default=None, metavar="FILE", help="from `jaxserve bench --profile steps`"
+    )
+    o.add_argument(
+        "--shed-late",
+        default="off",
+        help="on, off or on,off (with --slo-scheduling on): refuse waiting requests that can no "
+        "longer meet --ttft-slo",
+    )
     o.add_argument("--out", default="bench-out", help="folder for bench.json and the PNGs")
     o.add_argument(
         "--online",

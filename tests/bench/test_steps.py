@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from jaxserve.bench.steps import BATCHES, PROMPT_LENS
+from jaxserve.cost_model import CostModel
 
 
 @pytest.mark.slow  # ~2 CPU-minutes: it compiles every bucket the points use
@@ -20,7 +21,8 @@ def test_steps_profile_prints_and_writes_every_point(tmp_path):
         [
             sys.executable, "-m", "jaxserve.cli", "bench", "--profile", "steps",
             "--model", "llama-tiny", "--dtype", "float32", "--prompt-len", "4",
-            "--output-len", "3", "--max-num-batched-tokens", "512", "--out", str(out),
+            "--output-len", "3", "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
+            "--out", str(out),
         ],
         capture_output=True,
         text=True,
@@ -48,3 +50,11 @@ def test_steps_profile_prints_and_writes_every_point(tmp_path):
     for b in BATCHES:
         assert f"| {b} |" in proc.stdout
     assert "GFLOP/s" in proc.stdout and "GB/s" in proc.stdout
+    # The step-cost model of an engine of 8 rows and this budget, beside steps.json.
+    cost = CostModel.load(out / "cost_model.json")
+    assert cost.key.token_buckets[-1] == budget and cost.key.device_kind
+    assert all(cost.fits[b].samples > 0 for b in (1, 2, 4, 8, 512))  # decodes, full prefills
+    assert cost.fit_error["samples"] > 100 and cost.fit_error["rel_rms"] is not None
+    # A full prefill step over long contexts costs more than a one-token decode.
+    assert cost.predict(512, 512 * 300) > cost.predict(1, 32)
+    assert "rel RMS" in proc.stderr

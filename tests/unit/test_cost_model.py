@@ -68,9 +68,9 @@ def test_fit_recovers_known_lines():
 
 def test_disturbed_steps_are_dropped_not_fitted():
     samples = _samples(noise=0.0)
-    # Every tenth step ran 5x slower (a neighbour took the core): the fit must not follow them.
+    # Every tenth step ran 10x slower (a compile, a swap): the fit must not follow them.
     noisy = [
-        StepSample(s.tokens, s.attended, s.seconds * (5 if i % 10 == 0 else 1))
+        StepSample(s.tokens, s.attended, s.seconds * (10 if i % 10 == 0 else 1))
         for i, s in enumerate(samples)
     ]
     model = fit(noisy, KEY)
