@@ -14,7 +14,10 @@ and returns the step's token budget:
   its TTFT target at that rate but can still meet it at a larger budget, the smallest budget
   that meets it: a short, bounded slowdown of the decodes buys a request's whole goodput. A
   request that cannot meet its target at any budget gets no boost: it is served at the capped
-  rate rather than making everyone late.
+  rate rather than making everyone late;
+- with `EngineConfig.shed_late`, a waiting request that would miss its TTFT target even if its
+  prefill started now with the whole budget is refused (aborted: finish reason "abort") before
+  it takes any of the capacity the requests that can still be good need.
 
 Nothing starves: the cap never stops decodes, decodes always finish (max_tokens), and when none
 run the budget is whole, so the queue drains in policy order. With no SLO, or with
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from jaxserve.cost_model import CostModel
 from jaxserve.request import Request
@@ -44,6 +47,7 @@ class SloPolicy:
         token_buckets: Sequence[int],
         max_num_batched_tokens: int,
         headroom: float = 0.9,
+        shed: Callable[[str], object] | None = None,
     ):
         if not tpot_s > 0 or not math.isfinite(tpot_s):
             raise ValueError(f"The TPOT target tpot_s={tpot_s!r} must be > 0 seconds.")
@@ -57,7 +61,11 @@ class SloPolicy:
         self.max_budget = max_num_batched_tokens
         self.buckets = sorted(b for b in token_buckets if b < max_num_batched_tokens)
         self.buckets.append(max_num_batched_tokens)
+        # Refuses a request by id (Scheduler.abort_request): given, waiting requests that can
+        # no longer meet the TTFT target are refused instead of served late (--shed-late).
+        self.shed = shed
         self.num_capped = self.num_boosted = 0  # steps, for stats and tests
+        self.num_shed = 0  # requests
 
     def __call__(self, running: Sequence[Request], waiting: Iterable[Request], now: float) -> int:
         decodes = decode_pairs = 0
@@ -72,14 +80,16 @@ class SloPolicy:
                 spans.append((req.num_computed_tokens, left))
                 if first is None and not req.output_token_ids:
                     first = req
-        if decodes == 0:
-            return self.max_budget
-        if first is None:
-            first = next(iter(waiting), None)
 
         def step_s(budget: int) -> float:
             return self.cost.predict(budget, decode_pairs + _prefill_pairs(spans, budget - decodes))
 
+        if self.shed is not None and self.ttft_s is not None:
+            waiting = self._shed_late(waiting, decodes, step_s, now)
+        if decodes == 0:
+            return self.max_budget
+        if first is None:
+            first = min(waiting, key=lambda r: r.arrival_time, default=None)
         # The decodes' own bucket: its padding runs anyway, so prefill may fill it.
         floor = self.buckets[min(bisect.bisect_left(self.buckets, decodes), len(self.buckets) - 1)]
         budget = floor
@@ -93,6 +103,22 @@ class SloPolicy:
                 self.num_boosted += 1
                 return boosted
         return budget
+
+    def _shed_late(self, waiting, decodes: int, step_s, now: float) -> list[Request]:
+        """Refuses the waiting requests that would miss the TTFT target even if their prefill
+        started now with the whole budget; returns the others. A preempted request (it had its
+        first token) is never refused."""
+        fastest = step_s(self.max_budget)
+        room = max(1, self.max_budget - decodes)
+        kept = []
+        for req in waiting:
+            steps = math.ceil(req.num_tokens / room)
+            if not req.output_token_ids and now + steps * fastest > req.arrival_time + self.ttft_s:
+                self.shed(req.request_id)
+                self.num_shed += 1
+            else:
+                kept.append(req)
+        return kept
 
     def _boost(self, budget: int, first: Request | None, decodes: int, step_s, now: float) -> int:
         """The smallest budget >= `budget` that gets `first` its first token within its TTFT
@@ -138,6 +164,34 @@ def attach(scheduler, config, cost: CostModel | None) -> SloPolicy | None:
         ttft_s=config.ttft_slo_s,
         token_buckets=scheduler.config.token_buckets or (scheduler.config.max_num_batched_tokens,),
         max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
+        shed=scheduler.abort_request if config.shed_late else None,
     )
     scheduler.step_budget = policy
     return policy
+
+
+def attach_to_engine(engine) -> SloPolicy | None:
+    """`attach` for an Engine: loads `config.cost_model`, refusing one measured for another
+    model, dtype, device kind or bucket ladder, and shows its key and fit error in the engine's
+    stats. Returns the policy, or None when the config asks for none (nothing is loaded)."""
+    config = engine.config
+    if not config.cost_model:
+        return None
+    import jax  # the engine's device kind; only the engine path gets here
+    import numpy as np
+
+    from jaxserve.cost_model import CostKey
+
+    expect = CostKey(
+        model=engine.model.source,
+        dtype=str(np.dtype(engine.model.dtype)),
+        device_kind=jax.devices()[0].device_kind,
+        token_buckets=tuple(engine.runner.config.token_buckets),
+    )
+    cost = CostModel.load(config.cost_model, expect=expect)
+    engine.metrics.stats.cost_model = {
+        "path": str(config.cost_model),
+        **cost.to_json()["key"],
+        "fit_error": cost.fit_error,
+    }
+    return attach(engine.scheduler, config, cost)

@@ -30,19 +30,21 @@ class Grid:
     enable_chunked_prefill: tuple[bool, ...] = (True, False)
     policy: tuple[str, ...] = ("fcfs", "priority")
     slo_scheduling: tuple[bool, ...] = (False, True)
+    shed_late: tuple[bool, ...] = (False,)  # tried only with slo_scheduling
 
     def configs(self, base: EngineConfig, max_model_len: int) -> list[EngineConfig]:
         """Every valid combination applied to `base` (e.g. no chunking with a budget shorter
         than a prompt, or fewer tokens than sequences, is skipped)."""
         out = []
-        for budget, seqs, chunked, policy, slo in itertools.product(
+        for budget, seqs, chunked, policy, slo, shed in itertools.product(
             self.max_num_batched_tokens,
             self.max_num_seqs,
             self.enable_chunked_prefill,
             self.policy,
             self.slo_scheduling,
+            self.shed_late,
         ):
-            if budget < seqs or (not chunked and budget < max_model_len):
+            if budget < seqs or (not chunked and budget < max_model_len) or (shed and not slo):
                 continue
             out.append(
                 base.replace(
@@ -51,6 +53,7 @@ class Grid:
                     enable_chunked_prefill=chunked,
                     policy=policy,
                     slo_scheduling=slo,
+                    shed_late=shed,
                 )
             )
         return out
@@ -106,7 +109,7 @@ def label(config: EngineConfig) -> str:
     return (
         f"tokens={config.max_num_batched_tokens} seqs={config.max_num_seqs} "
         f"chunked={'on' if config.enable_chunked_prefill else 'off'} {config.policy}"
-        f"{' slo' if config.slo_scheduling else ''}"
+        f"{' slo' if config.slo_scheduling else ''}{' shed' if config.shed_late else ''}"
     )
 
 
@@ -130,4 +133,6 @@ def serve_command(config: EngineConfig, model: str | None = None) -> str:
         parts.append(f"--tpot-slo {config.tpot_slo_s:g}")
     if config.slo_scheduling:
         parts += ["--slo-scheduling", f"--cost-model {config.cost_model}"]
+    if config.shed_late:
+        parts.append("--shed-late")
     return " ".join(parts)

@@ -45,6 +45,8 @@ AXES = {
     "chunked_prefill": "enable_chunked_prefill",
     "policy": "policy",
     "prefix_caching": "enable_prefix_caching",
+    "slo_scheduling": "slo_scheduling",
+    "shed_late": "shed_late",
 }
 
 
@@ -126,6 +128,10 @@ def build_configs(
                 str,
             )
         ],
+        "slo_scheduling": [
+            _on_off(v, "--slo-scheduling") for v in parse_list(args.slo_scheduling, str)
+        ],
+        "shed_late": [_on_off(v, "--shed-late") for v in parse_list(args.shed_late, str)],
     }
     varying = [k for k, v in values.items() if len(v) > 1]
     base = EngineConfig(
@@ -138,6 +144,7 @@ def build_configs(
         show_progress=False,
         ttft_slo_s=args.ttft_slo,
         tpot_slo_s=args.tpot_slo,
+        cost_model=args.cost_model,
         seed=args.seed,
         **(parallel or {}),
         # Bucket ladders: the engine's defaults unless given (they are held fixed, not compared).
@@ -155,6 +162,8 @@ def build_configs(
     configs = []
     for combo in itertools.product(*values.values()):
         chosen = dict(zip(values, combo, strict=True))
+        if chosen["shed_late"] and not chosen["slo_scheduling"]:
+            continue  # shedding is part of SLO-aware scheduling
         config = base.replace(**{AXES[k]: v for k, v in chosen.items()})
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise ValueError(
@@ -172,13 +181,15 @@ def _label(chosen: dict, varying: list[str]) -> str:
         "max_num_batched_tokens": "tokens",
         "chunked_prefill": "chunked",
         "prefix_caching": "prefix cache",
+        "slo_scheduling": "slo",
+        "shed_late": "shed",
     }
     parts = []
     for k in varying or ["batching"]:
         v = chosen[k]
         if k in ("batching", "policy"):
             parts.append(str(v))
-        elif k in ("chunked_prefill", "prefix_caching"):
+        elif k in ("chunked_prefill", "prefix_caching", "slo_scheduling", "shed_late"):
             parts.append(f"{short[k]}={'on' if v else 'off'}")
         else:
             parts.append(f"{short[k]}={v}")

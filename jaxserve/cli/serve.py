@@ -117,6 +117,12 @@ def register(sub) -> None:
     slo.add_argument(
         "--cost-model", default=None, metavar="FILE", help="from `jaxserve bench --profile steps`"
     )
+    slo.add_argument(
+        "--shed-late",
+        action="store_true",
+        default=None,
+        help="with --slo-scheduling: refuse waiting requests that can no longer meet --ttft-slo",
+    )
     _add_parallel_args(srv)
     srv.set_defaults(func=_cmd_serve)
 
@@ -168,6 +174,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "tpot_slo_s",
             "slo_scheduling",
             "cost_model",
+            "shed_late",
         )
         if getattr(args, name) is not None
     }

@@ -77,6 +77,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="size each step's prefill to keep decodes within --tpot-slo (slo_policy.py)",
     )
+    e.add_argument(
+        "--shed-late",
+        action="store_true",
+        help="with --slo-scheduling: refuse waiting requests that can no longer meet --ttft-slo",
+    )
 
 
 def engine_config(args: argparse.Namespace, max_model_len: int):
@@ -96,6 +101,7 @@ def engine_config(args: argparse.Namespace, max_model_len: int):
         ttft_slo_s=args.ttft_slo,
         tpot_slo_s=args.tpot_slo,
         slo_scheduling=args.slo_scheduling,
+        shed_late=args.shed_late,
         cost_model=args.cost_model,
         precompile=False,
         compilation_cache_dir=None,
@@ -124,7 +130,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     workloads, max_model_len, cost = load_inputs(args)
     config = engine_config(args, max_model_len)
     slo = SLO(args.ttft_slo, args.tpot_slo)
-    label = f"{args.batching}{' slo' if args.slo_scheduling else ''} (simulated)"
+    from jaxserve.tuner import label as knobs
+
+    label = f"{args.batching} {knobs(config)} (simulated)"
     summaries = [
         report.sanitize(summarize(simulate(w, config, cost, label=label, seed=args.seed), slo))
         for w in workloads

@@ -28,6 +28,7 @@ def register(sub) -> None:
     g.add_argument("--chunked", default="on,off", help="chunked prefill: on, off or on,off")
     g.add_argument("--policies", default="fcfs,priority")
     g.add_argument("--slo-aware", default="off,on", help="SLO-aware scheduling: on, off or both")
+    g.add_argument("--shed", default="off", help="--shed-late (with SLO-aware): on, off or both")
     p.add_argument("--model", default=None, help="named in the printed serve command")
     p.add_argument("--top", type=int, default=5, help="configurations shown")
     p.set_defaults(func=_cmd_tune)
@@ -56,10 +57,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             slo_scheduling=tuple(
                 _on_off(v, "--slo-aware") for v in parse_list(args.slo_aware, str)
             ),
+            shed_late=tuple(_on_off(v, "--shed") for v in parse_list(args.shed, str)),
         )
     except ValueError as e:
         raise UserError(str(e)) from e
-    base = engine_config(args, max_model_len).replace(slo_scheduling=False)
+    base = engine_config(args, max_model_len).replace(slo_scheduling=False, shed_late=False)
     slo = SLO(args.ttft_slo, args.tpot_slo)
     trials = tune(
         workloads,
