@@ -16,6 +16,9 @@ from typing import Any
 import jax
 import numpy as np
 
+# A slot index past every batch slot: its writes are dropped.
+NO_SLOT = 2**30
+
 
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
@@ -29,6 +32,10 @@ class StepBatch:
     page_tables: jax.Array  # i32[S, P] pages of sequence s in order; unused entries are 0
     logits_indices: jax.Array  # i32[S] token index of each sequence's last token (0: padding)
     num_seqs: jax.Array  # i32[] number of real sequences
+    # Asynchronous scheduling: the step keeps each batch slot's last sampled token on the device
+    # (ModelRunner.last_tokens), so a step can run a token the host has not seen yet.
+    feed_slots: jax.Array  # i32[T] token i is slot feed_slots[i]'s last sampled token; -1: no
+    sample_slots: jax.Array  # i32[S] slot that keeps sequence s's sampled token; NO_SLOT: none
     # Per-step work list of the attention backend (xla_blocked.StepPlan), derived on the device
     # from the fields above once per step, before the layer loop; None on the host.
     attention_plan: Any = None
@@ -104,4 +111,7 @@ def pack_chunks(
         page_tables=page_tables,
         logits_indices=logits_indices,
         num_seqs=np.int32(len(chunks)),
+        # Host-known tokens only; nothing kept (jaxserve.input_batch packs with slots).
+        feed_slots=np.full(num_tokens, -1, np.int32),
+        sample_slots=np.full(num_seqs, NO_SLOT, np.int32),
     )

@@ -5,14 +5,19 @@
     while engine.has_unfinished():
         for out in engine.step(): ...
 
-One `step()` waits for the step in flight, hands its sampled tokens to the scheduler, schedules
-and dispatches the next step, and only then detokenizes and checks stop strings for the finished
-one: that host work runs while the device computes (JAX dispatch is asynchronous). A stop string
-found then finishes the request one step late; the extra token it ran is dropped.
+One `step()` plans and dispatches the next step *before* taking in the one in flight
+(asynchronous scheduling, scheduler.py): the tokens a step samples stay on the device and feed
+the next step there, so the host plans step t+1 while the device runs step t, and the device
+always has the next step queued. Then it waits for step t, hands its tokens to the scheduler,
+and detokenizes and checks stop strings while step t+1 computes. What the host learns late costs
+one wasted row at most: a request that samples EOS, or whose stop string is found, has already
+run one more step, whose token is dropped, never emitted. `EngineConfig.async_scheduling=False`
+plans each step only after the last one's tokens are on the host (the same outputs, slower).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -24,9 +29,9 @@ import jax
 import numpy as np
 
 from checkpoints import LoadedModel, load_model
-from jaxserve.batch import SeqChunk
 from jaxserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from jaxserve.engine_config import EngineConfig
+from jaxserve.input_batch import InputBatch
 from jaxserve.kv_pages import kv_bytes_per_page, pages_that_fit
 from jaxserve.metrics import EngineMetrics, PhaseClock
 from jaxserve.model_runner import ModelRunner, RunnerConfig, bucket_ladder, enable_compilation_cache
@@ -50,7 +55,6 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer | None
     stops: StopStringMatcher
-    seed: int
     emitted_tokens: int = 0
     # (slot, preemptions) when its penalty row was last filled: a new pair means a new slot.
     penalty_row: tuple[int, int] | None = None
@@ -58,8 +62,10 @@ class _Tracked:
 
 @dataclasses.dataclass
 class _InFlight:
+    """A dispatched plan awaiting its update; `out` is None for a plan with nothing to run."""
+
     plan: SchedulerOutput
-    out: object  # SampleOutput of device arrays
+    out: object  # SampleOutput of device arrays, or None
     padded_tokens: int
     seen_done: bool = False  # the device timeline already counts it finished
 
@@ -131,9 +137,20 @@ class Engine:
                 token_buckets=self.runner.config.token_buckets,
             )
         )
+        rc = self.runner.config
+        self.input_batch = InputBatch(
+            max_seqs=rc.seq_buckets[-1],
+            pages_per_seq=rc.pages_per_seq,
+            page_size=rc.page_size,
+            num_pages=rc.num_pages,
+            token_buckets=rc.token_buckets,
+            seq_bucket_for=rc.seq_bucket_for,
+        )
         self.metrics = EngineMetrics(config.ttft_slo_s, config.tpot_slo_s)
         self._tracked: dict[str, _Tracked] = {}
-        self._inflight: _InFlight | None = None
+        # Dispatched plans awaiting their update, oldest first: at most two (the one being
+        # taken in and the one just dispatched ahead of it).
+        self._inflight: collections.deque[_InFlight] = collections.deque()
         self._clock = PhaseClock()  # host time of each step by phase
         self._next_id = 0
         self._warm_compiles = 0
@@ -164,6 +181,8 @@ class Engine:
     ) -> str:
         """Queues a request; raises ValueError (or scheduler's RequestRejected) if it cannot run."""
         params = sampling_params or SamplingParams()
+        if params.seed is None:  # drawn now, so a preempted request resamples the same tokens
+            params = dataclasses.replace(params, seed=random.getrandbits(32))
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("The prompt is empty.")
@@ -195,8 +214,7 @@ class Engine:
         )
         self.scheduler.add_request(request)  # raises when it can never fit or the queue is full
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
-        seed = params.seed if params.seed is not None else random.getrandbits(32)
-        self._tracked[request_id] = _Tracked(request, detok, StopStringMatcher(params.stop), seed)
+        self._tracked[request_id] = _Tracked(request, detok, StopStringMatcher(params.stop))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -205,7 +223,7 @@ class Engine:
             self.scheduler.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._tracked) or self._inflight is not None
+        return bool(self._tracked) or bool(self._inflight)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -213,12 +231,22 @@ class Engine:
         """Runs one iteration; returns the outputs of requests that made progress or finished."""
         self._clock.start()
         updates = []
-        if self._inflight is None:
-            updates += self._dispatch(self.scheduler.schedule())
-        if self._inflight is not None:
-            updates += self._collect()
-            updates += self._dispatch(self.scheduler.schedule())
-        outputs = self._outputs(updates)  # overlaps with the step just dispatched
+        if self.config.async_scheduling:
+            # Plan and dispatch the next step first; then take in the ones before it.
+            self._dispatch(self.scheduler.schedule())
+            while len(self._inflight) > 1 or self._inflight[-1].out is None:
+                updates += self._collect()
+                if not self._inflight:
+                    break
+        else:
+            if not self._inflight:
+                self._dispatch(self.scheduler.schedule())
+            while self._inflight:
+                updates += self._collect()
+            self._dispatch(self.scheduler.schedule())
+            if self._inflight[-1].out is None:
+                updates += self._collect()
+        outputs = self._outputs(updates)  # overlaps with the step in flight
         self._refresh_gauges()
         self._probe_done()
         self._clock.lap("outputs")
@@ -226,108 +254,104 @@ class Engine:
         return outputs
 
     def _probe_done(self) -> None:
-        """Tells the device timeline if the step in flight is done, without waiting for it
+        """Tells the device timeline which steps in flight are done, without waiting for them
         (the caller's time until the next `step()` is then device idle, not busy)."""
-        flight = self._inflight
-        if flight is not None and not flight.seen_done:
+        for flight in self._inflight:  # they finish in order: stop at the first still running
+            if flight.seen_done or flight.out is None:
+                continue
             is_ready = getattr(flight.out.token_ids, "is_ready", None)  # numpy: always ready
-            if is_ready is None or is_ready():
-                flight.seen_done = True
-                self.metrics.device.finished(time.perf_counter())
+            if is_ready is not None and not is_ready():
+                return
+            flight.seen_done = True
+            self.metrics.device.finished(time.perf_counter())
 
-    def _dispatch(self, plan: SchedulerOutput) -> list:
-        """Packs the plan and starts it on the device, without waiting.
+    def _dispatch(self, plan: SchedulerOutput) -> None:
+        """Packs the plan and starts it on the device, without waiting; queues it for its update.
 
-        An empty plan has nothing to run but may carry aborts: it is closed at once.
+        An empty plan has nothing to run but may carry aborts: its update follows the plans
+        before it.
         """
         now = self._clock.lap("schedule")  # the plan was made just before this call
         if not plan.seqs:
-            self._inflight = None
-            # Idle for want of work, not waiting on the host: not device idle time.
-            self.metrics.device.no_work(now)
-            updates = self.scheduler.update(plan, StepResult(sampled_token_ids=[]))
-            self._clock.lap("collect")
-            return updates
-        chunks = [SeqChunk(s.token_ids, s.start_pos, s.page_table) for s in plan.seqs]
-        batch = self.runner.pack(chunks)
-        sampling = self._sampling_batch(plan, len(batch.kv_lens))
+            if not self._inflight:
+                # Idle for want of work, not waiting on the host: not device idle time.
+                self.metrics.device.no_work(now)
+            self._inflight.append(_InFlight(plan, None, 0, seen_done=True))
+            return
+        batch, sampling, special = self.input_batch.pack(plan.seqs)
+        for row in special.tolist():  # logit bias, min_tokens, penalties: rare rows
+            self._fill_special_row(sampling, row, plan.seqs[row])
         self._clock.lap("pack")
         out = self.runner.execute(batch, sampling)
         # In flight only once the dispatch (and its copy to the device) has returned.
         self.metrics.device.dispatched(self._clock.lap("dispatch"))
-        self._inflight = _InFlight(plan, out, len(batch.token_ids))
-        return []
+        self._inflight.append(_InFlight(plan, out, len(batch.token_ids)))
 
-    def _sampling_batch(self, plan: SchedulerOutput, num_rows: int) -> SamplingBatch:
-        sb = SamplingBatch.empty(num_rows)
-        want_top = want_any = False
-        for row, seq in enumerate(plan.seqs):
+    def _fill_special_row(self, sb: SamplingBatch, row: int, seq) -> None:
+        """Row `row`'s logit bias, min_tokens mask and penalties (a request that asked for them).
+
+        A request with penalties fills its slot's counts on the device when it takes the slot.
+        """
+        request = seq.request
+        p = request.sampling_params
+        if p.logit_bias or p.min_tokens:
+            _fill_bias(sb, row, request, int(sb.positions[row]))
+        if p.has_penalties:
             tracked = self._tracked[seq.request_id]
-            p = tracked.request.sampling_params
-            sb.temperature[row], sb.top_k[row] = p.temperature, p.top_k
-            sb.top_p[row], sb.min_p[row] = p.top_p, p.min_p
-            sb.seeds[row] = tracked.seed
-            sb.positions[row] = seq.start_pos + len(seq.token_ids)
-            if p.logit_bias or p.min_tokens:  # rare: most rows skip this
-                _fill_bias(sb, row, tracked.request, sb.positions[row])
-            if p.has_penalties:  # rare too
-                self._fill_penalties(sb, row, seq, tracked)
-            want_top |= bool(seq.sample and p.logprobs)
-            want_any |= seq.sample and p.logprobs is not None
-        return dataclasses.replace(
-            sb, want_top_logprobs=np.bool_(want_top), want_logprobs=np.bool_(want_any)
-        )
+            here = (seq.slot, request.num_preemptions)
+            if tracked.penalty_row != here:
+                # Everything known so far (nothing is pending when a request takes a slot): the
+                # step that samples next sees all of it.
+                self.runner.set_penalty_row(
+                    seq.slot, request.all_token_ids, request.num_prompt_tokens
+                )
+                tracked.penalty_row = here
+            sb.presence_penalty[row] = p.presence_penalty
+            sb.frequency_penalty[row] = p.frequency_penalty
+            sb.repetition_penalty[row] = p.repetition_penalty
+            sb.count_sampled[row] = seq.sample
 
-    def _fill_penalties(self, sb: SamplingBatch, row: int, seq, tracked: _Tracked) -> None:
-        """Row `row`'s penalties; fills its slot's counts on the device when it took the slot."""
-        request, p = tracked.request, tracked.request.sampling_params
-        here = (seq.slot, request.num_preemptions)
-        if tracked.penalty_row != here:
-            # Everything known so far: the step that samples next sees all of it.
-            self.runner.set_penalty_row(seq.slot, request.all_token_ids, request.num_prompt_tokens)
-            tracked.penalty_row = here
-        sb.presence_penalty[row] = p.presence_penalty
-        sb.frequency_penalty[row] = p.frequency_penalty
-        sb.repetition_penalty[row] = p.repetition_penalty
-        sb.slots[row] = seq.slot
-        sb.count_sampled[row] = seq.sample
-
-    def _collect(self):
-        """Waits for the step in flight and applies its tokens to the scheduler."""
-        flight = self._inflight
+    def _collect(self) -> list:
+        """Waits for the oldest step in flight and applies its tokens to the scheduler."""
+        flight = self._inflight[0]
+        plan = flight.plan
+        if flight.out is None:  # an empty plan: nothing ran
+            self._inflight.popleft()
+            updates = self.scheduler.update(plan, StepResult(sampled_token_ids=[]))
+            self._clock.lap("collect")
+            return updates
         if not flight.seen_done:
             # The same wait device_get would do, split off so the copy back counts as idle.
-            jax.block_until_ready(flight.out)
+            jax.block_until_ready(flight.out.token_ids)
+            flight.seen_done = True
             self.metrics.device.finished(self._clock.lap("wait"))
-        host = jax.device_get(flight.out)  # the one device-to-host copy of the step
-        plan = flight.plan
-        sampled = [int(host.token_ids[i]) if s.sample else None for i, s in enumerate(plan.seqs)]
-        logprobs = [
-            self._logprob_of(host, i, s.request_id) if s.sample else None
-            for i, s in enumerate(plan.seqs)
-        ]
+        self._inflight.popleft()
+        out = flight.out
+        seqs = plan.seqs
+        n = len(seqs)
+        tokens = np.asarray(out.token_ids)[:n].tolist()  # the step's one copy to the host
+        sampled = [t if s.sample else None for t, s in zip(tokens, seqs, strict=True)]
+        logprobs = None
+        asked = [s.sample and s.request.sampling_params.logprobs is not None for s in seqs]
+        if any(asked):
+            host = jax.device_get(out)
+            logprobs = [
+                _logprob_of(host, i, s) if a else None
+                for i, (s, a) in enumerate(zip(seqs, asked, strict=True))
+            ]
         updates = self.scheduler.update(
             plan, StepResult(sampled_token_ids=sampled, logprobs=logprobs), now=time.monotonic()
         )
-        real = sum(len(s.token_ids) for s in plan.seqs)
+        generated = n - sampled.count(None)
+        real = plan.num_batched_tokens
         self.metrics.on_step(
             real_tokens=real,
             padded_tokens=flight.padded_tokens,
-            prompt_tokens=sum(len(s.token_ids) for s in plan.seqs if not s.sample)
-            + sum(len(s.token_ids) - 1 for s in plan.seqs if s.sample),
-            generated=sum(t is not None for t in sampled),
+            prompt_tokens=real - generated,
+            generated=generated,
         )
-        self._inflight = None
         self._clock.lap("collect")
         return updates
-
-    def _logprob_of(self, host, row: int, request_id: str) -> TokenLogprob | None:
-        tracked = self._tracked.get(request_id)
-        n = tracked.request.sampling_params.logprobs if tracked else None
-        if n is None:
-            return None
-        top = [(int(host.top_ids[row, j]), float(host.top_logprobs[row, j])) for j in range(n)]
-        return TokenLogprob(int(host.token_ids[row]), float(host.logprobs[row]), top)
 
     # ---- outputs --------------------------------------------------------------------------
 
@@ -426,6 +450,13 @@ class Engine:
         self.metrics.on_compiles(
             self.runner.num_compiles, self.runner.num_compiles - self._warm_compiles
         )
+
+
+def _logprob_of(host, row: int, seq) -> TokenLogprob:
+    """Row `row`'s chosen-token logprob and top-n, as its request asked (host: SampleOutput)."""
+    n = seq.request.sampling_params.logprobs
+    top = [(int(host.top_ids[row, j]), float(host.top_logprobs[row, j])) for j in range(n)]
+    return TokenLogprob(int(host.token_ids[row]), float(host.logprobs[row]), top)
 
 
 def _fill_bias(sb: SamplingBatch, row: int, request: Request, position: int) -> None:

@@ -34,6 +34,9 @@ class EngineConfig:
     tensor_parallel: int = 1  # devices the model is split over (jaxserve/sharding.py)
     mesh_shape: tuple[int, int] | None = None  # (data, model); given, it wins over tensor_parallel
     enable_chunked_prefill: bool = True
+    # Plan step t+1 while the device runs step t, its sampled tokens fed on the device (engine
+    # module docstring). Off: each step is planned once the last one's tokens are on the host.
+    async_scheduling: bool = True
     # Reuse the KV of full pages a request shares with one served before (a system prompt, a
     # chat's history): admission skips them, and freed pages stay cached until needed.
     enable_prefix_caching: bool = True

@@ -148,6 +148,16 @@ class KVCacheManager:
         """A copy of the sequence's pages in order (empty when it holds none)."""
         return list(self._tables.get(seq_id, ()))
 
+    def table_of(self, seq_id: str) -> list[int]:
+        """The sequence's live page table, not a copy: read it, never change it.
+
+        It only grows while the sequence holds it (`allocate`), except for the entry that
+        `copy_on_write` replaces; `free` drops it from the manager but leaves the list as it
+        was, so a plan that holds it still reads the pages it was planned with. The scheduler
+        hands it to every step instead of copying up to max_pages_per_seq ints per row.
+        """
+        return self._tables[seq_id]
+
     # ---- allocation -----------------------------------------------------------------------
 
     def allocate(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
@@ -299,7 +309,8 @@ class KVCacheManager:
         Returns None when no other table lists it, else `(src, dst)`: the sequence's table now
         lists the fresh page `dst`, and the caller must copy page `src`'s keys and values into
         it on the device before the write. Raises when no page is free or evictable: the caller
-        checks `can_allocate(1)` first, as for any growth.
+        checks `can_allocate(1)` first, as for any growth. The engine's `InputBatch` copies
+        tables by their growth only: after a copy, `InputBatch.invalidate` the sequence's slot.
         """
         table = self._tables[seq_id]
         i = pos // self.page_size

@@ -252,20 +252,25 @@ class DeviceTimeline:
 
     def dispatched(self, now: float) -> None:
         """A step's dispatch returned at `now` (a `time.perf_counter` reading)."""
-        if self._in_flight == 0:
-            if self._mark is not None:
-                self._stats.device_idle_s += now - self._mark
-            self._mark = now
+        self._charge(now)
         self._in_flight += 1
 
     def finished(self, now: float) -> None:
         """The engine saw a step in flight done at `now`."""
         if self._in_flight <= 0:
             raise ValueError(f"A step finished at {now} with {self._in_flight} steps in flight.")
+        self._charge(now)
         self._in_flight -= 1
-        if self._in_flight == 0:
-            self._stats.busy_wall_s += now - self._mark
-            self._mark = now
+
+    def _charge(self, now: float) -> None:
+        """Books the stretch since the last event as busy or idle. Every event books, so the
+        stats grow while the engine always keeps a step in flight (asynchronous scheduling)."""
+        if self._mark is not None:
+            if self._in_flight:
+                self._stats.busy_wall_s += now - self._mark
+            else:
+                self._stats.device_idle_s += now - self._mark
+        self._mark = now
 
     def no_work(self, now: float) -> None:
         """The engine found nothing to run at `now`: the wall clock stops until the next step."""

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from checkpoints.loaded import LoadedModel, layer_loop_of, model_for
@@ -134,6 +135,11 @@ class ModelRunner:
             PenaltyState.zeros(config.seq_buckets[-1], model.config.vocab_size),
             self.plan.replicated,  # where the step keeps it, so the first step moves nothing
         )
+        # Each batch slot's last sampled token, where the next step finds a pending token
+        # (StepBatch.feed_slots): sampled tokens feed the next step without visiting the host.
+        self.last_tokens = jax.device_put(
+            jnp.zeros(config.seq_buckets[-1], jnp.int32), self.plan.replicated
+        )
         self.num_compiles = 0
         # The pool is donated: the step updates it in place instead of copying it every step.
         # Shardings are pinned, so the pool keeps its split from step to step (no recompiles) and
@@ -141,9 +147,9 @@ class ModelRunner:
         rep, kv = self.plan.replicated, self.plan.kv_pages
         self._step = jax.jit(
             self._step_impl,
-            donate_argnums=(1, 4),
-            in_shardings=(self.plan.params(self.params), kv, rep, rep, rep),
-            out_shardings=(rep, kv, rep),
+            donate_argnums=(1, 4, 5),
+            in_shardings=(self.plan.params(self.params), kv, rep, rep, rep, rep),
+            out_shardings=(rep, kv, rep, rep),
         )
         # One shape (the context length) for every request: compiled once, on first use.
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,))
@@ -159,15 +165,26 @@ class ModelRunner:
             )
 
     def _step_impl(
-        self, params, kv: KVPages, batch: StepBatch, sampling: SamplingBatch, pen: PenaltyState
+        self,
+        params,
+        kv: KVPages,
+        batch: StepBatch,
+        sampling: SamplingBatch,
+        pen: PenaltyState,
+        last: jax.Array,  # i32[max_seqs] each batch slot's last sampled token
     ):
         self.num_compiles += 1  # runs only while tracing: counts compilations
+        fed = last[jnp.maximum(batch.feed_slots, 0)]
+        batch = dataclasses.replace(
+            batch, token_ids=jnp.where(batch.feed_slots >= 0, fed, batch.token_ids)
+        )
         hidden, kv = self.module.apply({"params": params}, kv, batch)
         logits = self.module.apply(
             {"params": params}, hidden[batch.logits_indices], method=self.module.logits
         )
         out, pen = sample_step(logits, sampling, pen)
-        return out, kv, pen
+        last = last.at[batch.sample_slots].set(out.token_ids, mode="drop")
+        return out, kv, pen, last
 
     def set_penalty_row(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
         """Fills batch slot `slot`'s penalty counts from a request's prompt and outputs so far.
@@ -191,8 +208,8 @@ class ModelRunner:
         return self._dispatch(batch, sampling)
 
     def _dispatch(self, batch: StepBatch, sampling: SamplingBatch) -> SampleOutput:
-        out, self.kv, self.penalties = self._step(
-            self.params, self.kv, batch, sampling, self.penalties
+        out, self.kv, self.penalties, self.last_tokens = self._step(
+            self.params, self.kv, batch, sampling, self.penalties, self.last_tokens
         )
         if jax.process_count() > 1:  # this host's copy of the replicated result, readable here
             out = jax.tree.map(lambda a: a.addressable_data(0), out)

@@ -56,7 +56,7 @@ import time
 from typing import Any
 
 from jaxserve.kv_cache_manager import KVCacheManager, PageHasher
-from jaxserve.request import FinishReason, Request, RequestStatus
+from jaxserve.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from jaxserve.scheduler_types import (  # noqa: F401 - re-exported: the scheduler's API
     BATCHING_MODES,
     POLICIES,
@@ -338,7 +338,33 @@ class Scheduler:
             elif todo:
                 prefilling.append(req)
         prefilling.sort(key=lambda r: self._keys[r.request_id])
-        for req in decoding + prefilling:
+        ps = self.config.page_size
+        for req in decoding:  # the hot path: every running request, every step
+            if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
+                continue
+            start = req.num_computed_tokens
+            table = self.kv.table_of(req.request_id)
+            # Most decodes fit the pages they hold: allocate only when a page fills up.
+            if start >= len(table) * ps and not self._allocate_or_preempt(req, start + 1, plan):
+                continue
+            if req.num_pending:
+                token = PENDING_TOKEN
+            elif req.output_token_ids:
+                token = req.output_token_ids[-1]
+            else:
+                token = req.prompt_token_ids[-1]
+            plan.add(
+                ScheduledSeq(
+                    request=req,
+                    request_id=req.request_id,
+                    slot=req.slot,
+                    token_ids=[token],
+                    start_pos=start,
+                    page_table=table,
+                    sample=True,
+                )
+            )
+        for req in prefilling:
             if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
                 continue
             n = self._chunk_len(req, plan.budget, req.num_computed_tokens)
@@ -487,9 +513,8 @@ class Scheduler:
             slot=req.slot,
             token_ids=req.token_ids(start, end),
             start_pos=start,
-            page_table=self.kv.page_table(req.request_id),
+            page_table=self.kv.table_of(req.request_id),
             sample=end == req.num_tokens,
-            sampling_params=req.sampling_params,
         )
 
     def update(

@@ -11,7 +11,6 @@ import math
 from typing import Any
 
 from jaxserve.request import FinishReason, Request
-from jaxserve.sampling_params import SamplingParams
 
 POLICIES = ("fcfs", "priority")
 BATCHING_MODES = ("continuous", "static", "dynamic")
@@ -119,9 +118,10 @@ class ScheduledSeq:
     slot: int  # batch row the request holds while running
     token_ids: list[int]  # tokens to run now: a prefill chunk, or the one last token when decoding
     start_pos: int  # position of token_ids[0] = tokens already in the cache
-    page_table: list[int]  # the request's pages, covering start_pos + len(token_ids) slots
+    # The request's pages, covering start_pos + len(token_ids) slots: the KV manager's live list
+    # (KVCacheManager.table_of), valid for this step; later steps may append to it.
+    page_table: list[int]
     sample: bool  # this chunk reaches the last known token, so the step samples a new one
-    sampling_params: SamplingParams  # per-row temperature, seed, ... for device sampling
 
     @property
     def end_pos(self) -> int:

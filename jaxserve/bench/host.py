@@ -101,24 +101,39 @@ class HostOnlyRunner(ModelRunner):
         self.lockstep = None  # one host: nothing to send to followers
         self.step_time_s = step_time_s
         self.next_tokens = next_tokens
+        # Each slot's last sampled token, as the real runner keeps it to feed pending tokens.
+        self.last_tokens = np.zeros(config.seq_buckets[-1], np.int32)
+        self._busy_until = 0.0  # perf_counter when the fake device finishes its queued steps
         self._echo = jax.jit(
             functools.partial(self._echo_impl, vocab_size=model.config.vocab_size),
             keep_unused=True,  # every input crosses to the device, as for the real step
+            donate_argnums=(2,),
         )
 
-    def _echo_impl(self, batch: StepBatch, sampling: SamplingBatch, *, vocab_size: int):
+    def _echo_impl(
+        self, batch: StepBatch, sampling: SamplingBatch, last: jax.Array, *, vocab_size: int
+    ):
         self.num_compiles += 1  # runs only while tracing
-        last = batch.token_ids[batch.logits_indices]  # i32[S] each row's last token
-        return _sample_output((last + 1) % vocab_size, jnp)
+        tokens = jnp.where(batch.feed_slots >= 0, last[batch.feed_slots], batch.token_ids)
+        nxt = (tokens[batch.logits_indices] + 1) % vocab_size  # i32[S] each row's last token + 1
+        return _sample_output(nxt, jnp), last.at[batch.sample_slots].set(nxt, mode="drop")
 
     def _dispatch(self, batch: StepBatch, sampling: SamplingBatch) -> SampleOutput:
         if self.next_tokens is None:
-            out = self._echo(batch, sampling)
+            out, self.last_tokens = self._echo(batch, sampling, self.last_tokens)
         else:
+            last = np.asarray(self.last_tokens)
+            fed = np.where(batch.feed_slots >= 0, last[batch.feed_slots], batch.token_ids)
+            batch = dataclasses.replace(batch, token_ids=fed.astype(np.int32))
             tokens = np.asarray(self.next_tokens(batch, sampling), np.int32)
+            self.last_tokens = last.copy()
+            keep = batch.sample_slots < len(last)
+            self.last_tokens[batch.sample_slots[keep]] = tokens[keep]
             out = _sample_output(tokens, np)
         if self.step_time_s > 0:
-            ready_at = time.perf_counter() + self.step_time_s
+            # One step at a time, as on a device: a step queued behind another starts after it.
+            ready_at = max(time.perf_counter(), self._busy_until) + self.step_time_s
+            self._busy_until = ready_at
             out = dataclasses.replace(out, token_ids=_Delayed(out.token_ids, ready_at))
         return out
 

@@ -1,0 +1,151 @@
+"""The persistent input batch packs every plan exactly as a fresh pack of that plan would.
+
+`InputBatch` keeps page tables and sampling parameters per batch slot and updates them by
+deltas (a new owner, pages added). Hypothesis drives the real scheduler through random
+workloads (admissions, finishes, stop strings, preemptions under tight pools, aborts), one plan
+in flight ahead as the engine runs it, and every plan packed by the persistent batch must equal
+`pack_chunks` over the same rows plus the per-row sampling parameters filled from scratch. No
+model and no compile: the arrays are compared on the host.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxserve.batch import NO_SLOT, SeqChunk, pack_chunks
+from jaxserve.input_batch import InputBatch
+from jaxserve.model_runner import bucket_ladder, pick_bucket
+from jaxserve.request import PENDING_TOKEN, FinishReason, Request
+from jaxserve.sampling import SamplingBatch
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import RequestRejected, Scheduler, SchedulerOutput
+from tests.unit.helpers import FakeRunner
+from tests.unit.test_scheduler_random import configs, workloads
+
+
+def _request(spec: dict, rng: np.random.Generator) -> Request:
+    params = SamplingParams(
+        max_tokens=spec["max_tokens"],
+        temperature=float(rng.choice([0.0, 0.7, 1.3])),
+        top_k=int(rng.choice([0, 5])),
+        top_p=float(rng.choice([1.0, 0.9])),
+        seed=int(rng.integers(0, 2**31)),
+        logprobs=[None, 0, 3][int(rng.integers(0, 3))],
+    )
+    return Request(
+        request_id=spec["id"],
+        prompt_token_ids=spec["prompt"],
+        sampling_params=params,
+        arrival_time=float(spec["arrive"]),
+        priority=spec["priority"],
+    )
+
+
+def _fresh(plan: SchedulerOutput, batch_of: InputBatch):
+    """The reference: pack_chunks over the plan's rows and every sampling row filled anew."""
+    chunks = [SeqChunk(s.token_ids, s.start_pos, s.page_table) for s in plan.seqs]
+    total = sum(len(c.token_ids) for c in chunks)
+    num_tokens = pick_bucket(batch_of.token_buckets, max(total, 1))
+    num_seqs = batch_of.seq_bucket_for(num_tokens)
+    batch = pack_chunks(
+        chunks,
+        page_size=batch_of.page_size,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        pages_per_seq=batch_of.tables.shape[1],
+        num_pages=batch_of.num_pages,
+    )
+    sb = SamplingBatch.empty(num_seqs)
+    for row, seq in enumerate(plan.seqs):
+        p = seq.request.sampling_params
+        sb.temperature[row], sb.top_k[row] = p.temperature, p.top_k
+        sb.top_p[row], sb.min_p[row], sb.seeds[row] = p.top_p, p.min_p, p.seed
+        sb.positions[row] = seq.end_pos
+        sb.slots[row] = seq.slot
+    asks = [s.request.sampling_params.logprobs for s in plan.seqs if s.sample]
+    sb = dataclasses.replace(
+        sb,
+        want_top_logprobs=np.bool_(any(n for n in asks if n is not None)),
+        want_logprobs=np.bool_(any(n is not None for n in asks)),
+    )
+    return batch, sb
+
+
+def _check_pack(plan: SchedulerOutput, inputs: InputBatch) -> None:
+    batch, sb, special = inputs.pack(plan.seqs)
+    ref, ref_sb = _fresh(plan, inputs)
+    pending = ref.token_ids == PENDING_TOKEN  # pack_chunks copies the placeholder as is
+    for field in ("positions", "slot_mapping", "query_start", "kv_lens", "page_tables"):
+        np.testing.assert_array_equal(getattr(batch, field), getattr(ref, field), err_msg=field)
+    np.testing.assert_array_equal(batch.logits_indices, ref.logits_indices)
+    assert int(batch.num_seqs) == int(ref.num_seqs)
+    np.testing.assert_array_equal(batch.token_ids, np.where(pending, 0, ref.token_ids))
+    # A pending token is fed from its own row's slot; nothing else is fed.
+    row_of = np.searchsorted(ref.query_start[1:], np.arange(len(ref.token_ids)), side="right")
+    slots = np.array([s.slot for s in plan.seqs] + [NO_SLOT], np.int32)
+    expected_feed = np.where(pending, slots[np.minimum(row_of, len(plan.seqs))], -1)
+    np.testing.assert_array_equal(batch.feed_slots, expected_feed)
+    expected_keep = np.full(len(ref.kv_lens), NO_SLOT, np.int32)
+    for row, seq in enumerate(plan.seqs):
+        if seq.sample:
+            expected_keep[row] = seq.slot
+    np.testing.assert_array_equal(batch.sample_slots, expected_keep)
+    for field in dataclasses.fields(SamplingBatch):
+        if field.name in ("count_sampled", "presence_penalty", "frequency_penalty"):
+            continue  # filled by the engine for special rows only (none here)
+        np.testing.assert_array_equal(
+            getattr(sb, field.name), getattr(ref_sb, field.name), err_msg=field.name
+        )
+    assert special.size == 0
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_persistent_batch_equals_a_fresh_pack_every_step(data):
+    config = data.draw(configs())
+    specs = data.draw(workloads(config))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    sched, runner = Scheduler(config), FakeRunner(config.page_size)
+    buckets = bucket_ladder(1, config.max_num_batched_tokens)
+    seq_buckets = bucket_ladder(1, config.max_num_seqs)
+    inputs = InputBatch(
+        max_seqs=config.max_num_seqs,
+        pages_per_seq=config.max_pages_per_seq,
+        page_size=config.page_size,
+        num_pages=config.num_pages,
+        token_buckets=buckets,
+        seq_bucket_for=lambda t: pick_bucket(seq_buckets, min(t, seq_buckets[-1])),
+    )
+    accepted: dict[str, tuple[dict, Request]] = {}
+    in_flight: collections.deque = collections.deque()
+    for now in range(400):
+        for spec in (s for s in specs if s["arrive"] == now):
+            req = _request(spec, rng)
+            try:
+                sched.add_request(req)
+            except RequestRejected:
+                continue
+            accepted[spec["id"]] = (spec, req)
+        for spec, _ in accepted.values():
+            if spec["abort_at"] == now:
+                sched.abort_request(spec["id"])
+        plan = sched.schedule(now=float(now))
+        if plan.seqs:
+            _check_pack(plan, inputs)
+        in_flight.append((plan, runner.execute(plan)))
+        while len(in_flight) > (0 if plan.is_empty else 1):
+            old, result = in_flight.popleft()
+            for update in sched.update(old, result, now=float(now)):
+                spec, req = accepted[update.request.request_id]
+                if not update.finished and req.num_output_tokens == spec["stop_string_at"]:
+                    sched.finish_request(req.request_id, FinishReason.STOP)
+        if now > 15 and not sched.has_unfinished():
+            break
+    while in_flight:
+        sched.update(*in_flight.popleft())
+    assert not sched.has_unfinished()
