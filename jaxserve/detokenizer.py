@@ -23,9 +23,10 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self._decode_ids = _fast_decode(tokenizer)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self._decode_ids(ids)
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Appends tokens and returns the new, complete text (possibly empty)."""
@@ -36,6 +37,23 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return full_text[len(prefix_text) :]
         return ""
+
+
+def _fast_decode(tokenizer: Any):
+    """`ids -> text` as `tokenizer.decode(ids, skip_special_tokens=True)` gives it.
+
+    Runs twice per generated token, so it matters: a fast (Rust) tokenizer that does no
+    clean-up of spaces after decoding is called directly, 2-3x cheaper than through
+    transformers' wrapper, which then adds nothing. Any other tokenizer goes through `decode`.
+    """
+    raw = getattr(tokenizer, "_tokenizer", None)
+    if (
+        raw is not None
+        and hasattr(raw, "decode")
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    ):
+        return lambda ids: raw.decode(list(ids), skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class StopStringMatcher:
