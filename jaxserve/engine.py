@@ -58,6 +58,10 @@ class _Tracked:
     emitted_tokens: int = 0
     # (slot, preemptions) when its penalty row was last filled: a new pair means a new slot.
     penalty_row: tuple[int, int] | None = None
+    # SamplingParams.prompt_logprobs: filled chunk by chunk as the prompt is computed (entry p
+    # is prompt token p's), until delivered with the first output.
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
 
 
 @dataclasses.dataclass
@@ -334,11 +338,12 @@ class Engine:
         logprobs = None
         asked = [s.sample and s.request.sampling_params.logprobs is not None for s in seqs]
         if any(asked):
-            host = jax.device_get(out)
+            host = jax.device_get(dataclasses.replace(out, **_NO_PROMPT_LOGPROBS))
             logprobs = [
                 _logprob_of(host, i, s) if a else None
                 for i, (s, a) in enumerate(zip(seqs, asked, strict=True))
             ]
+        self._take_prompt_logprobs(out, seqs)
         updates = self.scheduler.update(
             plan, StepResult(sampled_token_ids=sampled, logprobs=logprobs), now=time.monotonic()
         )
@@ -352,6 +357,40 @@ class Engine:
         )
         self._clock.lap("collect")
         return updates
+
+    def _take_prompt_logprobs(self, out, seqs) -> None:
+        """Copies the prompt logprobs of the rows that asked into their requests' lists.
+
+        The [T] and [T, 20] arrays cross to the host only when some row of the step asked.
+        """
+        rows = [
+            (i, s, tracked)
+            for i, s in enumerate(seqs)
+            if s.request.sampling_params.prompt_logprobs is not None
+            and s.start_pos < s.request.num_prompt_tokens - 1
+            and (tracked := self._tracked.get(s.request_id)) is not None
+            and tracked.request is s.request
+            and not tracked.prompt_logprobs_sent  # a recomputed prompt after a preemption
+        ]
+        if not rows:
+            return
+        lp, ids, top = jax.device_get(
+            (out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs)
+        )
+        starts = np.cumsum([0] + [len(s.token_ids) for s in seqs])  # each row's first token
+        for i, seq, tracked in rows:
+            prompt = seq.request.prompt_token_ids
+            if tracked.prompt_logprobs is None:
+                tracked.prompt_logprobs = [None] * len(prompt)
+            k = seq.request.sampling_params.prompt_logprobs
+            # Token j of the chunk (position start_pos + j) scores the prompt token after it.
+            last = min(seq.end_pos, len(prompt) - 1)
+            for pos in range(seq.start_pos, last):
+                t = starts[i] + pos - seq.start_pos
+                top_k = list(zip(ids[t, :k].tolist(), top[t, :k].tolist(), strict=True))
+                tracked.prompt_logprobs[pos + 1] = TokenLogprob(
+                    prompt[pos + 1], float(lp[t]), top_k
+                )
 
     # ---- outputs --------------------------------------------------------------------------
 
@@ -414,6 +453,15 @@ class Engine:
         logprobs = None
         if request.sampling_params.logprobs is not None:
             logprobs = [lp for lp in (update.logprobs or []) if lp is not None]
+        prompt_logprobs = None
+        if (
+            request.sampling_params.prompt_logprobs is not None
+            and new_ids
+            and not tracked.prompt_logprobs_sent
+        ):
+            # The first token came from the prompt's last chunk: every chunk was taken in.
+            prompt_logprobs = tracked.prompt_logprobs or [None]  # a 1-token prompt has no chunk
+            tracked.prompt_logprobs, tracked.prompt_logprobs_sent = None, True
         metrics = _metrics_of(request)
         reason = str(request.finish_reason) if finished else None
         if finished:
@@ -430,6 +478,7 @@ class Engine:
             metrics=metrics,
             logprobs=logprobs,
             num_cached_tokens=request.num_cached_tokens or 0,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _refresh_gauges(self) -> None:
@@ -450,6 +499,10 @@ class Engine:
         self.metrics.on_compiles(
             self.runner.num_compiles, self.runner.num_compiles - self._warm_compiles
         )
+
+
+# What the generated tokens' logprobs do not need of a step's SampleOutput: left on the device.
+_NO_PROMPT_LOGPROBS = dict(prompt_logprobs=None, prompt_top_ids=None, prompt_top_logprobs=None)
 
 
 def _logprob_of(host, row: int, seq) -> TokenLogprob:

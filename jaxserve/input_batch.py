@@ -58,6 +58,10 @@ class InputBatch:
         self.min_p = np.zeros(max_seqs, np.float32)
         self.seeds = np.zeros(max_seqs, np.uint32)
         self.logprobs = np.full(max_seqs, -1, np.int32)  # top-n asked; -1: no logprobs at all
+        # Prompt logprobs asked, and the prompt's length: a chunk before the prompt's last
+        # token then makes the step compute them (sampling.prompt_logprobs).
+        self.prompt_logprobs = np.zeros(max_seqs, np.bool_)
+        self.prompt_len = np.zeros(max_seqs, np.int32)
         # Rows that need per-row work on the host every step (logit bias, min_tokens,
         # penalties): rare, so the common row costs nothing for them.
         self.special = np.zeros(max_seqs, np.bool_)
@@ -84,6 +88,8 @@ class InputBatch:
         self.seeds[slot] = p.seed
         self.logprobs[slot] = -1 if p.logprobs is None else p.logprobs
         self.special[slot] = bool(p.logit_bias or p.min_tokens or p.has_penalties)
+        self.prompt_logprobs[slot] = p.prompt_logprobs is not None
+        self.prompt_len[slot] = req.num_prompt_tokens
 
     def pack(self, seqs: Sequence[ScheduledSeq]) -> tuple[StepBatch, SamplingBatch, np.ndarray]:
         """The step batch and sampling rows of a plan's `seqs`, padded to their bucket.
@@ -171,10 +177,20 @@ class InputBatch:
         sb.positions[:n] = starts + lens
         sb.slots[:n] = slots
         asked = self.logprobs[slots]
+        # Rows whose chunk holds a prompt token with a next prompt token: rare, so a loop.
+        prompt_rows = np.flatnonzero(
+            self.prompt_logprobs[slots] & (starts < self.prompt_len[slots] - 1)
+        )
+        for row in prompt_rows.tolist():
+            seq = seqs[row]
+            prompt = seq.request.prompt_token_ids
+            if seq.end_pos < len(prompt):  # the next chunk's first token follows this one's last
+                sb.next_prompt_token[row] = prompt[seq.end_pos]
         sb = dataclasses.replace(
             sb,
             want_top_logprobs=np.bool_(np.any(sample & (asked > 0))),
             want_logprobs=np.bool_(np.any(sample & (asked >= 0))),
+            want_prompt_logprobs=np.bool_(prompt_rows.size > 0),
         )
         special_rows = np.flatnonzero(self.special[slots])
         return batch, sb, special_rows

@@ -22,6 +22,8 @@ class Completion:
     finish_reason: str
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -56,6 +58,8 @@ class LLM:
                     continue
                 done.token_ids += out.new_token_ids
                 done.text += out.text_delta
+                if out.prompt_logprobs is not None:
+                    done.prompt_logprobs = out.prompt_logprobs
                 if out.logprobs is not None:
                     done.logprobs = (done.logprobs or []) + out.logprobs
                 if out.finished:

@@ -31,6 +31,7 @@ from jaxserve.sampling import (
     SampleOutput,
     SamplingBatch,
     init_penalty_row,
+    prompt_logprobs,
     sample_step,
 )
 from jaxserve.sharding import ShardingPlan, make_mesh
@@ -183,6 +184,16 @@ class ModelRunner:
             {"params": params}, hidden[batch.logits_indices], method=self.module.logits
         )
         out, pen = sample_step(logits, sampling, pen)
+
+        def logits_of(h):  # the LM head over any tokens' hidden states
+            return self.module.apply({"params": params}, h, method=self.module.logits)
+
+        lp, top_ids, top_lp = prompt_logprobs(
+            logits_of, hidden, batch.token_ids, batch.logits_indices, batch.num_seqs, sampling
+        )
+        out = dataclasses.replace(
+            out, prompt_logprobs=lp, prompt_top_ids=top_ids, prompt_top_logprobs=top_lp
+        )
         last = last.at[batch.sample_slots].set(out.token_ids, mode="drop")
         return out, kv, pen, last
 

@@ -7,7 +7,7 @@ import dataclasses
 
 @dataclasses.dataclass
 class TokenLogprob:
-    """Log-probability of a generated token, and the top-n alternatives when asked."""
+    """Log-probability of a generated (or prompt) token, and the top-n alternatives when asked."""
 
     token_id: int
     logprob: float
@@ -64,3 +64,6 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # with finish_reason "error": what went wrong, for the client
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
+    # With SamplingParams.prompt_logprobs, in the request's first output only: one entry per
+    # prompt token, None for the first (nothing comes before it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None

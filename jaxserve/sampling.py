@@ -22,6 +22,11 @@ that may take only a few milliseconds:
 Within a step every row computes the same arrays (branch-free per row); the `lax.cond`s choose
 per batch which work any row needs at all.
 
+Prompt logprobs (`prompt_logprobs`) are the one part that reads every token of the step, not one
+row per sequence: the LM head over all T tokens, a log-softmax, the next prompt token's logprob
+and the top 20, all under one `lax.cond` on the batch, so a step where no row asks pays nothing.
+They are of the raw model (no bias, penalty or temperature), as vLLM and OpenAI report them.
+
 Logit bias and min-tokens are one mechanism: each row has BIAS_SLOTS (token id, value) pairs
 added to its logits before anything else (a scatter of S x BIAS_SLOTS values, nothing per
 vocabulary entry). A request's `logit_bias` fills them; a request short of `min_tokens` also
@@ -44,6 +49,7 @@ samples (`sample_step`, inside the jitted step). Rows without penalties never re
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +88,10 @@ class SamplingBatch:
     repetition_penalty: jax.Array = None  # f32[S] 1 means off
     slots: jax.Array = None  # i32[S] the row's PenaltyState row (its batch slot)
     count_sampled: jax.Array = None  # bool[S] add the sampled token to the row's counts
+    # Prompt logprobs: whether any row asked (else the whole computation is skipped), and per
+    # row the prompt token after its chunk's last token (-1: none, the chunk ends the prompt).
+    want_prompt_logprobs: jax.Array = None  # bool[]
+    next_prompt_token: jax.Array = None  # i32[S]
 
     @staticmethod
     def empty(num_seqs: int) -> SamplingBatch:
@@ -102,6 +112,8 @@ class SamplingBatch:
             repetition_penalty=np.ones(num_seqs, np.float32),
             slots=np.zeros(num_seqs, np.int32),
             count_sampled=np.zeros(num_seqs, np.bool_),
+            want_prompt_logprobs=np.bool_(False),
+            next_prompt_token=np.full(num_seqs, -1, np.int32),
         )
 
 
@@ -121,11 +133,16 @@ class SampleOutput:
     logprobs: jax.Array  # f32[S] log-probability of the chosen token under the model
     top_ids: jax.Array  # i32[S, min(20, V)] most likely tokens (zeros unless asked)
     top_logprobs: jax.Array  # f32[S, min(20, V)]
+    # Per token of the step (the packed order), the logprob of the token after it and the top
+    # 20 (`prompt_logprobs`): zeros unless want_prompt_logprobs; None where only `sample` ran.
+    prompt_logprobs: jax.Array = None  # f32[T]
+    prompt_top_ids: jax.Array = None  # i32[T, min(20, V)]
+    prompt_top_logprobs: jax.Array = None  # f32[T, min(20, V)]
 
 
 jax.tree_util.register_dataclass(
     SampleOutput,
-    data_fields=["token_ids", "logprobs", "top_ids", "top_logprobs"],
+    data_fields=[f.name for f in dataclasses.fields(SampleOutput)],
     meta_fields=[],
 )
 
@@ -246,6 +263,68 @@ def sample(
         lambda: (jnp.zeros(num_seqs, jnp.float32), *no_top(None)),
     )
     return SampleOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_lp)
+
+
+# Tokens whose logits are made at once for prompt logprobs: bounds the [block, V] array (32 MB
+# at a 128k vocabulary) however large the step's token bucket.
+_PROMPT_BLOCK = 64
+
+
+def prompt_logprobs(
+    logits_of,
+    hidden: jax.Array,
+    token_ids: jax.Array,
+    last_index: jax.Array,
+    num_seqs: jax.Array,
+    params: SamplingBatch,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per token of the step, the log-probability of the token after it and the top 20.
+
+    logits_of: hidden f32[B, H] -> logits [B, V] (the model's LM head); hidden: f32[T, H] every
+    token's final hidden state; token_ids: i32[T] the step's tokens (pending ones fed in);
+    last_index: i32[S] each row's last token (StepBatch.logits_indices); num_seqs: i32[] real
+    rows. The token after a row's last one is the row's next_prompt_token (the next chunk's
+    first), any other token's is the next in the step. Returns f32[T], i32[T, W], f32[T, W] with
+    W = min(20, V): zeros when no row asked, and meaningless where there is no next prompt
+    token (the host reads only the positions it asked for).
+    """
+    num_tokens = hidden.shape[0]
+    vocab = jax.eval_shape(logits_of, hidden[:1]).shape[-1]
+    width = min(MAX_TOP_LOGPROBS, vocab)
+
+    def compute():
+        rows = jnp.arange(last_index.shape[0])
+        # Padding rows point at token 0: sent past the end (dropped) so they never overwrite it.
+        at = jnp.where(rows < num_seqs, last_index, num_tokens)
+        targets = jnp.concatenate([token_ids[1:], jnp.zeros(1, jnp.int32)])
+        targets = targets.at[at].set(jnp.maximum(params.next_prompt_token, 0), mode="drop")
+        block = math.gcd(num_tokens, _PROMPT_BLOCK)  # the buckets are multiples of 8 or more
+
+        def one_block(args):
+            h, target = args
+            logits = logits_of(h).astype(jnp.float32)  # [block, V]
+            lse = jax.nn.logsumexp(logits, axis=-1)
+            chosen = jnp.take_along_axis(logits, target[:, None], axis=-1)[:, 0] - lse
+            values, ids = jax.lax.top_k(logits, width)
+            return chosen, ids.astype(jnp.int32), values - lse[:, None]
+
+        # Blocks one after another (lax.map), so only one [block, V] array is live at a time.
+        chosen, ids, top = jax.lax.map(
+            one_block,
+            (hidden.reshape(-1, block, hidden.shape[-1]), targets.reshape(-1, block)),
+        )
+        return chosen.reshape(num_tokens), ids.reshape(num_tokens, -1), top.reshape(num_tokens, -1)
+
+    def skip():
+        return (
+            jnp.zeros(num_tokens, jnp.float32),
+            jnp.zeros((num_tokens, width), jnp.int32),
+            jnp.zeros((num_tokens, width), jnp.float32),
+        )
+
+    if params.want_prompt_logprobs is None:  # static: a batch built without the fields
+        return skip()
+    return jax.lax.cond(params.want_prompt_logprobs, compute, skip)
 
 
 def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:

@@ -44,6 +44,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # stop even when ignore_eos is set
     ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n
+    # The same for every prompt token after the first (the first has none): the model's
+    # log-probability of it given the tokens before, and the top n. Such a request computes its
+    # whole prompt (no prefix-cache hit), since a cached token's logits are never made.
+    prompt_logprobs: int | None = None
     # Added to the token's logit before sampling (and before the logprobs), {token id: bias}.
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
@@ -86,6 +90,13 @@ class SamplingParams:
             raise ValueError(f"{seed=} must be None or an integer in [0, {SEED_LIMIT}).")
         if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"{logprobs=} must be None or an integer in [0, {MAX_LOGPROBS}].")
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None and (
+            not _is_int(prompt_logprobs) or not 0 <= prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"{prompt_logprobs=} must be None or an integer in [0, {MAX_LOGPROBS}]."
+            )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False.")
         for name in ("presence_penalty", "frequency_penalty"):

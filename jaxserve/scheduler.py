@@ -435,8 +435,12 @@ class Scheduler:
             plan.add(self._scheduled(req, n))
 
     def _match_prefix(self, req: Request) -> list[int]:
-        """Cached pages holding the longest prefix of `req`'s tokens (none without the cache)."""
-        if self._hasher is None:
+        """Cached pages holding the longest prefix of `req`'s tokens (none without the cache).
+
+        None either for a request asking for prompt logprobs: a cached token's logits are never
+        computed, and it needs every prompt token's.
+        """
+        if self._hasher is None or req.sampling_params.prompt_logprobs is not None:
             return []
         hashes = req.page_hashes
         start = len(hashes) * self.config.page_size
