@@ -25,6 +25,7 @@ import numpy as np
 from checkpoints.loaded import LoadedModel, layer_loop_of, model_for
 from jaxserve.batch import SeqChunk, StepBatch, pack_chunks
 from jaxserve.kv_pages import KVPages, init_kv_pages
+from jaxserve.models.attention import warm_up_batches
 from jaxserve.multihost import StepLink, is_leader
 from jaxserve.sampling import (
     PenaltyState,
@@ -271,6 +272,14 @@ class ModelRunner:
             )
             # Every process compiles the same buckets in the same order: nothing to send.
             out = self._dispatch(batch, SamplingBatch.empty(num_seqs))
+            # Then once through the branches an all-padding batch skips (XLA:CPU sets a branch's
+            # kernels up on its first run), writing nothing: the first real step of a bucket
+            # then costs what later ones do.
+            shape = dict(page_size=self.config.page_size, num_pages=self.config.num_pages)
+            for warm in warm_up_batches(
+                num_tokens, num_seqs, pages_per_seq=self.config.pages_per_seq, **shape
+            ):
+                out = self._dispatch(warm, SamplingBatch.empty(num_seqs))
             jax.block_until_ready(out.token_ids)
         if self.lockstep is not None:
             self.lockstep.warm_up()
