@@ -135,6 +135,12 @@ class Scheduler:
             if config.enable_prefix_caching
             else None
         )
+        # Prefix cache: full pages that a running request will compute and publish, by hash, and
+        # the hashes each request registered. A waiting request whose next uncached page is one
+        # of them waits for it instead of computing it a second time (the n samples of one
+        # prompt, a burst of requests with one system prompt).
+        self._computing: dict[bytes, Request] = {}
+        self._registered: dict[str, list[bytes]] = {}
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._keys: dict[str, tuple] = {}  # admission order; the largest key is preempted first
         self._counter = itertools.count()
@@ -415,6 +421,8 @@ class Scheduler:
             if req.request_id in plan.preempted or req.num_pending:
                 return
             hit = self._match_prefix(req)
+            if self._waits_for_prefix(req, hit):
+                return
             computed = len(hit) * self.config.page_size
             # The budget counts only the tokens still to compute, not those the cache serves.
             n = self._chunk_len(req, plan.budget, computed)
@@ -424,6 +432,7 @@ class Scheduler:
             queue.pop()
             if self._hasher is not None:
                 self.kv.record_query(req.num_tokens, computed)
+                self._register_computing(req, len(hit))
             req.num_computed_tokens = computed
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = min(computed, req.num_prompt_tokens)
@@ -447,6 +456,31 @@ class Scheduler:
         if req.num_tokens - start >= self.config.page_size:
             self._hasher.extend(hashes, req.token_ids(start, req.num_tokens), req.cache_salt)
         return self.kv.match(hashes, req.num_tokens)
+
+    def _waits_for_prefix(self, req: Request, hit: list[int]) -> bool:
+        """Whether another running request is computing `req`'s next uncached full page now.
+
+        Then `req` waits (and, at the head of the queue, so does everything behind it: no one
+        is passed) until that request publishes the page, and takes it from the cache: its
+        prompt is computed once, not once per request, at the price of starting a few steps
+        later. Computing it twice at once would cost the same steps on a busy device anyway.
+        """
+        hashes = req.page_hashes
+        if len(hit) >= len(hashes):
+            return False
+        owner = self._computing.get(hashes[len(hit)])
+        return owner is not None and owner is not req and owner.status == RequestStatus.RUNNING
+
+    def _register_computing(self, req: Request, num_hit: int) -> None:
+        """Marks the full pages `req` computes from page `num_hit` on as being computed by it."""
+        mine = [h for h in req.page_hashes[num_hit:] if self._computing.setdefault(h, req) is req]
+        if mine:
+            self._registered[req.request_id] = mine
+
+    def _unregister_computing(self, req: Request, hashes) -> None:
+        for h in hashes:
+            if self._computing.get(h) is req:
+                del self._computing[h]
 
     def _make_room(self, req: Request, num_tokens: int, hit: list[int], plan: _Plan) -> bool:
         """A slot and the pages of `num_tokens` for waiting `req`, allocated, starting with the
@@ -571,6 +605,8 @@ class Scheduler:
             start = len(hashes) * ps
             self._hasher.extend(hashes, req.token_ids(start, full * ps), req.cache_salt)
         self.kv.publish(req.request_id, hashes, full * ps)
+        if req.request_id in self._registered:  # published now: others take them from the cache
+            self._unregister_computing(req, hashes[:full])
 
     def _check_result(self, plan: SchedulerOutput, result: StepResult) -> None:
         # Checked before anything changes, so a runner bug cannot leave half an update behind.
@@ -623,6 +659,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Gives back a running request's pages and slot."""
         self.kv.free(req.request_id)
+        self._unregister_computing(req, self._registered.pop(req.request_id, ()))
         heapq.heappush(self._free_slots, req.slot)
         req.slot = None
         self._running.remove(req)
@@ -649,6 +686,13 @@ class Scheduler:
                 or self.kv.num_pages_of(req.request_id)
             ):
                 raise AssertionError(f"Queued request {req.request_id!r} holds a slot or pages.")
+        for h, owner in self._computing.items():
+            if owner.status != RequestStatus.RUNNING or h not in self._registered.get(
+                owner.request_id, ()
+            ):
+                raise AssertionError(
+                    f"Request {owner.request_id!r} computes a page but is not running."
+                )
         ids = [r.request_id for r in [*self._running, *queued]]
         if len(ids) != len(set(ids)) or set(ids) != set(self._requests):
             raise AssertionError("Every unfinished request must be running or queued, once.")
