@@ -113,6 +113,14 @@ class _Plan:
     budget: int
     seqs: dict[str, ScheduledSeq] = dataclasses.field(default_factory=dict)
     preempted: list[str] = dataclasses.field(default_factory=list)
+    limit: int = dataclasses.field(init=False)  # the step's whole budget: `budget` at creation
+
+    def __post_init__(self):
+        self.limit = self.budget
+
+    @property
+    def num_tokens(self) -> int:
+        return self.limit - self.budget
 
     def add(self, seq: ScheduledSeq) -> None:
         self.seqs[seq.request_id] = seq
@@ -157,6 +165,9 @@ class Scheduler:
         self._outstanding: collections.deque[SchedulerOutput] = collections.deque()
         self._step = 0
         self.num_preemptions = 0  # total, for metrics
+        # SLO-aware scheduling (slo_policy.attach): (running, waiting, now) -> this step's token
+        # budget (it may also abort waiting requests). None: every step gets the whole budget.
+        self.step_budget = None
 
     # Gauges, for metrics and tests.
     @property
@@ -274,10 +285,13 @@ class Scheduler:
         Earlier plans may still await their update() (asynchronous scheduling, module docstring).
         """
         now = _now(now)
+        budget = self.config.max_num_batched_tokens
+        if self.step_budget is not None:  # before the aborts: the requests it sheds go now
+            budget = min(budget, self.step_budget(self._running, self._waiting, now))
         aborted = self._apply_aborts(now)
         if self.config.batching != "continuous":
             self._form_group(now)
-        plan = _Plan(budget=self.config.max_num_batched_tokens)
+        plan = _Plan(budget=budget)
         self._schedule_running(plan)
         if not plan.preempted:  # pages are short: admitting now would only preempt again
             self._admit(plan, now)
@@ -286,7 +300,7 @@ class Scheduler:
         self._step += 1
         out = SchedulerOutput(
             seqs=list(plan.seqs.values()),
-            num_batched_tokens=self.config.max_num_batched_tokens - plan.budget,
+            num_batched_tokens=plan.num_tokens,
             preempted_ids=plan.preempted,
             aborted_ids=aborted,
             step=self._step,
@@ -525,7 +539,7 @@ class Scheduler:
         prompt then samples one step later: the price, paid only for halving the padding.
         A chunk cut by the budget needs none of this: it fills the budget, the largest bucket.
         """
-        total = self.config.max_num_batched_tokens - plan.budget
+        total = plan.num_tokens
         lower = upper = None
         for bucket in self.config.token_buckets:
             if bucket <= total:
