@@ -1,0 +1,140 @@
+"""SLO-aware scheduling with a fake cost model: decodes keep their TPOT, nothing starves, and
+without an SLO the scheduler plans exactly as before (no JAX)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.bench.workload import LengthMix, mixed_workloads
+from jaxserve.engine_config import EngineConfig
+from jaxserve.request import Request
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.simulator import build_scheduler, simulate
+from jaxserve.slo_policy import SloPolicy, attach
+from tests.unit.test_simulator import BUCKETS, fake_cost
+
+# A step costs 2 ms + 0.1 ms per token: a full 64-token step 8.4 ms, a 32-token one 5.2 ms.
+COST = fake_cost(fixed=2e-3, per_token=1e-4)
+TPOT = 6e-3  # with headroom 0.9: 5.4 ms, so steps of at most 32 tokens while decodes run
+BASE = EngineConfig(
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    max_model_len=256,
+    tpot_slo_s=TPOT,
+    cost_model="fake.json",
+)
+
+
+class RecordingCost:
+    """The fake cost model, remembering every plan it priced (the simulator prices each once)."""
+
+    def __init__(self, cost):
+        self.cost, self.priced = cost, []
+
+    def __getattr__(self, name):
+        return getattr(self.cost, name)
+
+    def predict_plan(self, plan):
+        seconds = self.cost.predict_plan(plan)
+        decodes = sum(
+            len(s.token_ids) == 1 and s.start_pos >= s.request.num_prompt_tokens for s in plan.seqs
+        )
+        self.priced.append((plan.num_batched_tokens, decodes, seconds))
+        return seconds
+
+
+def _traffic(rate=400.0, n=60):
+    mix = LengthMix(prompt_range=(16, 128), output_range=(4, 48))
+    return mixed_workloads([rate], num_requests=n, mix=mix, seed=3)[0]
+
+
+def test_steps_with_decodes_stay_within_the_tpot_target():
+    w = _traffic()
+    today = RecordingCost(COST)
+    simulate(w, BASE, today)
+    # Without the policy, steps beside decodes take the whole 64-token budget: too slow.
+    assert max(s for _, d, s in today.priced if d) > TPOT
+    aware = RecordingCost(COST)
+    result = simulate(w, BASE.replace(slo_scheduling=True), aware)
+    with_decodes = [s for _, d, s in aware.priced if d]
+    assert with_decodes and max(with_decodes) <= TPOT
+    # Prefill still shares steps with decodes (the cap is not "decodes only").
+    assert any(t > d for t, d, _ in aware.priced if d)
+    assert len(result.records) == len(w.requests)
+
+
+def test_no_request_starves_and_fcfs_order_holds():
+    w = _traffic(rate=2000.0, n=80)  # a burst: the queue is long while decodes run
+    result = simulate(w, BASE.replace(slo_scheduling=True, ttft_slo_s=0.05), COST)
+    lengths = {s.request_id: s.max_tokens for s in w.requests}
+    assert {r.request_id: r.output_len for r in result.records} == lengths
+    by_arrival = sorted(result.records, key=lambda r: (r.arrival, int(r.request_id.split("-")[1])))
+    starts = [r.first_scheduled for r in by_arrival]
+    assert starts == sorted(starts)  # FCFS: nobody overtaken, so nobody starved
+
+
+def test_without_slo_scheduling_plans_are_unchanged():
+    w = _traffic()
+    off = RecordingCost(COST)
+    simulate(w, BASE, off)
+    sched = build_scheduler(BASE, COST, 256)
+    assert sched.step_budget is None and attach(sched, BASE, COST) is None
+    # A target so loose that the cap never binds must not change a single plan either.
+    loose = RecordingCost(COST)
+    simulate(w, BASE.replace(slo_scheduling=True, tpot_slo_s=10.0), loose)
+    assert loose.priced == off.priced
+
+
+def _running_decodes(n: int, context: int) -> list[Request]:
+    reqs = []
+    for i in range(n):
+        r = Request(
+            request_id=f"d{i}",
+            prompt_token_ids=[5] * context,
+            sampling_params=SamplingParams(max_tokens=50, ignore_eos=True),
+            arrival_time=0.0,
+        )
+        r.output_token_ids.append(7)
+        r.num_computed_tokens = r.num_tokens - 1  # decoding: one token left to run
+        reqs.append(r)
+    return reqs
+
+
+def _policy(**kw) -> SloPolicy:
+    args = dict(
+        tpot_s=TPOT, ttft_s=None, token_buckets=BUCKETS, max_num_batched_tokens=64, headroom=0.9
+    )
+    return SloPolicy(COST, **{**args, **kw})
+
+
+def test_budget_is_the_largest_bucket_within_target():
+    assert _policy()(_running_decodes(4, 20), [], now=1.0) == 32
+    assert _policy()([], [], now=1.0) == 64  # no decodes: nothing to protect
+    # Decodes alone past the target: their own bucket still runs (padding filled), no less.
+    slow = _policy(tpot_s=1e-3)
+    assert slow(_running_decodes(5, 20), [], now=1.0) == 8
+
+
+def test_ttft_at_risk_gets_the_smallest_budget_that_meets_it():
+    waiting = Request(
+        request_id="w",
+        prompt_token_ids=[5] * 120,
+        sampling_params=SamplingParams(max_tokens=8),
+        arrival_time=1.0,
+    )
+    decodes = _running_decodes(4, 20)
+    # Capped at 32 tokens (28 of prefill), 120 tokens take 5 steps of 5.2 ms = 26 ms; with the
+    # whole 64 (60 of prefill), 2 steps of 8.4 ms = 16.8 ms.
+    policy = _policy(ttft_s=0.02)
+    assert policy(decodes, [waiting], now=1.0) == 64
+    assert policy.num_boosted == 1
+    assert _policy(ttft_s=0.05)(decodes, [waiting], now=1.0) == 32  # in time anyway
+    # Already too late for any budget: no boost, the decodes keep their TPOT.
+    assert _policy(ttft_s=0.02)(decodes, [waiting], now=1.01) == 32
+
+
+def test_policy_rejects_bad_targets():
+    with pytest.raises(ValueError, match="TPOT target"):
+        _policy(tpot_s=0.0)
+    with pytest.raises(ValueError, match="needs a TPOT target"):
+        EngineConfig(slo_scheduling=True, cost_model="x.json")
