@@ -19,6 +19,9 @@ MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but fo
 MAX_ABS_PENALTY = 2.0  # OpenAI's range of presence_penalty and frequency_penalty
 MAX_REPETITION_PENALTY = 10.0  # well past any useful value; bounds the division's blow-up
 SEED_LIMIT = 2**32  # seeds become uint32 PRNG key data on the device
+# Each beam asks the engine for its 2 * beam_width most likely next tokens, as logprobs, and
+# the engine returns at most MAX_LOGPROBS of them.
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 
 
 def _is_int(value: object) -> bool:
@@ -57,6 +60,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # Over prompt and generated tokens: positive logits divided by it, negative ones multiplied.
     repetition_penalty: float = 1.0
+    # Beam search (jaxserve/beam_search.py) when > 1: the output is the best of beam_width beams,
+    # ranked by cumulative logprob / (generated tokens ** length_penalty).
+    beam_width: int = 1
+    length_penalty: float = 1.0
 
     def __post_init__(self):
         # Lists are accepted for convenience but stored as tuples, so params stay hashable.
@@ -70,6 +77,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple((t, v) for t, v in bias))
         self._check_numbers()
         self._check_stops()
+        self._check_beam()
         penalized = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
         object.__setattr__(self, "_has_penalties", bool(penalized))
 
@@ -145,6 +153,41 @@ class SamplingParams:
         for t in stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"{stop_token_ids=} must hold integers >= 0; {t!r} is not.")
+
+    def _check_beam(self) -> None:
+        beam_width, length_penalty = self.beam_width, self.length_penalty
+        if not _is_int(beam_width) or not 1 <= beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(
+                f"{beam_width=} must be an integer in [1, {MAX_BEAM_WIDTH}] (1 turns beam search "
+                "off)."
+            )
+        if not _is_real(length_penalty) or not math.isfinite(length_penalty):
+            raise ValueError(f"{length_penalty=} must be a finite number.")
+        if beam_width == 1:
+            return
+        # The search ranks beams by the model's own logprobs (temperature 1) and is
+        # deterministic: 1 (the default) and 0 both name that; anything else would be ignored.
+        conflicts = {
+            "temperature": self.temperature not in (0, 1),
+            "top_k": self.top_k != 0,
+            "top_p": self.top_p != 1,
+            "min_p": self.min_p != 0,
+            "stop": bool(self.stop),
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "logit_bias": bool(self.logit_bias),
+            "min_tokens": self.min_tokens != 0,
+            "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0,
+            "repetition_penalty": self.repetition_penalty != 1,
+        }
+        bad = [f"{name}={getattr(self, name)!r}" for name, on in conflicts.items() if on]
+        if bad:
+            raise ValueError(
+                f"{beam_width=} (beam search) cannot be combined with {', '.join(bad)}: the "
+                "search is deterministic over the model's logprobs (temperature 0 or 1, no "
+                "filters, penalties, bias, min_tokens, stop strings or logprobs)."
+            )
 
     @property
     def greedy(self) -> bool:
