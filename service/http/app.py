@@ -81,6 +81,9 @@ class _Job:
     prompt_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None  # for echo
+    # echo with max_tokens=0: the prompt scored, nothing generated. The engine samples one token
+    # anyway (in the step that ends the prompt, so it costs no extra step); it is not shown.
+    scoring_only: bool = False
 
 
 @dataclasses.dataclass
@@ -90,6 +93,7 @@ class _Choice:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: list[str] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     last: RequestOutput | None = None
 
 
@@ -321,10 +325,21 @@ class OpenAIFrontEnd:
                 "best_of",
             )
         prompts = await self._completion_prompts(body.prompt)
-        sampling = self._sampling_fields(body, body.max_tokens)
+        scoring_only = body.max_tokens == 0
+        if scoring_only and not body.echo:
+            raise InvalidRequest(
+                "max_tokens=0 asks for no output; it is allowed only with echo=true (to score "
+                "the prompt with logprobs). Send max_tokens >= 1.",
+                "max_tokens",
+            )
+        sampling = self._sampling_fields(body, 1 if scoring_only else body.max_tokens)
         if body.logprobs is not None:
             sampling["logprobs"] = body.logprobs
+            if body.echo:  # the prompt's tokens come first in the logprobs, as OpenAI sends them
+                sampling["prompt_logprobs"] = body.logprobs
         jobs = self._jobs(prompts, body, sampling, fields)
+        for job in jobs:
+            job.scoring_only = scoring_only
         cid = f"cmpl-{uuid.uuid4().hex}"
         fields.update(id=cid, prompts=len(prompts), n=body.n, stream=body.stream)
         pumps = await self._start(request, jobs, body.priority)
@@ -517,23 +532,28 @@ class OpenAIFrontEnd:
         return choices
 
     def _usage(self, jobs: list[_Job], choices: list[_Choice]) -> dict:
-        outputs = [c.last.num_output_tokens for c in choices]
+        outputs = [0 if j.scoring_only else choices[j.index].last.num_output_tokens for j in jobs]
         return self._stream_usage(jobs, outputs)
 
     def _completion_choice(self, job: _Job, c: _Choice, body) -> dict:
-        text = "".join(c.text)
+        text, entries, ids = "".join(c.text), list(c.logprobs), list(c.token_ids)
+        if job.scoring_only:
+            text, entries, ids = "", [], []
         prefix = self._echo_text(job) if body.echo else ""
         logprobs = None
         if body.logprobs is not None:
-            entries, ids = list(c.logprobs), list(c.token_ids)
+            # The output's offsets count from the end of the echoed text, as when streamed.
+            logprobs = protocol.completion_logprobs(entries, ids, self._token_text, len(prefix))
             if body.echo:
-                entries, ids = [None] * len(job.prompt_ids) + entries, job.prompt_ids + ids
-            logprobs = protocol.completion_logprobs(entries, ids, self._token_text, 0)
+                echoed = protocol.completion_logprobs(
+                    _prompt_entries(job, c.prompt_logprobs), job.prompt_ids, self._token_text, 0
+                )
+                logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
         return {
             "index": job.index,
             "text": prefix + text,
             "logprobs": logprobs,
-            "finish_reason": c.last.finish_reason,
+            "finish_reason": _finish_reason(job, c.last),
         }
 
     def _echo_text(self, job: _Job) -> str:
@@ -546,20 +566,27 @@ class OpenAIFrontEnd:
         head = {**head}
         offsets = [0] * len(jobs)
         outputs = [0] * len(jobs)
+        echoed = [not body.echo] * len(jobs)
         try:
-            if body.echo:
-                for job in jobs:
+            async for index, out in pumps:
+                _fail_if_error(out)
+                job = jobs[index]
+                if not echoed[index]:  # the prompt first; its logprobs come with the first output
+                    echoed[index] = True
                     text = self._echo_text(job)
                     lp = None
                     if body.logprobs is not None:
-                        entries = [None] * len(job.prompt_ids)
+                        entries = _prompt_entries(job, out.prompt_logprobs)
                         lp = protocol.completion_logprobs(
                             entries, job.prompt_ids, self._token_text, 0
                         )
-                    offsets[job.index] = len(text)
-                    yield _chunk(head, include_usage, _text_choice(job.index, text, lp, None))
-            async for index, out in pumps:
-                _fail_if_error(out)
+                    offsets[index] = len(text)
+                    yield _chunk(head, include_usage, _text_choice(index, text, lp, None))
+                if job.scoring_only:
+                    if out.finished:
+                        choice = _text_choice(index, "", None, _finish_reason(job, out))
+                        yield _chunk(head, include_usage, choice)
+                    continue
                 lp = None
                 if body.logprobs is not None and out.logprobs:
                     lp = protocol.completion_logprobs(
@@ -688,7 +715,23 @@ def _add(choice: _Choice, out: RequestOutput) -> None:
     choice.token_ids += out.new_token_ids
     choice.text.append(out.text_delta)
     choice.logprobs += out.logprobs or []
+    if out.prompt_logprobs is not None:
+        choice.prompt_logprobs = out.prompt_logprobs
     choice.last = out
+
+
+def _prompt_entries(job: _Job, entries: list[TokenLogprob | None] | None) -> list:
+    """The prompt's logprob entries (None for the first token; all None if none came back, as
+    for a request that ended before its prompt was computed)."""
+    return list(entries) if entries is not None else [None] * len(job.prompt_ids)
+
+
+def _finish_reason(job: _Job, out: RequestOutput) -> str | None:
+    # Scoring only: the token sampled past the prompt is not shown, so the output stopped at
+    # its length (0), whatever ended the engine's request.
+    if job.scoring_only and out.finish_reason not in (None, "abort", "error"):
+        return "length"
+    return out.finish_reason
 
 
 def _fail_if_error(out: RequestOutput) -> None:
