@@ -42,6 +42,7 @@ from jaxserve.sampling import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
 from jaxserve.sharding import ShardingPlan, make_mesh
+from jaxserve.slo_policy import attach_to_engine
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,7 @@ class Engine:
             seq_bucket_for=rc.seq_bucket_for,
         )
         self.metrics = EngineMetrics(config.ttft_slo_s, config.tpot_slo_s)
+        self.slo_policy = attach_to_engine(self)  # SLO-aware scheduling, when configured
         self._tracked: dict[str, _Tracked] = {}
         # Dispatched plans awaiting their update, oldest first: at most two (the one being
         # taken in and the one just dispatched ahead of it).
