@@ -36,10 +36,20 @@ class LLM:
         self,
         prompts: Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_logprobs: int | None = None,
     ) -> list[Completion]:
-        """Generates for every prompt; results come back in the prompts' order."""
+        """Generates for every prompt; results come back in the prompts' order.
+
+        `prompt_logprobs=k` sets SamplingParams.prompt_logprobs on every request (each prompt
+        token's logprob and top k in `Completion.prompt_logprobs`).
+        """
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if prompt_logprobs is not None:
+            sampling_params = [
+                dataclasses.replace(p, prompt_logprobs=prompt_logprobs) for p in sampling_params
+            ]
         if len(sampling_params) != len(prompts):
             raise ValueError(
                 f"Got {len(sampling_params)} SamplingParams for {len(prompts)} prompts."

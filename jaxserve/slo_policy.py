@@ -19,6 +19,10 @@ and returns the step's token budget:
   prefill started now with the whole budget is refused (aborted: finish reason "abort") before
   it takes any of the capacity the requests that can still be good need.
 
+The cost model was measured once; the machine's pace changes (a neighbour takes a core). The
+policy therefore scales every prediction by the running average of the measured over the
+predicted time of the steps it sees (`SloPolicy.scale`).
+
 Nothing starves: the cap never stops decodes, decodes always finish (max_tokens), and when none
 run the budget is whole, so the queue drains in policy order. With no SLO, or with
 `EngineConfig.slo_scheduling` off, nothing is attached and the scheduler plans as before.
@@ -66,11 +70,17 @@ class SloPolicy:
         self.shed = shed
         self.num_capped = self.num_boosted = 0  # steps, for stats and tests
         self.num_shed = 0  # requests
+        # How much slower than the cost model the machine runs now (a busier neighbour, another
+        # clock speed): an average of measured over predicted step time, see _learn_scale.
+        self.scale = 1.0
+        self._computed: dict[str, int] = {}  # num_computed_tokens of each running request
+        self._last_call: float | None = None  # `now` of the last call that had work
 
     def __call__(self, running: Sequence[Request], waiting: Iterable[Request], now: float) -> int:
         decodes = decode_pairs = 0
         spans: list[tuple[int, int]] = []  # (cached, left) of partial prefills, in plan order
         first = None  # the next request to get its first token
+        self._learn_scale(running, waiting, now)
         for req in running:
             left = req.num_tokens - req.num_computed_tokens
             if left == 1:
@@ -82,7 +92,8 @@ class SloPolicy:
                     first = req
 
         def step_s(budget: int) -> float:
-            return self.cost.predict(budget, decode_pairs + _prefill_pairs(spans, budget - decodes))
+            pairs = decode_pairs + _prefill_pairs(spans, budget - decodes)
+            return self.scale * self.cost.predict(budget, pairs)
 
         if self.shed is not None and self.ttft_s is not None:
             waiting = self._shed_late(waiting, decodes, step_s, now)
@@ -103,6 +114,33 @@ class SloPolicy:
                 self.num_boosted += 1
                 return boosted
         return budget
+
+    def _learn_scale(self, running: Sequence[Request], waiting, now: float) -> None:
+        """Moves `scale` towards the measured over the predicted time of the last step.
+
+        The last step is the interval since the last call (the scheduler plans once per step),
+        and what it ran is how far each running request advanced since then, so no hook in the
+        engine is needed. A ratio beyond [0.1, 10] is an idle gap or a stall, not the machine's
+        pace, and is ignored; the average moves by a tenth per step, so one slow step does not
+        swing the budget.
+        """
+        tokens = pairs = 0
+        computed = {}
+        for req in running:
+            c = req.num_computed_tokens
+            prev = self._computed.get(req.request_id, 0)
+            if c > prev:
+                n = c - prev
+                tokens += n
+                pairs += n * prev + n * (n + 1) // 2
+            computed[req.request_id] = c
+        self._computed = computed
+        last, self._last_call = self._last_call, now if (running or waiting) else None
+        if last is None or tokens == 0 or now <= last:
+            return
+        ratio = (now - last) / self.cost.predict(tokens, pairs)
+        if 0.1 <= ratio <= 10:
+            self.scale = min(8.0, max(0.25, 0.9 * self.scale + 0.1 * ratio))
 
     def _shed_late(self, waiting, decodes: int, step_s, now: float) -> list[Request]:
         """Refuses the waiting requests that would miss the TTFT target even if their prefill

@@ -138,3 +138,26 @@ def test_policy_rejects_bad_targets():
         _policy(tpot_s=0.0)
     with pytest.raises(ValueError, match="needs a TPOT target"):
         EngineConfig(slo_scheduling=True, cost_model="x.json")
+
+
+def test_policy_learns_that_the_machine_runs_slower_than_measured():
+    policy = _policy()
+    decodes = _running_decodes(4, 20)
+    assert policy(decodes, [], now=0.0) == 32
+    # Each call after a step in which the 4 decodes advanced by one token. The model says such a
+    # step takes 2.4 ms; the machine takes 3x that, so a 32-token step (5.2 ms) no longer fits.
+    now = 0.0
+    for _ in range(40):
+        for r in decodes:
+            r.output_token_ids.append(7)
+            r.num_computed_tokens += 1
+        now += 3 * 2.4e-3
+        budget = policy(decodes, [], now=now)
+    assert policy.scale == pytest.approx(3.0, rel=0.05)
+    assert budget == 4  # the decodes' own bucket: even 8 tokens (5.4 ms) would not fit now
+    # An idle gap (50x the step) says nothing about the machine's pace: ignored.
+    for r in decodes:
+        r.output_token_ids.append(7)
+        r.num_computed_tokens += 1
+    policy(decodes, [], now=now + 50 * 2.4e-3)
+    assert policy.scale == pytest.approx(3.0, rel=0.05)
