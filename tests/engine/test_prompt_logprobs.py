@@ -95,8 +95,9 @@ def test_short_prompt_k0_and_one_token_prompt(stories_engine, hf_model):
     engine = stories_engine
     ids = engine.encode("Once upon a time")
     llm = LLM(engine=engine)
+    # As vLLM's users write it: LLM.generate(..., prompt_logprobs=k).
     short, single = llm.generate(
-        [ids, ids[:1]], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0)
+        [ids, ids[:1]], SamplingParams(max_tokens=2, temperature=0.0), prompt_logprobs=0
     )
     check_against_hf(short.prompt_logprobs, ids, hf_log_softmax(hf_model, ids), 0)
     assert single.prompt_logprobs == [None]
