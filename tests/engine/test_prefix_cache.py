@@ -86,7 +86,13 @@ def test_prompts_sharing_0_1_several_or_all_full_pages_give_the_uncached_outputs
     got = _serve(cached, batches)
     _assert_same(got, want)
     for rid, (_, _, num_cached) in got.items():
-        expect = 0 if rid == "warm" else shares[rid.rsplit("-", 1)[0]][1]
+        name, kind = rid.rsplit("-", 1) if rid != "warm" else ("warm", "")
+        expect = 0 if rid == "warm" else shares[name][1]
+        if kind == "seeded":
+            # Added just after the greedy query of the same prompt: it waits for that one's
+            # pages (computed once, scheduler._waits_for_prefix) and takes every full page that
+            # leaves its last prompt token to compute.
+            expect = (len(shares[name][0]) - 1) // PAGE * PAGE
         assert num_cached == expect, rid
     assert all(num_cached == 0 for _, _, num_cached in want.values())
     assert cached.metrics.stats.compiles_after_warmup == 0  # hits move positions, not shapes
@@ -182,3 +188,19 @@ def test_the_grpc_usage_carries_the_cached_prompt_tokens(cached):
         (3 * PAGE + 5, 0),
         (3 * PAGE + 5, 3 * PAGE),
     ]
+
+
+def test_samples_of_one_prompt_sent_together_compute_it_once(cached, uncached):
+    # Four seeded samples of one 40-token prompt, added at once (as n=4 is served): the first
+    # computes the prompt, the others wait for its 2 full pages and compute only the last 8.
+    prompt = _ids(random.Random(7), 40)
+    batch = [
+        (f"n{i}", prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=50 + i, logprobs=0))
+        for i in range(4)
+    ]
+    before = cached.metrics.stats.prompt_tokens
+    got, want = _serve(cached, [batch]), _serve(uncached, [batch])
+    _assert_same(got, want)
+    assert [got[f"n{i}"][2] for i in range(4)] == [0, 2 * PAGE, 2 * PAGE, 2 * PAGE]
+    # Each request's sampling step counts its last prompt token as generated, not prompt.
+    assert cached.metrics.stats.prompt_tokens - before == 39 + 3 * 7
