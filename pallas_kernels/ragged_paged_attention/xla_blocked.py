@@ -26,6 +26,17 @@ best of 5, one layer of smollm2-135m's attention (9 heads, 3 KV heads, head_dim 
 Tile sizes: 32x128 to 256x512 were within noise of each other on prefill; 128 rows x 256 keys
 keeps loop trips few. Decode blocks: 16 or 32 keys ran 2-6x faster than 128 or 256 (the gathered
 block stays in cache between the gather and its two matmuls), and 32 halves the trips of 16.
+
+Most of a decode block's time is the gather of its K and V pages fused with a transpose into the
+matmuls' batch-major layout ([S, kv head, d, keys] for K). Formulations that avoid that transpose
+were slower still, each against this loop in one process (one layer of smollm2-135m, S = 1, 16
+and 64 at context 140-300, CPU-seconds, loaded machine), so none replaced it: multiply-and-sum
+scores and PV with no matmul (1.1-1.6x slower at S >= 16), one matmul over all heads with K as
+the left operand and cross-head scores masked (1.2-1.5x), K @ q^T per KV head keeping d minor
+(1.4-1.6x), a 2D row gather of whole pages (1.1-1.2x; 1.8x faster alone, not once fused), and
+blocks of 16, 64 or 128 keys under each of them. Beware when trying more: XLA:CPU 0.10.2 (YNN
+fusions) miscompiled the multiply-and-sum form when q was reshaped [S, H, d] -> [S, Hkv, g, d]
+inside the fusion (every head but the first of each group wrong; right under disable_jit).
 """
 
 from __future__ import annotations
