@@ -340,6 +340,9 @@ class OpenAIFrontEnd:
         jobs = self._jobs(prompts, body, sampling, fields)
         for job in jobs:
             job.scoring_only = scoring_only
+            if job.sample > 0 and job.params.prompt_logprobs is not None:
+                # The n samples of a prompt share its logprobs: the first sample computes them.
+                job.params = dataclasses.replace(job.params, prompt_logprobs=None)
         cid = f"cmpl-{uuid.uuid4().hex}"
         fields.update(id=cid, prompts=len(prompts), n=body.n, stream=body.stream)
         pumps = await self._start(request, jobs, body.priority)
@@ -351,7 +354,12 @@ class OpenAIFrontEnd:
         choices = await self._unless_gone(request, self._collect(pumps, len(jobs)))
         return {
             **head,
-            "choices": [self._completion_choice(job, choices[job.index], body) for job in jobs],
+            "choices": [
+                self._completion_choice(
+                    job, choices[job.index], body, choices[_first_sample(job)].prompt_logprobs
+                )
+                for job in jobs
+            ],
             "usage": self._usage(jobs, choices),
         }
 
@@ -535,7 +543,7 @@ class OpenAIFrontEnd:
         outputs = [0 if j.scoring_only else choices[j.index].last.num_output_tokens for j in jobs]
         return self._stream_usage(jobs, outputs)
 
-    def _completion_choice(self, job: _Job, c: _Choice, body) -> dict:
+    def _completion_choice(self, job: _Job, c: _Choice, body, prompt_logprobs) -> dict:
         text, entries, ids = "".join(c.text), list(c.logprobs), list(c.token_ids)
         if job.scoring_only:
             text, entries, ids = "", [], []
@@ -546,7 +554,7 @@ class OpenAIFrontEnd:
             logprobs = protocol.completion_logprobs(entries, ids, self._token_text, len(prefix))
             if body.echo:
                 echoed = protocol.completion_logprobs(
-                    _prompt_entries(job, c.prompt_logprobs), job.prompt_ids, self._token_text, 0
+                    _prompt_entries(job, prompt_logprobs), job.prompt_ids, self._token_text, 0
                 )
                 logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
         return {
@@ -567,6 +575,9 @@ class OpenAIFrontEnd:
         offsets = [0] * len(jobs)
         outputs = [0] * len(jobs)
         echoed = [not body.echo] * len(jobs)
+        # Every choice's first output is in by now (_Pumps.first_outputs), so each choice's
+        # echo can carry its prompt's logprobs, which came with its prompt's first sample.
+        prompt_logprobs = {i: out.prompt_logprobs for i, out in pumps.firsts.items()}
         try:
             async for index, out in pumps:
                 _fail_if_error(out)
@@ -576,7 +587,7 @@ class OpenAIFrontEnd:
                     text = self._echo_text(job)
                     lp = None
                     if body.logprobs is not None:
-                        entries = _prompt_entries(job, out.prompt_logprobs)
+                        entries = _prompt_entries(job, prompt_logprobs[_first_sample(job)])
                         lp = protocol.completion_logprobs(
                             entries, job.prompt_ids, self._token_text, 0
                         )
@@ -648,6 +659,7 @@ class _Pumps:
     def __init__(self, async_engine, jobs: list[_Job], priority: int):
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffer: list[tuple[int, RequestOutput]] = []
+        self.firsts: dict[int, RequestOutput] = {}  # each choice's first output
         self._open = len(jobs)
         rid = uuid.uuid4().hex[:16]
         self._tasks = [
@@ -681,6 +693,7 @@ class _Pumps:
             if isinstance(item, BaseException):
                 raise item
             seen.add(index)
+            self.firsts.setdefault(index, item)
             self._buffer.append((index, item))
 
     async def __aiter__(self):
@@ -724,6 +737,11 @@ def _prompt_entries(job: _Job, entries: list[TokenLogprob | None] | None) -> lis
     """The prompt's logprob entries (None for the first token; all None if none came back, as
     for a request that ended before its prompt was computed)."""
     return list(entries) if entries is not None else [None] * len(job.prompt_ids)
+
+
+def _first_sample(job: _Job) -> int:
+    """The choice index of sample 0 of `job`'s prompt (a prompt's samples are consecutive)."""
+    return job.index - job.sample
 
 
 def _finish_reason(job: _Job, out: RequestOutput) -> str | None:

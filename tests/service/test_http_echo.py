@@ -147,6 +147,19 @@ def test_echo_logprobs_for_several_prompts_and_bad_values(client, server, engine
     check_prompt_part(full, reference, engine)
     assert short.token_logprobs[1:4] == pytest.approx(full.token_logprobs[1:4], abs=1e-5)
     assert len(short.tokens) == 4 + 2
+    # n samples of a prompt: each choice starts with the prompt's logprobs (the first sample
+    # computes them for all), streamed or not.
+    kwargs = dict(model="any", prompt=PROMPT, max_tokens=3, n=2, seed=5, echo=True, logprobs=K)
+    for choice in client.completions.create(**kwargs).choices:
+        check_prompt_part(choice.logprobs, reference, engine)
+    firsts = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice)
+    assert sorted(firsts) == [0, 1]
+    for choice in firsts.values():
+        assert choice.text == PROMPT
+        check_prompt_part(choice.logprobs, reference, engine)
     # Echo without logprobs: the text only, no logprobs object.
     plain = client.completions.create(model="any", prompt=PROMPT, max_tokens=2, echo=True)
     assert plain.choices[0].logprobs is None and plain.choices[0].text.startswith(PROMPT)
