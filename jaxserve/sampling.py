@@ -280,10 +280,10 @@ def prompt_logprobs(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per token of the step, the log-probability of the token after it and the top 20.
 
-    logits_of: hidden f32[B, H] -> logits [B, V] (the model's LM head); hidden: f32[T, H] every
-    token's final hidden state; token_ids: i32[T] the step's tokens (pending ones fed in);
-    last_index: i32[S] each row's last token (StepBatch.logits_indices); num_seqs: i32[] real
-    rows. The token after a row's last one is the row's next_prompt_token (the next chunk's
+    logits_of: hidden [B, H] -> logits [B, V] (the model's LM head); hidden: [T, H] (the model's
+    dtype) every token's final hidden state; token_ids: i32[T] the step's tokens (pending ones
+    fed in); last_index: i32[S] each row's last token (StepBatch.logits_indices); num_seqs: i32[]
+    real rows. The token after a row's last one is the row's next_prompt_token (the next chunk's
     first), any other token's is the next in the step. Returns f32[T], i32[T, W], f32[T, W] with
     W = min(20, V): zeros when no row asked, and meaningless where there is no next prompt
     token (the host reads only the positions it asked for).
@@ -298,7 +298,9 @@ def prompt_logprobs(
         at = jnp.where(rows < num_seqs, last_index, num_tokens)
         targets = jnp.concatenate([token_ids[1:], jnp.zeros(1, jnp.int32)])
         targets = targets.at[at].set(jnp.maximum(params.next_prompt_token, 0), mode="drop")
-        block = math.gcd(num_tokens, _PROMPT_BLOCK)  # the buckets are multiples of 8 or more
+        # Equal blocks that tile the bucket: all of it at or below 64 tokens (powers of two),
+        # 64 for the multiples of 64 above.
+        block = math.gcd(num_tokens, _PROMPT_BLOCK)
 
         def one_block(args):
             h, target = args
