@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
+from jaxserve import beam_search
+from jaxserve.beam_search import Beam
 from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import RequestMetrics, TokenLogprob
@@ -24,6 +27,9 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # With SamplingParams.beam_width > 1: every beam found, best first (token_ids and text are
+    # the first's).
+    beams: list[Beam] | None = None
 
 
 class LLM:
@@ -56,13 +62,24 @@ class LLM:
             )
         engine = self.engine
         ids, results = [], {}
+        searches = {}  # beam searches (beam_width > 1), run beside the other requests
+        driver = beam_search.BeamDriver(engine)
         for prompt, params in zip(prompts, sampling_params, strict=True):
             prompt_ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            rid = engine.add_request(prompt_ids, params)
+            if params.beam_width > 1:
+                rid = f"beam-{len(searches)}"
+                searches[rid] = beam_search.start_search(engine, prompt_ids, params)
+            else:
+                rid = engine.add_request(prompt_ids, params)
             ids.append(rid)
             results[rid] = Completion(rid, prompt_ids, [], "", "", None)
+        start = time.monotonic()
+        for search in searches.values():
+            driver.submit(search)
         while engine.has_unfinished():
             for out in engine.step():
+                if driver.take(out):
+                    continue
                 done = results.get(out.request_id)
                 if done is None:
                     continue
@@ -74,4 +91,39 @@ class LLM:
                     done.logprobs = (done.logprobs or []) + out.logprobs
                 if out.finished:
                     done.finish_reason, done.metrics = out.finish_reason, out.metrics
+        for rid, search in searches.items():
+            beams = beam_search.label(engine, search.prompt_token_ids, search.result())
+            best = beam_search.best_output(rid, search, beams, start)
+            done = results[rid]
+            done.token_ids, done.text, done.beams = best.new_token_ids, best.text_delta, beams
+            done.finish_reason, done.metrics = best.finish_reason, best.metrics
         return [results[rid] for rid in ids]
+
+    def beam_search(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        *,
+        beam_width: int,
+        max_tokens: int = 16,
+        length_penalty: float = 1.0,
+        ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
+    ) -> list[list[Beam]]:
+        """Every beam of a beam search per prompt (best score first; jaxserve/beam_search.py
+        has the rule), in the prompts' order. beam_width=1 is greedy decoding; stop_token_ids
+        end a beam as EOS does."""
+        params = SamplingParams(
+            beam_width=beam_width,
+            max_tokens=max_tokens,
+            length_penalty=length_penalty,
+            ignore_eos=ignore_eos,
+            stop_token_ids=tuple(stop_token_ids),
+        )
+        engine = self.engine
+        searches = [
+            beam_search.start_search(
+                engine, engine.encode(p) if isinstance(p, str) else list(p), params
+            )
+            for p in prompts
+        ]
+        return beam_search.run(engine, searches)

@@ -1,0 +1,168 @@
+"""Beam search over the engine (jaxserve/beam_search.py) on the embedded stories260k model.
+
+The reference is a brute-force beam search written here on transformers' PyTorch forward: every
+beam's whole sequence recomputed each step, the 2k best (beam, token) pairs taken over all beams
+at once, and the rule of beam_search.py's docstring applied to them (Hugging Face's num_beams
+search with early_stopping=True).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from checkpoints import DEFAULT_MODEL_DIR
+from jaxserve import beam_search
+from jaxserve.beam_search import BeamSearch
+from jaxserve.llm import LLM
+from jaxserve.sampling_params import SamplingParams
+
+PROMPTS = ["Once upon a time", "Lily was sad. She cried and"]
+PERIOD = 426  # "." in stories260k's vocabulary: as a stop token it ends beams at uneven lengths
+
+
+@pytest.fixture(scope="module")
+def hf():
+    # One thread: the reference's tiny matmuls take ~1 ms on one, and up to 100x that when two
+    # threads contend with the engine's (and a busy CI machine's) for the 2 cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, torch_dtype=torch.float32).eval()
+    torch.set_num_threads(threads)
+
+
+def reference_beam_search(hf, prompt, k, max_tokens, length_penalty, end_ids):
+    """[(tokens, cumulative logprob, score)] best first, recomputing every beam from scratch."""
+    live, finished = [([], 0.0)], []
+    while True:
+        batch = torch.tensor([prompt + tokens for tokens, _ in live])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(batch).logits[:, -1].double(), dim=-1)
+        totals = torch.tensor([s for _, s in live], dtype=torch.float64)[:, None] + logprobs
+        values, flat = torch.topk(totals.flatten(), 2 * k)
+        vocab = logprobs.shape[-1]
+        next_live = []
+        for rank, (value, index) in enumerate(zip(values.tolist(), flat.tolist(), strict=True)):
+            tokens = live[index // vocab][0] + [index % vocab]
+            if index % vocab in end_ids:
+                if rank < k:
+                    finished.append((tokens, value, value / len(tokens) ** length_penalty))
+            elif len(next_live) < k:
+                next_live.append((tokens, value))
+        finished = sorted(finished, key=lambda h: -h[2])[:k]
+        if len(finished) >= k:
+            return finished
+        if not next_live or len(next_live[0][0]) == max_tokens:
+            finished += [(t, s, s / len(t) ** length_penalty) for t, s in next_live]
+            return sorted(finished, key=lambda h: -h[2])[:k]
+        live = next_live
+
+
+def test_width_one_is_greedy(stories_engine):
+    compiles = stories_engine.runner.num_compiles
+    llm = LLM(engine=stories_engine)
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10))
+    beams = llm.beam_search(PROMPTS, beam_width=1, max_tokens=10)
+    assert [b[0].token_ids for b in beams] == [g.token_ids for g in greedy]
+    assert [b[0].text for b in beams] == [g.text for g in greedy]
+    # A stop token ends the greedy output and the single beam at the same place.
+    greedy = llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[PERIOD])
+    )
+    beams = llm.beam_search(PROMPTS, beam_width=1, max_tokens=12, stop_token_ids=[PERIOD])
+    assert [b[0].token_ids for b in beams] == [g.token_ids for g in greedy]
+    assert [b[0].finish_reason for b in beams] == [g.finish_reason for g in greedy]
+    assert stories_engine.runner.num_compiles == compiles
+
+
+@pytest.mark.parametrize(
+    "prompt, length_penalty, stop",
+    [(PROMPTS[0], 1.0, ()), (PROMPTS[1], 0.5, (PERIOD,))],
+    ids=["plain", "stop-token-and-penalty"],
+)
+def test_width_four_matches_brute_force_reference(stories_engine, hf, prompt, length_penalty, stop):
+    compiles = stories_engine.runner.num_compiles
+    ids = stories_engine.encode(prompt)
+    end_ids = {*stories_engine.model.config.eos_token_ids, *stop}
+    want = reference_beam_search(hf, ids, 4, 10, length_penalty, end_ids)
+    (got,) = LLM(engine=stories_engine).beam_search(
+        [ids], beam_width=4, max_tokens=10, length_penalty=length_penalty, stop_token_ids=stop
+    )
+    assert [b.token_ids for b in got] == [w[0] for w in want]
+    np.testing.assert_allclose([b.cumulative_logprob for b in got], [w[1] for w in want], atol=1e-3)
+    np.testing.assert_allclose([b.score for b in got], [w[2] for w in want], atol=1e-3)
+    if stop:  # the case is chosen so that a beam ends early, and ranking by score matters
+        assert {len(b.token_ids) for b in got} != {10}
+    assert stories_engine.runner.num_compiles == compiles
+
+
+def test_beam_search_beside_ordinary_requests_changes_nothing(stories_engine):
+    llm = LLM(engine=stories_engine)
+    ordinary = [
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12),
+    ]
+    prompts = ["One day, a dog", "The sun was"]
+    alone = llm.generate(prompts, ordinary)
+    beam = SamplingParams(beam_width=3, max_tokens=8)
+    compiles = stories_engine.runner.num_compiles
+    mixed = llm.generate([PROMPTS[0], *prompts, PROMPTS[1]], [beam, *ordinary, beam])
+    assert [m.token_ids for m in mixed[1:3]] == [a.token_ids for a in alone]
+    beams_alone = llm.beam_search([PROMPTS[0], PROMPTS[1]], beam_width=3, max_tokens=8)
+    for completion, beams in zip([mixed[0], mixed[3]], beams_alone, strict=True):
+        assert [b.token_ids for b in completion.beams] == [b.token_ids for b in beams]
+        assert completion.token_ids == beams[0].token_ids
+        assert completion.text == beams[0].text
+    assert stories_engine.runner.num_compiles == compiles
+
+
+def test_beams_take_their_parents_pages_from_the_prefix_cache(stories_engine):
+    page = stories_engine.config.page_size
+    prompt = [1] + [int(t) for t in np.random.default_rng(3).integers(3, 500, 2 * page + 7)]
+    search = beam_search.start_search(
+        stories_engine, prompt, SamplingParams(beam_width=4, max_tokens=8, ignore_eos=True)
+    )
+    (beams,) = beam_search.run(stories_engine, [search])
+    assert len(beams) == 4 and all(len(b.token_ids) == 8 for b in beams)
+    computed = search.num_prompt_tokens_sent - search.num_cached_tokens
+    # After the first iteration each beam's prompt extends its parent's by one token, within
+    # the same page: its full pages come from the cache, so it computes at most a page.
+    assert computed <= len(prompt) + (search.num_requests - 1) * page
+    assert search.num_prompt_tokens_sent > 2 * computed  # what the cache saved, roughly
+
+
+def test_end_tokens_ranked_past_the_width_are_dropped():
+    search = BeamSearch([5], SamplingParams(beam_width=2, max_tokens=4), eos_token_ids=[0])
+    # Ranks: 7 (-0.1), 0 = EOS (-0.5, rank 1 < 2: a hypothesis), 8 (-1.0), 9 (-2.0).
+    search.advance([[(7, -0.1), (0, -0.5), (8, -1.0), (9, -2.0)]])
+    assert [b.token_ids for b in search.live] == [[7], [8]]
+    assert [(b.token_ids, b.finish_reason) for b in search.finished] == [([0], "stop")]
+    # Offers from both beams ranked together: [7, 3] -0.2, [8, 4] -1.1, then EOS after [7] at
+    # rank 2 (>= width: no hypothesis), so the search goes on.
+    search.advance([[(3, -0.1), (0, -1.5)], [(4, -0.1), (5, -2.0)]])
+    assert [b.token_ids for b in search.live] == [[7, 3], [8, 4]]
+    assert len(search.finished) == 1 and not search.done
+    # An end token at rank 0 completes the width: the search ends, best score first.
+    search.advance([[(0, -0.1), (6, -0.2)], [(6, -0.1), (0, -0.2)]])
+    assert search.done and search.live == []
+    # Scores: [7, 3, 0] is -0.3 over 3 tokens, [0] -0.5 over 1; the live beams are dropped.
+    assert [b.token_ids for b in search.result()] == [[7, 3, 0], [0]]
+    assert all(math.isclose(b.score, s) for b, s in zip(search.result(), [-0.1, -0.5], strict=True))
+
+
+def test_beam_params_are_validated():
+    with pytest.raises(ValueError, match="beam_width=11"):
+        SamplingParams(beam_width=11)
+    with pytest.raises(ValueError, match="beam_width=0"):
+        SamplingParams(beam_width=0)
+    with pytest.raises(ValueError, match="length_penalty=nan"):
+        SamplingParams(length_penalty=float("nan"))
+    with pytest.raises(ValueError, match=r"temperature=0\.7, top_p=0\.9"):
+        SamplingParams(beam_width=2, temperature=0.7, top_p=0.9)
+    with pytest.raises(ValueError, match="stop="):
+        SamplingParams(beam_width=2, stop=["."])
+    assert SamplingParams(beam_width=2, temperature=0).beam_width == 2
