@@ -64,3 +64,31 @@ def test_serve_command_reproduces_the_knobs():
     ):
         assert part in cmd, (part, cmd)
     assert "--slo-scheduling" not in serve_command(config.replace(slo_scheduling=False))
+
+
+def test_simulate_and_tune_commands(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    cost = fake_cost(fixed=1e-3, per_token=3e-4).save(tmp_path / "cost.json")
+    traffic = ["--cost-model", str(cost), "--rate", "200", "--num-requests", "30",
+               "--prompt-range", "8:64", "--output-range", "4:32", "--ttft-slo", "0.5",
+               "--tpot-slo", "0.02"]  # fmt: skip
+    out = tmp_path / "sim.json"
+    sim = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "simulate", *traffic, "--max-num-seqs", "16",
+         "--max-num-batched-tokens", "64", "--out", str(out)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "(simulated)" in sim.stdout and "mixed@200/s" in sim.stdout
+    (summary,) = json.loads(out.read_text())["summaries"]
+    assert summary["num_finished"] == 30
+    tune = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli", "tune", *traffic, "--budgets", "64,512",
+         "--seqs", "16", "--chunked", "on", "--policies", "fcfs", "--slo-aware", "off"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "Best of 2 for goodput" in tune.stdout
+    # As test_tune_ranks_by_simulated_goodput: the 64-token budget wins.
+    assert "jaxserve serve --max-num-seqs 16 --max-num-batched-tokens 64" in tune.stdout
