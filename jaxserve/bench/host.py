@@ -189,6 +189,8 @@ class HostSpec:
     page_size: int = 16
     seed: int = 0
     command: str = ""
+    # False: each step planned after the last one's tokens are on the host (for comparison).
+    async_scheduling: bool = True
 
 
 def run_host(spec: HostSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -211,6 +213,7 @@ def run_host(spec: HostSpec, log: Callable[[str], None] = print) -> dict[str, An
         "model": model.source,
         "platform": jax.devices()[0].platform,
         "step_time_s": spec.step_time_s,
+        "async_scheduling": spec.async_scheduling,
         "context": spec.context,
         "steps": spec.steps,
         "load_avg_1m": os.getloadavg()[0],
@@ -238,6 +241,7 @@ def _time_point(spec: HostSpec, model: LoadedModel, running: int) -> dict[str, A
         max_model_len=max_model_len,
         page_size=spec.page_size,
         num_pages=running * math.ceil(max_model_len / spec.page_size),
+        async_scheduling=spec.async_scheduling,
         show_progress=False,
         compilation_cache_dir=None,
     )
@@ -304,6 +308,8 @@ def format_host(report: dict[str, Any]) -> str:
     lines = [
         f"host overhead: model {report['model']} (config only, no weights run), "
         f"fake step time {report['step_time_s'] * 1e3:g} ms, {report['steps']} steps/point, "
+        f"{'asynchronous' if report.get('async_scheduling', True) else 'synchronous'} "
+        "scheduling, "
         f"load {report['load_avg_1m']:.1f} on {report['cpus']} CPUs",
         "",
         "| running | context | step us | " + " | ".join(HOST_PHASES) + " | host us | "

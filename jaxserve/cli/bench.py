@@ -143,6 +143,7 @@ def _cmd_host(args: argparse.Namespace) -> int:
         context=args.prompt_len,
         steps=args.output_len,
         step_time_s=args.step_time,
+        async_scheduling=not args.sync_scheduling,
         seed=args.seed,
         command=" ".join(["jaxserve", *sys.argv[1:]]),
     )
@@ -389,6 +390,12 @@ def _add_bench_parser(sub) -> None:
         default=0.0,
         metavar="S",
         help="host: seconds the fake device takes per step (default 0: results at once)",
+    )
+    t.add_argument(
+        "--sync-scheduling",
+        action="store_true",
+        help="host: plan each step after the last one's tokens reach the host (the engine's "
+        "asynchronous scheduling off), for comparison",
     )
     t.add_argument("--seed", type=int, default=0, help="traffic and weight seed")
     c = b.add_argument_group("configurations compared (comma-separated lists)")
