@@ -541,7 +541,7 @@ class OpenAIFrontEnd:
 
     def _usage(self, jobs: list[_Job], choices: list[_Choice]) -> dict:
         outputs = [0 if j.scoring_only else choices[j.index].last.num_output_tokens for j in jobs]
-        return self._stream_usage(jobs, outputs)
+        return self._stream_usage(jobs, outputs, {j.index: choices[j.index].last for j in jobs})
 
     def _completion_choice(self, job: _Job, c: _Choice, body, prompt_logprobs) -> dict:
         text, entries, ids = "".join(c.text), list(c.logprobs), list(c.token_ids)
@@ -609,7 +609,8 @@ class OpenAIFrontEnd:
                     choice = _text_choice(index, out.text_delta, lp, out.finish_reason)
                     yield _chunk(head, include_usage, choice)
             if include_usage:
-                yield {**head, "choices": [], "usage": self._stream_usage(jobs, outputs)}
+                usage = self._stream_usage(jobs, outputs, pumps.firsts)
+                yield {**head, "choices": [], "usage": usage}
         finally:
             await pumps.close()
 
@@ -631,14 +632,22 @@ class OpenAIFrontEnd:
                     choice = _delta_choice(index, delta, lp, out.finish_reason)
                     yield _chunk(head, include_usage, choice)
             if include_usage:
-                yield {**head, "choices": [], "usage": self._stream_usage(jobs, outputs)}
+                usage = self._stream_usage(jobs, outputs, pumps.firsts)
+                yield {**head, "choices": [], "usage": usage}
         finally:
             await pumps.close()
 
-    def _stream_usage(self, jobs: list[_Job], outputs: list[int]) -> dict:
-        # A prompt's tokens count once, however many samples it has (as OpenAI counts them).
-        prompt = sum(len(j.prompt_ids) for j in jobs if j.sample == 0)
-        return protocol.usage(prompt, sum(outputs))
+    def _stream_usage(
+        self, jobs: list[_Job], outputs: list[int], seen: dict[int, RequestOutput]
+    ) -> dict:
+        """Usage of a call; `seen` has an output of each choice (they all carry its number of
+        cached prompt tokens)."""
+        # A prompt's tokens count once, however many samples it has (as OpenAI counts them),
+        # and so do its cached tokens: those of its first sample.
+        firsts = [j for j in jobs if j.sample == 0]
+        prompt = sum(len(j.prompt_ids) for j in firsts)
+        cached = sum(seen[j.index].num_cached_tokens for j in firsts if j.index in seen)
+        return protocol.usage(prompt, sum(outputs), cached)
 
 
 # The optional sampling fields passed to SamplingParams when set (jaxserve/sampling.py applies

@@ -372,3 +372,24 @@ def test_bench_backend_openai_runs_against_the_http_port(served, tmp_path, capsy
         # Not visible over the OpenAI API: left out, not made up.
         assert set(run["queue_wait"].values()) == {None}
     assert "online " + url in capsys.readouterr().out
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client):
+    # A prompt of more than two full pages (16 tokens each), sent twice: the second is served
+    # from the first's pages but its last token, streamed or not.
+    prompt = [1] + [400 + i % 50 for i in range(40)]
+    first = client.completions.create(model="any", prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model="any", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens in (0, 32)  # 32 if run before
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    chunks = list(
+        client.completions.create(
+            model="any",
+            prompt=prompt,
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
