@@ -80,11 +80,19 @@ class BeamSearch:
         self.num_requests = 0  # engine requests made, over all iterations
         self.num_prompt_tokens_sent = 0  # their prompt tokens
         self.num_cached_tokens = 0  # of those, served by the prefix cache
+        self.prompt_cached_tokens = 0  # of the prompt itself (the first iteration's one request)
 
     def requests(self) -> list[list[int]]:
         """The prompt of each live beam's request this iteration, in beam order."""
         self.num_requests += len(self.live)
         return [self.prompt_token_ids + b.token_ids for b in self.live]
+
+    def count(self, out: RequestOutput) -> None:
+        """Adds a finished beam request's prompt and prefix-cache hit to the totals."""
+        self.num_prompt_tokens_sent += out.num_prompt_tokens
+        self.num_cached_tokens += out.num_cached_tokens
+        if out.num_prompt_tokens == len(self.prompt_token_ids):
+            self.prompt_cached_tokens = out.num_cached_tokens
 
     def advance(self, tops: Sequence[Sequence[tuple[int, float]]]) -> None:
         """Takes each live beam's most likely next tokens (token id, logprob; highest first,
@@ -195,8 +203,7 @@ class BeamDriver:
             return True
         del self._owner[out.request_id]
         search, i = owner
-        search.num_prompt_tokens_sent += out.num_prompt_tokens
-        search.num_cached_tokens += out.num_cached_tokens
+        search.count(out)
         tops = self._tops[id(search)]
         tops[i] = _top_of(out)
         if all(t is not None for t in tops):
@@ -223,11 +230,21 @@ def run(engine, searches: Sequence[BeamSearch]) -> list[list[Beam]]:
     return [label(engine, s.prompt_token_ids, s.result()) for s in searches]
 
 
+@dataclasses.dataclass
+class BeamSearchOutput(RequestOutput):
+    """The best beam as one finished output (all its tokens at once), and every beam."""
+
+    beams: list[Beam] = dataclasses.field(default_factory=list)  # best first
+
+
 async def search_async(
-    async_engine, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str
-) -> tuple[list[Beam], RequestOutput]:
-    """One search through an `AsyncEngine`: its beams (best first) and a finished output of
-    the best beam, as a request that produced all its tokens at once would report it."""
+    async_engine,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    request_id: str,
+    priority: int = 0,
+) -> BeamSearchOutput:
+    """One search through an `AsyncEngine` (its requests named `<request_id>.beam<i>.<j>`)."""
     engine = async_engine.engine
     search = start_search(engine, prompt_token_ids, params)
     arrival = time.monotonic()
@@ -237,33 +254,34 @@ async def search_async(
         ids = [f"{request_id}.beam{iteration}.{i}" for i in range(len(prompts))]
         lasts = await asyncio.gather(
             *(
-                _last_output(async_engine, p, search.request_params, i)
+                _last_output(async_engine, p, search.request_params, i, priority)
                 for p, i in zip(prompts, ids, strict=True)
             )
         )
         for last in lasts:
-            search.num_prompt_tokens_sent += last.num_prompt_tokens
-            search.num_cached_tokens += last.num_cached_tokens
+            search.count(last)
         search.advance([_top_of(last) for last in lasts])
         iteration += 1
     beams = label(engine, search.prompt_token_ids, search.result())
-    return beams, best_output(request_id, search, beams, arrival)
+    return best_output(request_id, search, beams, arrival)
 
 
-async def _last_output(async_engine, prompt, params, request_id) -> RequestOutput:
+async def _last_output(async_engine, prompt, params, request_id, priority) -> RequestOutput:
     """The finished output of one request through an `AsyncEngine`."""
     last = None
-    async for out in async_engine.generate(prompt, params, request_id=request_id):
+    async for out in async_engine.generate(
+        prompt, params, request_id=request_id, priority=priority
+    ):
         last = out
     return last
 
 
 def best_output(
     request_id: str, search: BeamSearch, beams: list[Beam], arrival_time: float
-) -> RequestOutput:
-    """The best beam as one finished RequestOutput (all its tokens at once)."""
+) -> BeamSearchOutput:
+    """The search's result as one finished output (timed from `arrival_time`)."""
     best, now = beams[0], time.monotonic()
-    return RequestOutput(
+    return BeamSearchOutput(
         request_id=request_id,
         new_token_ids=list(best.token_ids),
         text_delta=best.text,
@@ -272,5 +290,6 @@ def best_output(
         num_prompt_tokens=len(search.prompt_token_ids),
         num_output_tokens=len(best.token_ids),
         metrics=RequestMetrics(arrival_time, arrival_time, now, now),
-        num_cached_tokens=0,
+        num_cached_tokens=search.prompt_cached_tokens,
+        beams=beams,
     )

@@ -32,6 +32,8 @@ _SCALARS = (
     "frequency_penalty",
     "repetition_penalty",
     "min_tokens",
+    "beam_width",
+    "length_penalty",
 )
 
 

@@ -55,6 +55,8 @@ _SAMPLING_OPTIONALS = (
     "frequency_penalty",
     "repetition_penalty",
     "min_tokens",
+    "beam_width",
+    "length_penalty",
 )
 
 
@@ -140,6 +142,14 @@ def response(
         msg.timings.e2e_s = m.e2e or 0.0
         if out.error:
             msg.error = out.error
+        for beam in getattr(out, "beams", None) or []:  # a BeamSearchOutput's
+            msg.beams.add(
+                token_ids=beam.token_ids,
+                text=beam.text,
+                cumulative_logprob=beam.cumulative_logprob,
+                score=beam.score,
+                finish_reason=FINISH_REASONS.get(beam.finish_reason, pb.FINISH_REASON_ERROR),
+            )
     return msg
 
 

@@ -23,11 +23,13 @@ import enum
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from jaxserve import beam_search
 from jaxserve.async_engine import EngineDeadError
 from jaxserve.scheduler import QueueFull
 from service import convert
@@ -277,6 +279,11 @@ class JaxServeServicer:
         call.fields.update(
             request_id=request_id, prompt_tokens=len(ids), max_tokens=params.max_tokens
         )
+        if params.beam_width > 1:
+            search = beam_search.search_async(
+                async_engine, ids, params, request_id, priority=request.priority
+            )
+            return _one(search)
         return async_engine.generate(ids, params, request_id=request_id, priority=request.priority)
 
     async def _generate(self, request, context, call: _Call) -> None:
@@ -302,6 +309,12 @@ class JaxServeServicer:
 
     async def _model_info(self, request, context, call: _Call) -> pb.ModelInfo:
         return convert.model_info(self.server.engine.engine)
+
+
+async def _one(result: Awaitable):
+    """A stream of one item: a beam search's whole result, sent once it has ended (its beams
+    are not final before, so there is nothing to stream)."""
+    yield await result
 
 
 def _round(value: float | None) -> float | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -20,6 +21,8 @@ from jaxserve import beam_search
 from jaxserve.beam_search import BeamSearch
 from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
+from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
+from tests.service.conftest import serving
 
 PROMPTS = ["Once upon a time", "Lily was sad. She cried and"]
 PERIOD = 426  # "." in stories260k's vocabulary: as a stop token it ends beams at uneven lengths
@@ -166,3 +169,29 @@ def test_beam_params_are_validated():
     with pytest.raises(ValueError, match="stop="):
         SamplingParams(beam_width=2, stop=["."])
     assert SamplingParams(beam_width=2, temperature=0).beam_width == 2
+
+
+def test_grpc_beam_search_sends_every_beam_in_one_last_response(stories_engine):
+    (want,) = LLM(engine=stories_engine).beam_search(
+        [PROMPTS[1]], beam_width=3, max_tokens=8, stop_token_ids=[PERIOD]
+    )
+    with serving(stories_engine) as server, server.client() as client:
+        kwargs = dict(beam_width=3, max_tokens=8, stop_token_ids=[PERIOD])
+        (streamed,) = list(client.generate(PROMPTS[1], **kwargs))
+        unary = client.generate_unary(PROMPTS[1], **kwargs)
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate_unary(PROMPTS[1], beam_width=3, top_p=0.5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "beam_width=3" in refused.value.details() and "top_p=0.5" in refused.value.details()
+    for response in (streamed, unary):
+        assert list(response.token_ids) == want[0].token_ids and response.text == want[0].text
+        assert [list(b.token_ids) for b in response.beams] == [b.token_ids for b in want]
+        np.testing.assert_allclose(
+            [b.cumulative_logprob for b in response.beams],
+            [b.cumulative_logprob for b in want],
+            atol=1e-5,
+        )
+        reasons = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+        assert [b.finish_reason for b in response.beams] == [reasons[b.finish_reason] for b in want]
+        assert response.finish_reason == reasons[want[0].finish_reason]
+        assert response.usage.completion_tokens == len(want[0].token_ids)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxserve/v1/jaxserve.proto\x12\x0bjaxserve.v1\"\xad\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.jaxserve.v1.SamplingOptions\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf4\x04\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\n\x88\x01\x01\x12?\n\nlogit_bias\x18\x0f \x03(\x0b\x32+.jaxserve.v1.SamplingOptions.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"\xff\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12%\n\x07timings\x18\x07 \x01(\x0b\x32\x14.jaxserve.v1.Timings\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\">\n\x07Timings\x12\x14\n\x0cqueue_wait_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\xad\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12)\n\x06limits\x18\x07 \x01(\x0b\x32\x19.jaxserve.v1.EngineLimits\"\xea\x01\n\x0c\x45ngineLimits\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x02 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_pages\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x06 \x01(\r\x12\x1d\n\x15max_stop_string_chars\x18\x07 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x08 \x01(\r\x12\x0e\n\x06policy\x18\t \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xb6\x02\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12L\n\rGenerateUnary\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .jaxserve.v1.GetModelInfoRequest\x1a\x16.jaxserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxserve/v1/jaxserve.proto\x12\x0bjaxserve.v1\"\xad\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.jaxserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.jaxserve.v1.SamplingOptions\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xcc\x05\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\n\x88\x01\x01\x12?\n\nlogit_bias\x18\x0f \x03(\x0b\x32+.jaxserve.v1.SamplingOptions.LogitBiasEntry\x12\x17\n\nbeam_width\x18\x10 \x01(\x05H\x0b\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x11 \x01(\x01H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\r\n\x0b_beam_widthB\x11\n\x0f_length_penalty\"\xa1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxserve.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxserve.v1.Usage\x12%\n\x07timings\x18\x07 \x01(\x0b\x32\x14.jaxserve.v1.Timings\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12 \n\x05\x62\x65\x61ms\x18\t \x03(\x0b\x32\x11.jaxserve.v1.Beam\"\x84\x01\n\x04\x42\x65\x61m\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x63umulative_logprob\x18\x03 \x01(\x01\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxserve.v1.FinishReason\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.jaxserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\">\n\x07Timings\x12\x14\n\x0cqueue_wait_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\xad\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12)\n\x06limits\x18\x07 \x01(\x0b\x32\x19.jaxserve.v1.EngineLimits\"\xea\x01\n\x0c\x45ngineLimits\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x02 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_pages\x18\x04 \x01(\r\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x06 \x01(\r\x12\x1d\n\x15max_stop_string_chars\x18\x07 \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x08 \x01(\r\x12\x0e\n\x06policy\x18\t \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xb6\x02\n\x08JaxServe\x12I\n\x08Generate\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse0\x01\x12L\n\rGenerateUnary\x12\x1c.jaxserve.v1.GenerateRequest\x1a\x1d.jaxserve.v1.GenerateResponse\x12G\n\x08Tokenize\x12\x1c.jaxserve.v1.TokenizeRequest\x1a\x1d.jaxserve.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .jaxserve.v1.GetModelInfoRequest\x1a\x16.jaxserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1933
-  _globals['_FINISHREASON']._serialized_end=2078
+  _globals['_FINISHREASON']._serialized_start=2190
+  _globals['_FINISHREASON']._serialized_end=2335
   _globals['_GENERATEREQUEST']._serialized_start=44
   _globals['_GENERATEREQUEST']._serialized_end=217
   _globals['_TOKENIDS']._serialized_start=219
   _globals['_TOKENIDS']._serialized_end=242
   _globals['_SAMPLINGOPTIONS']._serialized_start=245
-  _globals['_SAMPLINGOPTIONS']._serialized_end=873
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=661
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=709
-  _globals['_GENERATERESPONSE']._serialized_start=876
-  _globals['_GENERATERESPONSE']._serialized_end=1131
-  _globals['_TOKENLOGPROB']._serialized_start=1133
-  _globals['_TOKENLOGPROB']._serialized_end=1220
-  _globals['_TOPLOGPROB']._serialized_start=1222
-  _globals['_TOPLOGPROB']._serialized_end=1269
-  _globals['_USAGE']._serialized_start=1271
-  _globals['_USAGE']._serialized_end=1358
-  _globals['_TIMINGS']._serialized_start=1360
-  _globals['_TIMINGS']._serialized_end=1422
-  _globals['_TOKENIZEREQUEST']._serialized_start=1424
-  _globals['_TOKENIZEREQUEST']._serialized_end=1455
-  _globals['_TOKENIZERESPONSE']._serialized_start=1457
-  _globals['_TOKENIZERESPONSE']._serialized_end=1494
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1496
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1517
-  _globals['_MODELINFO']._serialized_start=1520
-  _globals['_MODELINFO']._serialized_end=1693
-  _globals['_ENGINELIMITS']._serialized_start=1696
-  _globals['_ENGINELIMITS']._serialized_end=1930
-  _globals['_JAXSERVE']._serialized_start=2081
-  _globals['_JAXSERVE']._serialized_end=2391
+  _globals['_SAMPLINGOPTIONS']._serialized_end=961
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=715
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=763
+  _globals['_GENERATERESPONSE']._serialized_start=964
+  _globals['_GENERATERESPONSE']._serialized_end=1253
+  _globals['_BEAM']._serialized_start=1256
+  _globals['_BEAM']._serialized_end=1388
+  _globals['_TOKENLOGPROB']._serialized_start=1390
+  _globals['_TOKENLOGPROB']._serialized_end=1477
+  _globals['_TOPLOGPROB']._serialized_start=1479
+  _globals['_TOPLOGPROB']._serialized_end=1526
+  _globals['_USAGE']._serialized_start=1528
+  _globals['_USAGE']._serialized_end=1615
+  _globals['_TIMINGS']._serialized_start=1617
+  _globals['_TIMINGS']._serialized_end=1679
+  _globals['_TOKENIZEREQUEST']._serialized_start=1681
+  _globals['_TOKENIZEREQUEST']._serialized_end=1712
+  _globals['_TOKENIZERESPONSE']._serialized_start=1714
+  _globals['_TOKENIZERESPONSE']._serialized_end=1751
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1753
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1774
+  _globals['_MODELINFO']._serialized_start=1777
+  _globals['_MODELINFO']._serialized_end=1950
+  _globals['_ENGINELIMITS']._serialized_start=1953
+  _globals['_ENGINELIMITS']._serialized_end=2187
+  _globals['_JAXSERVE']._serialized_start=2338
+  _globals['_JAXSERVE']._serialized_end=2648
 # @@protoc_insertion_point(module_scope)
