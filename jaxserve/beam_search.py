@@ -83,7 +83,8 @@ class BeamSearch:
         self.prompt_cached_tokens = 0  # of the prompt itself (the first iteration's one request)
 
     def requests(self) -> list[list[int]]:
-        """The prompt of each live beam's request this iteration, in beam order."""
+        """The prompt of each live beam's request this iteration, in beam order (counted in
+        num_requests: call it once per iteration)."""
         self.num_requests += len(self.live)
         return [self.prompt_token_ids + b.token_ids for b in self.live]
 
