@@ -34,6 +34,7 @@ With k = 1 this is greedy decoding (the argmax, until an end token or max_tokens
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -81,6 +82,9 @@ class BeamSearch:
         self.num_prompt_tokens_sent = 0  # their prompt tokens
         self.num_cached_tokens = 0  # of those, served by the prefix cache
         self.prompt_cached_tokens = 0  # of the prompt itself (the first iteration's one request)
+        # The beam request that ended the search early by ending without its token (an error,
+        # an abort): the search then has no result.
+        self.failure: RequestOutput | None = None
 
     def requests(self) -> list[list[int]]:
         """The prompt of each live beam's request this iteration, in beam order (counted in
@@ -129,6 +133,10 @@ class BeamSearch:
         if self.done:
             self.live = []
 
+    def fail(self, out: RequestOutput) -> None:
+        """Ends the search without a result: beam request `out` ended without its token."""
+        self.failure, self.done, self.live, self.finished = out, True, [], []
+
     def _finish(self, beam: Beam, reason: str) -> None:
         beam.finish_reason = reason
         beam.score = beam.cumulative_logprob / len(beam.token_ids) ** self.params.length_penalty
@@ -143,12 +151,11 @@ class BeamSearch:
         return list(self.finished)
 
 
-def _top_of(out: RequestOutput) -> list[tuple[int, float]]:
-    """A beam request's most likely next tokens, from its one output token's logprobs."""
-    if out.finish_reason == "error" or not out.logprobs:
-        raise RuntimeError(
-            f"Beam request {out.request_id!r} failed ({out.finish_reason}): {out.error}"
-        )
+def _top_of(out: RequestOutput) -> list[tuple[int, float]] | None:
+    """A beam request's most likely next tokens, from its one output token's logprobs; None if
+    it ended without one (failed or aborted)."""
+    if out.finish_reason in ("error", "abort") or not out.logprobs:
+        return None
     return out.logprobs[0].top
 
 
@@ -189,6 +196,8 @@ class BeamDriver:
 
     def submit(self, search: BeamSearch) -> None:
         """Adds the requests of the search's next iteration."""
+        if search.done:
+            raise ValueError("The beam search has ended; there is nothing to submit.")
         prompts = search.requests()
         self._tops[id(search)] = [None] * len(prompts)
         for i, prompt in enumerate(prompts):
@@ -204,31 +213,48 @@ class BeamDriver:
             return True
         del self._owner[out.request_id]
         search, i = owner
+        if search.done:  # a sibling failed and ended the search: nothing waits for this one
+            return True
         search.count(out)
         tops = self._tops[id(search)]
         tops[i] = _top_of(out)
-        if all(t is not None for t in tops):
+        if tops[i] is None:
+            search.fail(out)
+            del self._tops[id(search)]
+            for rid in self.request_ids(search):
+                self.engine.abort(rid)
+        elif all(t is not None for t in tops):
             del self._tops[id(search)]
             search.advance(tops)
             if not search.done:
                 self.submit(search)
         return True
 
-    @property
-    def busy(self) -> bool:
-        return bool(self._owner)
+    def request_ids(self, search: BeamSearch) -> list[str]:
+        """The search's requests in the engine now (to abort it, say)."""
+        return [rid for rid, (owner, _) in self._owner.items() if owner is search]
 
 
 def run(engine, searches: Sequence[BeamSearch]) -> list[list[Beam]]:
     """Runs the searches together on the engine to their end; the outputs of any other request
-    the engine holds are dropped (step the engine with a `BeamDriver` to keep them)."""
+    the engine holds are dropped (step the engine with a `BeamDriver` to keep them). Raises
+    RuntimeError if a search failed."""
     driver = BeamDriver(engine)
     for search in searches:
         driver.submit(search)
     while engine.has_unfinished():
         for out in engine.step():
             driver.take(out)
+    for search in searches:
+        if search.failure is not None:
+            raise RuntimeError(_failure_message(search.failure))
     return [label(engine, s.prompt_token_ids, s.result()) for s in searches]
+
+
+def _failure_message(out: RequestOutput) -> str:
+    return f"Beam request {out.request_id!r} ended without its token ({out.finish_reason}): " + (
+        out.error or "aborted."
+    )
 
 
 @dataclasses.dataclass
@@ -259,9 +285,15 @@ async def search_async(
                 for p, i in zip(prompts, ids, strict=True)
             )
         )
+        tops = []
         for last in lasts:
             search.count(last)
-        search.advance([_top_of(last) for last in lasts])
+            tops.append(_top_of(last))
+            if tops[-1] is None:
+                search.fail(last)
+                break
+        else:
+            search.advance(tops)
         iteration += 1
     beams = label(engine, search.prompt_token_ids, search.result())
     return best_output(request_id, search, beams, arrival)
@@ -270,18 +302,34 @@ async def search_async(
 async def _last_output(async_engine, prompt, params, request_id, priority) -> RequestOutput:
     """The finished output of one request through an `AsyncEngine`."""
     last = None
-    async for out in async_engine.generate(
-        prompt, params, request_id=request_id, priority=priority
-    ):
-        last = out
+    # Closed however this ends: a cancelled search (its call cancelled) aborts the request.
+    stream = async_engine.generate(prompt, params, request_id=request_id, priority=priority)
+    async with contextlib.aclosing(stream):
+        async for last in stream:  # noqa: B007 (the last one is the result)
+            pass
     return last
 
 
 def best_output(
     request_id: str, search: BeamSearch, beams: list[Beam], arrival_time: float
 ) -> BeamSearchOutput:
-    """The search's result as one finished output (timed from `arrival_time`)."""
-    best, now = beams[0], time.monotonic()
+    """The search's result as one finished output (timed from `arrival_time`); a failed search's
+    has no token, its beam request's finish reason and an error saying which request failed."""
+    now = time.monotonic()
+    metrics = RequestMetrics(arrival_time, arrival_time, now, now)
+    if search.failure is not None:
+        return BeamSearchOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            text_delta="",
+            finished=True,
+            finish_reason=search.failure.finish_reason,
+            num_prompt_tokens=len(search.prompt_token_ids),
+            num_output_tokens=0,
+            metrics=metrics,
+            error=_failure_message(search.failure),
+        )
+    best = beams[0]
     return BeamSearchOutput(
         request_id=request_id,
         new_token_ids=list(best.token_ids),
@@ -290,7 +338,7 @@ def best_output(
         finish_reason=best.finish_reason,
         num_prompt_tokens=len(search.prompt_token_ids),
         num_output_tokens=len(best.token_ids),
-        metrics=RequestMetrics(arrival_time, arrival_time, now, now),
+        metrics=metrics,
         num_cached_tokens=search.prompt_cached_tokens,
         beams=beams,
     )

@@ -138,6 +138,33 @@ def test_beams_take_their_parents_pages_from_the_prefix_cache(stories_engine):
     assert search.num_prompt_tokens_sent > 2 * computed  # what the cache saved, roughly
 
 
+def test_an_aborted_beam_request_ends_its_search_alone(stories_engine):
+    params = SamplingParams(beam_width=3, max_tokens=8)
+    doomed, fine = (beam_search.start_search(stories_engine, [1, 403, 407], params) for _ in "ab")
+    driver = beam_search.BeamDriver(stories_engine)
+    driver.submit(doomed)
+    driver.submit(fine)
+    while len(driver.request_ids(doomed)) < 3:  # its second iteration: one request per beam
+        for out in stories_engine.step():
+            assert driver.take(out)
+    victim = driver.request_ids(doomed)[1]
+    stories_engine.abort(victim)
+    while stories_engine.has_unfinished():
+        for out in stories_engine.step():
+            assert driver.take(out)
+    assert doomed.done and doomed.failure.request_id == victim
+    assert doomed.failure.finish_reason == "abort" and doomed.result() == []
+    assert driver.request_ids(doomed) == driver.request_ids(fine) == []
+    (alone,) = beam_search.run(
+        stories_engine, [beam_search.start_search(stories_engine, [1, 403, 407], params)]
+    )
+    assert [b.token_ids for b in fine.result()] == [b.token_ids for b in alone]
+    # What gRPC answers for it: a last response with the abort and the request that had it.
+    out = beam_search.best_output("call-1", doomed, [], arrival_time=0.0)
+    assert out.finished and out.finish_reason == "abort" and out.new_token_ids == []
+    assert victim in out.error
+
+
 def test_end_tokens_ranked_past_the_width_are_dropped():
     search = BeamSearch([5], SamplingParams(beam_width=2, max_tokens=4), eos_token_ids=[0])
     # Ranks: 7 (-0.1), 0 = EOS (-0.5, rank 1 < 2: a hypothesis), 8 (-1.0), 9 (-2.0).
