@@ -98,7 +98,7 @@ class _Replica:
         """Where this replica runs (for progress, the summary and tests that kill it)."""
         import socket
 
-        devices = [str(d) for d in self.engine.plan.mesh.devices.flat]
+        devices = [str(d) for d in self.engine.sharding.mesh.devices.flat]
         return {"host": socket.gethostname(), "pid": os.getpid(), "devices": devices}
 
     def work(

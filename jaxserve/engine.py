@@ -84,9 +84,9 @@ class Engine:
             enable_compilation_cache(config.compilation_cache_dir)
         mesh = make_mesh(config.tensor_parallel, config.mesh_shape)
         model = model or load_model(config.model, dtype=config.dtype, seed=config.seed, mesh=mesh)
-        self.plan = ShardingPlan.create(mesh, model.config)
+        self.sharding = ShardingPlan.create(mesh, model.config)
         # Params into their shardings (a no-op when loaded there) before free memory is measured.
-        self.model = dataclasses.replace(model, params=self.plan.place(model.params))
+        self.model = dataclasses.replace(model, params=self.sharding.place(model.params))
         self.tokenizer = self.model.tokenizer
         mc = self.model.config
         self.max_model_len = min(
@@ -97,7 +97,7 @@ class Engine:
         # Each device holds 1 / kv_shards of every page; all hosts must agree on one pool shape.
         page_bytes = kv_bytes_per_page(mc, config.page_size, self.model.dtype)
         fit = pages_that_fit(
-            page_bytes // self.plan.kv_shards,
+            page_bytes // self.sharding.kv_shards,
             list(mesh.devices.flat),
             fraction=config.kv_cache_memory_fraction,
             fallback_gb=config.kv_cache_memory_gb,
@@ -118,7 +118,7 @@ class Engine:
                 seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
                 attention_backend=config.attention_backend,
             ),
-            self.plan,
+            self.sharding,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

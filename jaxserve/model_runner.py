@@ -112,45 +112,47 @@ class RunnerConfig:
 class ModelRunner:
     """Holds params and the KV pool on the device and runs bucketed steps."""
 
-    def __init__(self, model: LoadedModel, config: RunnerConfig, plan: ShardingPlan | None = None):
+    def __init__(
+        self, model: LoadedModel, config: RunnerConfig, sharding: ShardingPlan | None = None
+    ):
         self.model = model
         self.config = config
-        # One device unless a plan splits the model over a mesh (jaxserve/sharding.py).
-        self.plan = plan or ShardingPlan.create(make_mesh(1), model.config)
+        # One device unless a sharding plan splits the model over a mesh (jaxserve/sharding.py).
+        self.sharding = sharding or ShardingPlan.create(make_mesh(1), model.config)
         self.module = model_for(
             model.config,
             model.dtype,
             config.attention_backend,
-            self.plan,
+            self.sharding,
             layer_loop=layer_loop_of(model.params),  # the loop the params were laid out for
         )
-        self.params = self.plan.place(model.params)  # a no-op when loaded into the plan
+        self.params = self.sharding.place(model.params)  # a no-op when loaded so
         self.kv: KVPages = init_kv_pages(
             model.config,
             num_pages=config.num_pages,
             page_size=config.page_size,
             dtype=model.dtype,
-            sharding=self.plan.kv_pages,
+            sharding=self.sharding.kv_pages,
         )
         # Token counts of the penalties, one row per batch slot (sampling.PenaltyState).
         self.penalties = jax.device_put(
             PenaltyState.zeros(config.seq_buckets[-1], model.config.vocab_size),
-            self.plan.replicated,  # where the step keeps it, so the first step moves nothing
+            self.sharding.replicated,  # where the step keeps it, so the first step moves nothing
         )
         # Each batch slot's last sampled token, where the next step finds a pending token
         # (StepBatch.feed_slots): sampled tokens feed the next step without visiting the host.
         self.last_tokens = jax.device_put(
-            jnp.zeros(config.seq_buckets[-1], jnp.int32), self.plan.replicated
+            jnp.zeros(config.seq_buckets[-1], jnp.int32), self.sharding.replicated
         )
         self.num_compiles = 0
         # The pool is donated: the step updates it in place instead of copying it every step.
         # Shardings are pinned, so the pool keeps its split from step to step (no recompiles) and
         # the sampled tokens come back replicated (one small copy to the host).
-        rep, kv = self.plan.replicated, self.plan.kv_pages
+        rep, kv = self.sharding.replicated, self.sharding.kv_pages
         self._step = jax.jit(
             self._step_impl,
             donate_argnums=(1, 4, 5),
-            in_shardings=(self.plan.params(self.params), kv, rep, rep, rep, rep),
+            in_shardings=(self.sharding.params(self.params), kv, rep, rep, rep, rep),
             out_shardings=(rep, kv, rep, rep),
         )
         # One shape (the context length) for every request: compiled once, on first use.

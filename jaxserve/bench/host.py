@@ -90,13 +90,13 @@ class HostOnlyRunner(ModelRunner):
         self,
         model: LoadedModel,
         config: RunnerConfig,
-        plan: ShardingPlan | None = None,
+        sharding: ShardingPlan | None = None,
         *,
         step_time_s: float = 0.0,
         next_tokens: NextTokens | None = None,
     ):
         # Deliberately not ModelRunner.__init__: it would place params and allocate the pool.
-        self.model, self.config, self.plan = model, config, plan
+        self.model, self.config, self.sharding = model, config, sharding
         self.num_compiles = 0
         self.lockstep = None  # one host: nothing to send to followers
         self.step_time_s = step_time_s

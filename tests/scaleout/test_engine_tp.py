@@ -19,7 +19,7 @@ def tp2_engine() -> Engine:
 
 def test_the_model_and_pool_are_split(tp2_engine):
     runner = tp2_engine.runner
-    assert runner.plan.tensor_parallel == 2 and runner.plan.kv_shards == 2
+    assert runner.sharding.tensor_parallel == 2 and runner.sharding.kv_shards == 2
     k = runner.kv.k  # [layers, pages, page_size, 4 KV heads, head_dim]: 2 heads per device
     assert {s.data.shape[3] for s in k.addressable_shards} == {2}
     assert len({s.device for s in k.addressable_shards}) == 2
