@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import math
 
+from jaxserve import slo_policy
 from jaxserve.bench.runner import RequestRecord, RunResult, Timeline, prompt_for, sampling_for
 from jaxserve.bench.workload import Workload
 from jaxserve.cost_model import CostModel
@@ -72,8 +73,6 @@ def scheduler_config(config: EngineConfig, max_model_len: int) -> SchedulerConfi
 
 def build_scheduler(config: EngineConfig, cost: CostModel, max_model_len: int) -> Scheduler:
     """The scheduler an engine of `config` would run, its SLO policy attached when asked for."""
-    from jaxserve import slo_policy
-
     sched = Scheduler(scheduler_config(config, max_model_len))
     slo_policy.attach(sched, config, cost)
     return sched

@@ -4,8 +4,9 @@ Errors a user can fix (a missing model folder, an unsupported architecture, a pr
 end with one line on stderr and exit status 2, never a traceback.
 
 Each area adds its subcommands with `register(subparsers)`: generate.py (generate, convert),
-serve.py (serve, client), bench.py (bench, batch). Handlers import JAX, the engine and gRPC
-themselves, so `jaxserve --help` and `jaxserve client` start without initializing JAX.
+serve.py (serve, client), bench.py (bench, batch), simulate.py (simulate), tune.py (tune).
+Handlers import JAX, the engine and gRPC themselves, so `jaxserve --help` and `jaxserve client`
+start without initializing JAX (simulate and tune never do).
 """
 
 from __future__ import annotations
