@@ -1,4 +1,4 @@
-"""`LLM.generate`: offline generation over a list of prompts on the engine."""
+"""`LLM.generate` and `LLM.beam_search`: offline generation over a list of prompts on the engine."""
 
 from __future__ import annotations
 
