@@ -187,6 +187,12 @@ class Engine:
     ) -> str:
         """Queues a request; raises ValueError (or scheduler's RequestRejected) if it cannot run."""
         params = sampling_params or SamplingParams()
+        if params.beam_width > 1:
+            raise ValueError(
+                f"beam_width={params.beam_width} asks for a beam search, which runs over the "
+                f"engine rather than inside one request: use LLM.beam_search or "
+                f"jaxserve.beam_search."
+            )
         if params.seed is None:  # drawn now, so a preempted request resamples the same tokens
             params = dataclasses.replace(params, seed=random.getrandbits(32))
         if isinstance(prompt, str):

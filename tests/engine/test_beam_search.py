@@ -222,3 +222,9 @@ def test_grpc_beam_search_sends_every_beam_in_one_last_response(stories_engine):
         assert [b.finish_reason for b in response.beams] == [reasons[b.finish_reason] for b in want]
         assert response.finish_reason == reasons[want[0].finish_reason]
         assert response.usage.completion_tokens == len(want[0].token_ids)
+
+
+def test_the_engine_refuses_a_beam_request_it_would_only_sample(stories_engine):
+    with pytest.raises(ValueError, match="beam_width=4 asks for a beam search"):
+        stories_engine.add_request("Once upon a time", SamplingParams(beam_width=4))
+    assert not stories_engine.has_unfinished()
