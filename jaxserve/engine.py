@@ -73,6 +73,10 @@ class _InFlight:
     out: object  # SampleOutput of device arrays, or None
     padded_tokens: int
     seen_done: bool = False  # the device timeline already counts it finished
+    # Some row asked for logprobs / prompt logprobs (the SamplingBatch's flags): only then does
+    # taking the step in look at them, row by row.
+    want_logprobs: bool = False
+    want_prompt_logprobs: bool = False
 
 
 class Engine:
@@ -258,6 +262,10 @@ class Engine:
             self._dispatch(self.scheduler.schedule())
             if self._inflight[-1].out is None:
                 updates += self._collect()
+        if not self._inflight:
+            # The last plan was empty: nothing is in flight for want of work, so the time until
+            # the next dispatch is not the device waiting on the host.
+            self.metrics.device.no_work(time.perf_counter())
         outputs = self._outputs(updates)  # overlaps with the step in flight
         self._refresh_gauges()
         self._probe_done()
@@ -297,7 +305,15 @@ class Engine:
         out = self.runner.execute(batch, sampling)
         # In flight only once the dispatch (and its copy to the device) has returned.
         self.metrics.device.dispatched(self._clock.lap("dispatch"))
-        self._inflight.append(_InFlight(plan, out, len(batch.token_ids)))
+        self._inflight.append(
+            _InFlight(
+                plan,
+                out,
+                len(batch.token_ids),
+                want_logprobs=bool(sampling.want_logprobs),
+                want_prompt_logprobs=bool(sampling.want_prompt_logprobs),
+            )
+        )
 
     def _fill_special_row(self, sb: SamplingBatch, row: int, seq) -> None:
         """Row `row`'s logit bias, min_tokens mask and penalties (a request that asked for them).
@@ -344,14 +360,15 @@ class Engine:
         tokens = np.asarray(out.token_ids)[:n].tolist()  # the step's one copy to the host
         sampled = [t if s.sample else None for t, s in zip(tokens, seqs, strict=True)]
         logprobs = None
-        asked = [s.sample and s.request.sampling_params.logprobs is not None for s in seqs]
-        if any(asked):
+        if flight.want_logprobs:
+            asked = [s.sample and s.request.sampling_params.logprobs is not None for s in seqs]
             host = jax.device_get(dataclasses.replace(out, **_NO_PROMPT_LOGPROBS))
             logprobs = [
                 _logprob_of(host, i, s) if a else None
                 for i, (s, a) in enumerate(zip(seqs, asked, strict=True))
             ]
-        self._take_prompt_logprobs(out, seqs)
+        if flight.want_prompt_logprobs:
+            self._take_prompt_logprobs(out, seqs)
         updates = self.scheduler.update(
             plan, StepResult(sampled_token_ids=sampled, logprobs=logprobs), now=time.monotonic()
         )

@@ -402,11 +402,13 @@ async def serve(factory: Callable[[], AsyncEngine], options: ServerOptions) -> i
     A signal during the drain cancels the calls still running.
     """
     server = JaxServeServer(factory, options)
-    await server.start()
+    # Handlers first: start() logs "listening", and a supervisor may signal at once; one that
+    # arrived before the handlers would kill the process instead of draining it.
     loop = asyncio.get_running_loop()
     signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
+    await server.start()
     ready = asyncio.ensure_future(server.wait_ready())
     first = asyncio.ensure_future(signals.get())
     await asyncio.wait({ready, first}, return_when=asyncio.FIRST_COMPLETED)
