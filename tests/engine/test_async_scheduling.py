@@ -16,15 +16,8 @@ import pytest
 from jaxserve.engine import Engine
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.conftest import drain
+from tests.engine.test_engine import PROMPTS
 
-PROMPTS = [
-    "Once upon a time",
-    "Tom had a red ball",
-    "The little dog",
-    "One day, Lily went to the park with her mom. She saw",
-    "Sam",
-    "The sun was hot and the birds",
-]
 # Every way a request can end or be shaped; the greedy continuation of "Once upon a time" goes
 # through 432, 383 (tests/engine/test_engine.py), so stop id 383 ends it early.
 PARAMS = [

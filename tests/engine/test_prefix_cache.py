@@ -204,3 +204,27 @@ def test_samples_of_one_prompt_sent_together_compute_it_once(cached, uncached):
     assert [got[f"n{i}"][2] for i in range(4)] == [0, 2 * PAGE, 2 * PAGE, 2 * PAGE]
     # Each request's sampling step counts its last prompt token as generated, not prompt.
     assert cached.metrics.stats.prompt_tokens - before == 39 + 3 * 7
+
+
+@pytest.fixture(scope="module")
+def wide(stories_engine) -> Engine:
+    """A budget of 1,024 tokens: four 200-token prompts fit one step, so nothing but the
+    scheduler's wait for pages being computed keeps them from each computing their own."""
+    config = EngineConfig(**{**SMALL, "max_num_batched_tokens": 1024, "token_bucket_factor": 4})
+    return Engine(config, model=stories_engine.model)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_n4_on_a_200_token_prompt_holds_its_full_pages_once(wide, async_scheduling):
+    # Issue 13's acceptance: n=4 uses the prompt's pages once. 200 tokens = 12 full pages + 8.
+    # Shared, the four samples hold 12 pages together plus a private last page each; had each
+    # computed its own prompt they would hold 4 x 13 pages.
+    object.__setattr__(wide.config, "async_scheduling", async_scheduling)  # idle: safe to flip
+    prompt = _ids(random.Random(11 + async_scheduling), 200)
+    for i in range(4):
+        wide.add_request(prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=90 + i))
+    peak = 0
+    while wide.has_unfinished():
+        wide.step()
+        peak = max(peak, wide.metrics.stats.kv_pages_used)
+    assert 13 <= peak <= 12 + 4, peak
