@@ -29,18 +29,19 @@ import jax
 import numpy as np
 
 from checkpoints import LoadedModel, load_model
+from jaxserve.buckets import bucket_ladder
 from jaxserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from jaxserve.engine_config import EngineConfig
 from jaxserve.input_batch import InputBatch
 from jaxserve.kv_pages import kv_bytes_per_page, pages_that_fit
 from jaxserve.metrics import EngineMetrics, PhaseClock
-from jaxserve.model_runner import ModelRunner, RunnerConfig, bucket_ladder, enable_compilation_cache
+from jaxserve.model_runner import ModelRunner, RunnerConfig, enable_compilation_cache
 from jaxserve.multihost import agree_min
 from jaxserve.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.request import FinishReason, Request
 from jaxserve.sampling import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
+from jaxserve.scheduler import Scheduler, SchedulerOutput, StepResult
 from jaxserve.sharding import ShardingPlan, make_mesh
 from jaxserve.slo_policy import attach_to_engine
 
@@ -113,37 +114,19 @@ class Engine:
                 num_pages=num_pages,
                 page_size=config.page_size,
                 max_model_len=self.max_model_len,
-                token_buckets=bucket_ladder(
-                    min(config.min_token_bucket, config.max_num_batched_tokens),
-                    config.max_num_batched_tokens,
-                    config.token_bucket_factor,
-                    config.token_bucket_step,
-                ),
+                token_buckets=config.token_buckets,
                 seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
                 attention_backend=config.attention_backend,
             ),
             self.sharding,
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                num_pages=num_pages,
-                page_size=config.page_size,
+            config.scheduler_config(
                 max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                enable_prefix_caching=config.enable_prefix_caching,
+                num_pages=num_pages,
                 # Caches of different weights must never match (one engine, one model; the key
                 # matters where pages could outlive a model swap).
                 prefix_cache_key=f"{self.model.source}:{self.model.dtype}",
-                policy=config.policy,
-                priority_aging_s=config.priority_aging_s,
-                batching=config.batching,
-                batch_size=config.batch_size or config.max_num_seqs,
-                dynamic_timeout_s=config.dynamic_timeout_s,
-                max_waiting_requests=config.max_waiting_requests,
-                # Steps then land on the buckets the runner pads them to (less padding).
-                token_buckets=self.runner.config.token_buckets,
             )
         )
         rc = self.runner.config

@@ -6,7 +6,8 @@ import dataclasses
 import math
 import os
 
-from jaxserve.scheduler_types import BATCHING_MODES, POLICIES
+from jaxserve.buckets import bucket_ladder
+from jaxserve.scheduler_types import BATCHING_MODES, POLICIES, SchedulerConfig
 
 
 def default_compilation_cache_dir() -> str | None:
@@ -134,3 +135,38 @@ class EngineConfig:
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        """The token buckets an engine of this config compiles its step for."""
+        budget = self.max_num_batched_tokens
+        return bucket_ladder(
+            min(self.min_token_bucket, budget),
+            budget,
+            self.token_bucket_factor,
+            self.token_bucket_step,
+        )
+
+    def scheduler_config(
+        self, *, max_model_len: int, num_pages: int, prefix_cache_key: str = ""
+    ) -> SchedulerConfig:
+        """The scheduler's limits and mode for an engine of this config: the one mapping the
+        engine and the simulator share (the pool size and context are the engine's to decide)."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            num_pages=num_pages,
+            page_size=self.page_size,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_cache_key=prefix_cache_key,
+            policy=self.policy,
+            priority_aging_s=self.priority_aging_s,
+            batching=self.batching,
+            batch_size=self.batch_size or self.max_num_seqs,
+            dynamic_timeout_s=self.dynamic_timeout_s,
+            max_waiting_requests=self.max_waiting_requests,
+            # Steps then land on the buckets the runner pads them to (less padding).
+            token_buckets=self.token_buckets,
+        )

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxserve.batch import NO_SLOT, StepBatch
-from jaxserve.model_runner import pick_bucket
+from jaxserve.buckets import pick_bucket
 from jaxserve.request import PENDING_TOKEN, Request
 from jaxserve.sampling import SamplingBatch
 from jaxserve.scheduler_types import ScheduledSeq

@@ -24,6 +24,7 @@ import numpy as np
 
 from checkpoints.loaded import LoadedModel, layer_loop_of, model_for
 from jaxserve.batch import SeqChunk, StepBatch, pack_chunks
+from jaxserve.buckets import bucket_ladder, pick_bucket  # noqa: F401 - re-exported
 from jaxserve.kv_pages import KVPages, init_kv_pages
 from jaxserve.models.attention import warm_up_batches
 from jaxserve.multihost import StepLink, is_leader
@@ -38,34 +39,6 @@ from jaxserve.sampling import (
 from jaxserve.sharding import ShardingPlan, make_mesh
 
 logger = logging.getLogger(__name__)
-
-
-def bucket_ladder(
-    smallest: int, largest: int, factor: int = 2, step: int | None = None
-) -> tuple[int, ...]:
-    """smallest, smallest*factor, ... capped by (and always ending at) largest.
-
-    With `step`, a size never grows by more than `step`: 1, 2, 4, ..., 64, 128, 192, 256, ... for
-    step 64. Geometric sizes pad a step by up to half of it (a 300-token step runs as 512); the
-    additive tail pads large steps by less than `step`, at the price of more buckets to compile:
-    about largest / step sizes above `step` instead of log2(largest / step).
-    """
-    if smallest < 1 or largest < smallest or factor < 2 or (step is not None and step < 1):
-        raise ValueError(f"Invalid bucket ladder: {smallest=}, {largest=}, {factor=}, {step=}.")
-    sizes, size = [], smallest
-    while size < largest:
-        sizes.append(size)
-        size = size * factor if step is None else min(size * factor, size + step)
-    sizes.append(largest)
-    return tuple(sizes)
-
-
-def pick_bucket(ladder: Sequence[int], n: int) -> int:
-    """The smallest bucket that holds n."""
-    for size in ladder:
-        if size >= n:
-            return size
-    raise ValueError(f"{n} exceeds the largest bucket {ladder[-1]}.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -32,42 +32,13 @@ DEFAULT_VOCAB = 32000  # prompt ids only matter to the prefix cache, which sees 
 _IDLE_POLL_S = 1e-3  # a dynamic batch waiting to fill: the bench's runner polls at this period
 
 
-def token_ladder(smallest: int, largest: int, factor: int = 2, step: int | None = None):
-    """The engine's token buckets (model_runner.bucket_ladder, which imports JAX): smallest,
-    smallest * factor, ..., growing by at most `step`, always ending at `largest`."""
-    sizes, size = [], smallest
-    while size < largest:
-        sizes.append(size)
-        size = size * factor if step is None else min(size * factor, size + step)
-    sizes.append(largest)
-    return tuple(sizes)
-
-
 def scheduler_config(config: EngineConfig, max_model_len: int) -> SchedulerConfig:
-    """The SchedulerConfig an engine of `config` builds (engine.Engine.__init__), without a
-    device: the pool is `num_pages`, or one full context per row."""
+    """The SchedulerConfig an engine of `config` builds, without a device: the pool is
+    `num_pages`, or one full context per row."""
     pages_per_seq = math.ceil(max_model_len / config.page_size)
-    budget = config.max_num_batched_tokens
-    return SchedulerConfig(
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=budget,
-        num_pages=config.num_pages or config.max_num_seqs * pages_per_seq,
-        page_size=config.page_size,
+    return config.scheduler_config(
         max_model_len=max_model_len,
-        enable_chunked_prefill=config.enable_chunked_prefill,
-        enable_prefix_caching=config.enable_prefix_caching,
-        policy=config.policy,
-        priority_aging_s=config.priority_aging_s,
-        batching=config.batching,
-        batch_size=config.batch_size or config.max_num_seqs,
-        dynamic_timeout_s=config.dynamic_timeout_s,
-        max_waiting_requests=config.max_waiting_requests,
-        token_buckets=token_ladder(
-            min(config.min_token_bucket, budget),
-            budget,
-            config.token_bucket_factor,
-            config.token_bucket_step,
-        ),
+        num_pages=config.num_pages or config.max_num_seqs * pages_per_seq,
     )
 
 

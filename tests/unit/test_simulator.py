@@ -9,11 +9,12 @@ import pytest
 
 from jaxserve.bench.metrics import SLO, summarize
 from jaxserve.bench.workload import LengthMix, RequestSpec, Workload, mixed_workloads
+from jaxserve.buckets import bucket_ladder
 from jaxserve.cost_model import BucketFit, CostKey, CostModel
 from jaxserve.engine_config import EngineConfig
-from jaxserve.simulator import simulate, token_ladder
+from jaxserve.simulator import simulate
 
-BUCKETS = token_ladder(1, 64)
+BUCKETS = bucket_ladder(1, 64)
 
 
 def fake_cost(fixed=1e-3, per_token=1e-4, per_pair=0.0) -> CostModel:
