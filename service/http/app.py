@@ -5,13 +5,15 @@ GET /metrics, POST /tokenize, POST /detokenize.
 
 It only translates: a body is parsed (pydantic, types only), checked by service/validation.py
 (the checks gRPC runs, so an error names the field and value alike), tokenized on the gRPC
-servicer's tokenizer threads, and streamed from `AsyncEngine.generate()`. Admission and the
+servicer's tokenizer threads, and streamed from `AsyncEngine.generate()` (with vLLM's
+`use_beam_search`, service/http/beams.py runs a beam search per prompt instead). Admission and the
 count of calls in flight are the servicer's too, so the server's state (warming, serving,
 draining, failed) and its drain govern both front ends alike.
 
 Status codes: 400 for a request that cannot run as sent (`param` names the field), 401 without
 the bearer token when one is configured (/health is exempt with --health-without-auth), 429
-when the waiting queue is full, 503 while warming up or draining, 500 once the engine failed.
+when the waiting queue is full or the engine refused the request under load (--shed-late), 503
+while warming up or draining, 500 once the engine failed.
 
 Concurrency: every handler runs on the server's event loop. A request with several prompts or
 `n` samples runs one engine stream per (prompt, sample), pumped by one task each into a shared
@@ -46,7 +48,7 @@ from jaxserve.outputs import RequestOutput, TokenLogprob
 from jaxserve.sampling_params import SEED_LIMIT, SamplingParams
 from jaxserve.scheduler_types import QueueFull
 from service import validation
-from service.http import protocol
+from service.http import beams, protocol
 from service.logs import log
 from service.servicer import Refused, State
 from service.validation import InvalidRequest
@@ -319,11 +321,7 @@ class OpenAIFrontEnd:
         body = await self._parse(request, protocol.CompletionRequest)
         if body.suffix is not None:
             raise InvalidRequest("suffix is not supported: send the whole prompt.", "suffix")
-        if body.best_of is not None and body.best_of != body.n:
-            raise InvalidRequest(
-                f"best_of={body.best_of} is not supported: only best_of equal to n (n={body.n}).",
-                "best_of",
-            )
+        width = beams.beam_width(body)
         prompts = await self._completion_prompts(body.prompt)
         scoring_only = body.max_tokens == 0
         if scoring_only and not body.echo:
@@ -337,6 +335,14 @@ class OpenAIFrontEnd:
             sampling["logprobs"] = body.logprobs
             if body.echo:  # the prompt's tokens come first in the logprobs, as OpenAI sends them
                 sampling["prompt_logprobs"] = body.logprobs
+        if width is not None:
+            if scoring_only:
+                raise InvalidRequest(
+                    "max_tokens=0 (scoring the prompt) cannot be combined with "
+                    "use_beam_search=true: a beam search needs max_tokens >= 1.",
+                    "max_tokens",
+                )
+            return await self._beam_call(request, body, prompts, sampling, width, fields)
         jobs = self._jobs(prompts, body, sampling, fields)
         for job in jobs:
             job.scoring_only = scoring_only
@@ -377,6 +383,9 @@ class OpenAIFrontEnd:
         sampling = self._sampling_fields(body, max_tokens)
         if body.logprobs:
             sampling["logprobs"] = body.top_logprobs or 0
+        width = beams.beam_width(body)
+        if width is not None:
+            return await self._beam_call(request, body, [(ids, None)], sampling, width, fields)
         jobs = self._jobs([(ids, None)], body, sampling, fields)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         fields.update(id=cid, n=body.n, stream=body.stream)
@@ -400,6 +409,43 @@ class OpenAIFrontEnd:
                 }
             )
         return {**head, "choices": out, "usage": self._usage(jobs, choices)}
+
+    async def _beam_call(self, request: Request, body, prompts, sampling: dict, width, fields):
+        """A call with use_beam_search (service/http/beams.py): one search per prompt, its best
+        n beams the choices; the response (or its stream) once every search has ended."""
+        chat = isinstance(body, protocol.ChatCompletionRequest)
+        params = [
+            beams.beam_params(sampling, width, body, len(ids), self._engine) for ids, _ in prompts
+        ]
+        cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        fields.update(id=cid, prompts=len(prompts), n=body.n, beam_width=width, stream=body.stream)
+        ids = [ids for ids, _ in prompts]
+        search = beams.search_all(self.server.engine, ids, params, body.priority)
+        outs = await self._unless_gone(request, search)
+        for out in outs:
+            if out.error is not None:  # a beam's request failed or was aborted: no result
+                raise HttpError(500, out.error, "internal_error")
+        choices = []
+        for i, (out, (ids_, text)) in enumerate(zip(outs, prompts, strict=True)):
+            for beam in out.beams[: body.n]:
+                if chat:
+                    choices.append(beams.chat_choice(len(choices), beam))
+                else:
+                    echo = ""
+                    if body.echo:
+                        echo = self._echo_text(_Job(i, 0, ids_, params[i], text))
+                    choices.append(beams.completion_choice(len(choices), beam, echo))
+        head = {
+            "id": cid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": protocol.now(),
+            "model": self.model_id(),
+        }
+        usage = beams.usage(ids, outs, body.n)
+        if body.stream:
+            include = body.stream_options is not None and body.stream_options.include_usage
+            return beams.events(head, choices, usage if include else None)
+        return {**head, "choices": choices, "usage": usage}
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -701,6 +747,7 @@ class _Pumps:
             index, item = await self._queue.get()
             if isinstance(item, BaseException):
                 raise item
+            _fail_if_refused(item)  # refused before its first token: the call's status
             seen.add(index)
             self.firsts.setdefault(index, item)
             self._buffer.append((index, item))
@@ -764,6 +811,14 @@ def _finish_reason(job: _Job, out: RequestOutput) -> str | None:
 def _fail_if_error(out: RequestOutput) -> None:
     if out.finish_reason == "error":
         raise HttpError(500, out.error or "The request failed.", "internal_error")
+    _fail_if_refused(out)
+
+
+def _fail_if_refused(out: RequestOutput) -> None:
+    """A request the engine refused under load (--shed-late: its predicted TTFT, shown, misses
+    the target) ends the call with 429, as a full queue does (gRPC: RESOURCE_EXHAUSTED)."""
+    if out.finish_reason == "refused":
+        raise HttpError(429, out.error or "Refused under load.", "rate_limit")
 
 
 def _chunk(head: dict, include_usage: bool, choice: dict) -> dict:

@@ -8,7 +8,8 @@ nothing here.
 
 Field names and meanings follow OpenAI's API reference for /v1/completions and
 /v1/chat/completions, plus the extra sampling fields vLLM accepts (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens).
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, and beam search's
+use_beam_search, length_penalty, early_stopping and best_of on both endpoints).
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     priority: int = 0
+    # Beam search, as vLLM's API had it: the width is best_of if given, else n; the best n beams
+    # are the choices (app.py's _beam_width has the rules).
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None  # only true (or absent): the search stops early
 
 
 class CompletionRequest(_Sampling):
@@ -65,7 +72,6 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
-    best_of: int | None = None
 
 
 class TextPart(_Body):
