@@ -5,13 +5,15 @@ same engine before it serves.
 
 from __future__ import annotations
 
+import http.client
+import json
 import math
 
 import openai
 import pytest
 
 from jaxserve import LLM
-from tests.service.conftest import serving
+from tests.service.conftest import serving, wait_until
 from tests.service.test_http import CHAT_TEMPLATE, MESSAGES, _chat_ids, _post
 
 PROMPTS = ["Once upon a time", "Lily was sad. She cried and"]
@@ -187,3 +189,20 @@ def test_bad_combinations_are_400_naming_the_values(served, what, param, parts):
     for part in parts:
         assert part in error["message"], error["message"]
     assert error["message"].endswith("."), "a whole sentence"
+
+
+def test_a_client_that_leaves_mid_search_aborts_its_beams(served):
+    server, _ = served
+    async_engine = server.server.engine
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.http_port, timeout=30)
+    body = {"prompt": PROMPTS[0], "n": 4, "max_tokens": 200, "ignore_eos": True, **BEAM}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    # Past the first iteration: several beams' requests in the engine at once.
+    wait_until(lambda: len(async_engine.snapshot().request_ids) > 1, timeout=20)
+    start = async_engine.snapshot().iteration
+    conn.sock.close()
+    conn.close()
+    wait_until(lambda: not async_engine.snapshot().request_ids, timeout=20)
+    snap = async_engine.snapshot()
+    assert snap.slots_used == 0 and snap.kv_pages_used == 0
+    assert snap.iteration - start < 150  # cancelled, not run to its 200 tokens
