@@ -1,10 +1,18 @@
 """`jaxserve batch INPUT.jsonl OUTPUT.jsonl`: offline inference over large files, resumable.
 
 Input: one JSON object a line, `{"id": ..., "prompt": "..."}` or `"prompt_token_ids": [...]`,
-optionally `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, `ignore_eos`.
+optionally `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`,
+`stop_token_ids`, `ignore_eos`, `beam_width`, `length_penalty`.
 A line without an id gets `line-N`, N its line number (stable as long as the file is).
 Output: one JSON object a line as each request finishes, in completion order:
 `{"id", "text", "prompt_tokens", "output_tokens", "finish_reason"}` (+ `token_ids` if asked).
+
+Beam search: a line with `beam_width` > 1 runs a beam search (jaxserve/beam_search.py) beside
+the other lines' requests on the same engine. Its output line has the best beam in the usual
+fields (`output_tokens` counts its tokens) and every beam, best first, in `beams`: `{"text",
+"token_ids", "cumulative_logprob", "score", "finish_reason"}`. A search whose request failed has
+no beams, its request's finish reason and an `error` saying why. The line is written, and so
+counts as done for a rerun, once its search has ended, like any other line.
 
 Durability: the output is opened O_APPEND and written one whole step's lines per `write`, each
 line ending in "\\n", followed by `fsync`; a line counts only once its newline is on disk. A
@@ -36,12 +44,24 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxserve import beam_search
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # not at run time: a Ray driver reads and writes without importing JAX
     from jaxserve.engine import Engine
 
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos")
+_SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "beam_width",
+    "length_penalty",
+)
 
 
 class BatchInputError(ValueError):
@@ -216,23 +236,42 @@ class EngineFeed:
         self.engine = engine
         self.include_token_ids = include_token_ids
         self.jobs: dict[str, _Job] = {}
+        # Beam-search lines: each a search whose requests the driver adds, iteration by
+        # iteration, and claims from the engine's outputs. Line id -> (search, arrival time).
+        self.beams = beam_search.BeamDriver(engine)
+        self.searches: dict[str, tuple[beam_search.BeamSearch, float]] = {}
 
     def __len__(self) -> int:
-        return len(self.jobs)
+        return len(self.jobs) + len(self.searches)
 
     def add(self, line: Line) -> str | None:
         """Queues the line; the reason, without a final period, if the engine refuses it."""
+        if line.params.beam_width > 1:
+            return self._add_search(line)
         try:
-            self.engine.add_request(line.prompt, line.params, request_id=line.id)
+            self.engine.add_request(line.prompt, line.params, request_id=_request_id(line.id))
         except ValueError as e:  # too long for the model, ids outside the vocab, ...
             return str(e).rstrip(".")
-        self.jobs[line.id] = _Job(line.lineno, line.id)
+        self.jobs[_request_id(line.id)] = _Job(line.lineno, line.id)
+        return None
+
+    def _add_search(self, line: Line) -> str | None:
+        engine = self.engine
+        try:
+            ids = engine.encode(line.prompt) if isinstance(line.prompt, str) else line.prompt
+            search = beam_search.start_search(engine, ids, line.params)
+            self.beams.submit(search)  # its first request, checked as any other
+        except ValueError as e:
+            return str(e).rstrip(".")
+        self.searches[line.id] = (search, time.monotonic())
         return None
 
     def step(self) -> list[dict]:
-        """One engine step; the records of the requests it finished."""
+        """One engine step; the records of the requests (and beam searches) it finished."""
         records = []
         for o in self.engine.step():
+            if self.beams.take(o):  # a beam's request: the search has it now
+                continue
             job = self.jobs.get(o.request_id)
             if job is None:
                 continue
@@ -250,7 +289,43 @@ class EngineFeed:
                 if self.include_token_ids:
                     record["token_ids"] = job.token_ids
                 records.append(record)
+        for rid in [rid for rid, (search, _) in self.searches.items() if search.done]:
+            records.append(self._search_record(rid, *self.searches.pop(rid)))
         return records
+
+    def _search_record(self, rid: str, search: beam_search.BeamSearch, arrival: float) -> dict:
+        """A finished search's line: the best beam where a request's result goes, all in beams."""
+        found = [] if search.failure is not None else search.result()
+        beams = beam_search.label(self.engine, search.prompt_token_ids, found)
+        out = beam_search.best_output(rid, search, beams, arrival)
+        record = {
+            "id": rid,
+            "text": out.text_delta,
+            "prompt_tokens": out.num_prompt_tokens,
+            "output_tokens": out.num_output_tokens,
+            "finish_reason": out.finish_reason,
+        }
+        if self.include_token_ids:
+            record["token_ids"] = out.new_token_ids
+        record["beams"] = [
+            {
+                "text": b.text,
+                "token_ids": b.token_ids,
+                "cumulative_logprob": b.cumulative_logprob,
+                "score": b.score,
+                "finish_reason": b.finish_reason,
+            }
+            for b in beams
+        ]
+        if out.error is not None:
+            record["error"] = out.error
+        return record
+
+
+def _request_id(line_id: str) -> str:
+    """A line's engine request id: prefixed, so that no line id can be one of the engine's own
+    ("req-N"), which beam searches' requests take."""
+    return f"line:{line_id}"
 
 
 class BatchRun:
