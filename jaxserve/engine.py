@@ -139,7 +139,6 @@ class Engine:
             seq_bucket_for=rc.seq_bucket_for,
         )
         self.metrics = EngineMetrics(config.ttft_slo_s, config.tpot_slo_s)
-        self.slo_policy = attach_to_engine(self)  # SLO-aware scheduling, when configured
         self._tracked: dict[str, _Tracked] = {}
         # Dispatched plans awaiting their update, oldest first: at most two (the one being
         # taken in and the one just dispatched ahead of it).
@@ -150,6 +149,9 @@ class Engine:
         if config.precompile:
             seconds = self.runner.precompile(progress=config.show_progress)
             logger.info("compiled %d buckets in %.1fs", len(self.runner.config.buckets()), seconds)
+        # SLO-aware scheduling, when configured; after precompile, since measuring the step-cost
+        # model at warm-up times steps of the compiled buckets.
+        self.slo_policy = attach_to_engine(self)
         self._warm_compiles = self.runner.num_compiles
         self._refresh_gauges()
 
@@ -472,6 +474,8 @@ class Engine:
             tracked.prompt_logprobs, tracked.prompt_logprobs_sent = None, True
         metrics = _metrics_of(request)
         reason = str(request.finish_reason) if finished else None
+        # A refusal says why (the SLO policy's predicted TTFT against the target).
+        error = request.status_message if reason == FinishReason.REFUSED else None
         if finished:
             del self._tracked[request.request_id]
             self.metrics.on_finished(reason, metrics, request.num_output_tokens)
@@ -487,6 +491,7 @@ class Engine:
             logprobs=logprobs,
             num_cached_tokens=request.num_cached_tokens or 0,
             prompt_logprobs=prompt_logprobs,
+            error=error,
         )
 
     def _refresh_gauges(self) -> None:

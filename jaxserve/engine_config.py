@@ -66,12 +66,17 @@ class EngineConfig:
     ttft_slo_s: float | None = None  # goodput targets: a request meeting both counts as good
     tpot_slo_s: float | None = None
     # SLO-aware scheduling (jaxserve/slo_policy.py): each step's prefill is sized so the step's
-    # predicted time keeps decodes within tpot_slo_s. Needs the step-cost model `cost_model`
-    # (a JSON file written by `jaxserve bench --profile steps`).
+    # predicted time keeps decodes within tpot_slo_s, by the step-cost model (cost_model.py).
     slo_scheduling: bool = False
+    # The cost model's JSON file (`jaxserve bench --profile steps`, or an earlier engine's
+    # calibration): loaded when it was measured for this model, dtype, device kind and buckets.
     cost_model: str | None = None
-    # With slo_scheduling and a TTFT target: refuse (abort) a waiting request that would miss
-    # ttft_slo_s even if started now, rather than spend capacity on a request already lost.
+    # Measure the cost model at warm-up (jaxserve/calibration.py: a few timed steps per bucket,
+    # after precompile), saved to `cost_model` when a path is given. None: only when
+    # slo_scheduling has no file that applies; True: always; False: never (a file must apply).
+    calibrate_cost_model: bool | None = None
+    # With slo_scheduling and a TTFT target: refuse (finish reason "refused") a waiting request
+    # that would miss ttft_slo_s even if started now, rather than spend capacity on one lost.
     shed_late: bool = False
 
     def __post_init__(self):
@@ -117,10 +122,14 @@ class EngineConfig:
             raise ValueError(
                 f"token_bucket_step={self.token_bucket_step} must be >= 1 (or None: geometric)."
             )
-        if self.slo_scheduling and (self.tpot_slo_s is None or not self.cost_model):
+        if self.slo_scheduling and (
+            self.tpot_slo_s is None or (not self.cost_model and self.calibrate_cost_model is False)
+        ):
             raise ValueError(
-                f"slo_scheduling needs a TPOT target and a step-cost model: "
-                f"tpot_slo_s={self.tpot_slo_s!r}, cost_model={self.cost_model!r}."
+                f"slo_scheduling needs a TPOT target and a step-cost model (a file, or one "
+                f"measured at warm-up): tpot_slo_s={self.tpot_slo_s!r}, "
+                f"cost_model={self.cost_model!r}, calibrate_cost_model="
+                f"{self.calibrate_cost_model!r}."
             )
         if self.shed_late and (not self.slo_scheduling or self.ttft_slo_s is None):
             raise ValueError(

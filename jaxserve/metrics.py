@@ -52,8 +52,9 @@ class EngineStats:
     finished: dict[str, int] = dataclasses.field(default_factory=dict)
     good_requests: int = 0  # met both SLO targets (or every finished one when none are set)
     # The step-cost model SLO-aware scheduling plans with (slo_policy.attach_to_engine): its
-    # file, key and fit error; None without one.
+    # file, source ("file" or "calibrated" at warm-up), key, fits and fit error; None without.
     cost_model: dict | None = None
+    cost_model_fit_rel_rms: float = -1.0  # its fit's relative RMS error; -1: no cost model
 
     @property
     def padding_efficiency(self) -> float:
@@ -92,8 +93,10 @@ class EngineMetrics:
                 ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, a share."),
                 ("padding_efficiency", "Real over padded tokens since start."),
                 ("device_idle_share", "Share of working wall time with no step in flight."),
+                ("cost_model_fit_rel_rms", "Step-cost model's relative RMS error; -1: none."),
             ]
         }
+        self._gauges["cost_model_fit_rel_rms"].set(self.stats.cost_model_fit_rel_rms)
         self._preemptions = Counter("jaxserve_preemptions", "Preemptions.", registry=r)
         self._compiles = Counter("jaxserve_compiles", "Step compilations.", registry=r)
         self._prefix = {

@@ -57,12 +57,13 @@ class RequestOutput:
     new_token_ids: list[int]
     text_delta: str
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort", "error" once finished
+    finish_reason: str | None  # "stop", "length", "abort", "error", "refused" once finished
     num_prompt_tokens: int
     num_output_tokens: int  # all generated so far
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
-    error: str | None = None  # with finish_reason "error": what went wrong, for the client
+    # With finish_reason "error": what went wrong; "refused": why (predicted TTFT vs target).
+    error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
     # With SamplingParams.prompt_logprobs, in the request's first output only: one entry per
     # prompt token, None for the first (nothing comes before it).

@@ -28,6 +28,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    FINISHED_REFUSED = 7  # shed before its first token: it could not meet its TTFT target
 
     @property
     def is_finished(self) -> bool:
@@ -41,6 +42,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens, or the model's max_model_len
     ABORT = "abort"  # cancelled by the client
     ERROR = "error"  # the engine could not serve it
+    REFUSED = "refused"  # shed under load (--shed-late): `Request.status_message` says why
 
     @property
     def status(self) -> RequestStatus:
@@ -52,6 +54,7 @@ _STATUS_OF = {
     FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
     FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
     FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+    FinishReason.REFUSED: RequestStatus.FINISHED_REFUSED,
 }
 _REASON_OF = {status: reason for reason, status in _STATUS_OF.items()}
 
@@ -82,6 +85,9 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Why it ended, for the client, where the finish reason alone does not say (a refusal's
+    # predicted TTFT against the target).
+    status_message: str | None = None
     # Prefix cache: anything besides the tokens that changes the KV (a LoRA id, a tenant's salt
     # keeping its cache apart); requests with different salts never share pages.
     cache_salt: str | None = None

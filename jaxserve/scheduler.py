@@ -159,7 +159,8 @@ class Scheduler:
         # them that wait for (re)admission. None: no group (always None when continuous).
         self._group: set[str] | None = None
         self._group_waiting = _WaitQueue()
-        self._aborts: dict[str, None] = {}  # ids to abort at the next schedule(), in order
+        # ids to abort at the next schedule(), in order, with the reason each finishes with
+        self._aborts: dict[str, FinishReason] = {}
         self._reports: list[RequestUpdate] = []  # finishes the next update() must return
         # Planned, not yet updated, oldest first: update() must come in this order.
         self._outstanding: collections.deque[SchedulerOutput] = collections.deque()
@@ -258,15 +259,16 @@ class Scheduler:
                 f"the whole pool of num_pages={cfg.num_pages}."
             )
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Marks a request to abort at the next schedule(); False if unknown or finished.
+        `reason` is what it finishes with (FinishReason.REFUSED: the SLO policy shed it).
 
         Only records the id (one dict store), so a step in flight is never disturbed; the
         next schedule() frees its slot and pages and the next update() reports it finished.
         """
         if request_id not in self._requests:
             return False
-        self._aborts[request_id] = None
+        self._aborts[request_id] = reason
         return True
 
     def finish_request(
@@ -316,11 +318,11 @@ class Scheduler:
     def _apply_aborts(self, now: float) -> list[str]:
         aborts, self._aborts = self._aborts, {}
         done = []
-        for request_id in aborts:
+        for request_id, reason in aborts.items():
             req = self._requests.get(request_id)
             if req is None:  # finished while the abort was pending
                 continue
-            self._finish(req, RequestStatus.FINISHED_ABORTED, now)
+            self._finish(req, reason.status, now)
             self._reports.append(RequestUpdate(request=req, new_token_ids=[], finished=True))
             done.append(request_id)
         return done

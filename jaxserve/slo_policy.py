@@ -16,8 +16,10 @@ and returns the step's token budget:
   request that cannot meet its target at any budget gets no boost: it is served at the capped
   rate rather than making everyone late;
 - with `EngineConfig.shed_late`, a waiting request that would miss its TTFT target even if its
-  prefill started now with the whole budget is refused (aborted: finish reason "abort") before
-  it takes any of the capacity the requests that can still be good need.
+  prefill started now with the whole budget is refused (finish reason "refused", its
+  `status_message` giving the predicted TTFT against the target) before it takes any of the
+  capacity the requests that can still be good need. Clients see a refusal, not a failure:
+  gRPC RESOURCE_EXHAUSTED, HTTP 429, as for a full queue.
 
 The cost model was measured once; the machine's pace changes (a neighbour takes a core). The
 policy therefore scales every prediction by the running average of the measured over the
@@ -32,11 +34,14 @@ Plain Python (no JAX), called with the scheduler's running list and waiting queu
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from jaxserve.cost_model import CostModel
-from jaxserve.request import Request
+from jaxserve.cost_model import CostModel, CostModelError
+from jaxserve.request import FinishReason, Request
+
+logger = logging.getLogger(__name__)
 
 
 class SloPolicy:
@@ -51,7 +56,7 @@ class SloPolicy:
         token_buckets: Sequence[int],
         max_num_batched_tokens: int,
         headroom: float = 0.9,
-        shed: Callable[[str], object] | None = None,
+        shed: Callable[[Request, str], object] | None = None,
     ):
         if not tpot_s > 0 or not math.isfinite(tpot_s):
             raise ValueError(f"The TPOT target tpot_s={tpot_s!r} must be > 0 seconds.")
@@ -65,8 +70,8 @@ class SloPolicy:
         self.max_budget = max_num_batched_tokens
         self.buckets = sorted(b for b in token_buckets if b < max_num_batched_tokens)
         self.buckets.append(max_num_batched_tokens)
-        # Refuses a request by id (Scheduler.abort_request): given, waiting requests that can
-        # no longer meet the TTFT target are refused instead of served late (--shed-late).
+        # Refuses a request, saying why (`refuser`): given, waiting requests that can no
+        # longer meet the TTFT target are refused instead of served late (--shed-late).
         self.shed = shed
         self.num_capped = self.num_boosted = 0  # steps, for stats and tests
         self.num_shed = 0  # requests
@@ -151,8 +156,15 @@ class SloPolicy:
         kept = []
         for req in waiting:
             steps = math.ceil(req.num_tokens / room)
-            if not req.output_token_ids and now + steps * fastest > req.arrival_time + self.ttft_s:
-                self.shed(req.request_id)
+            ttft = now + steps * fastest - req.arrival_time
+            if not req.output_token_ids and ttft > self.ttft_s:
+                self.shed(
+                    req,
+                    f"Refused under load: its predicted time to first token is {ttft:.3f} s "
+                    f"(waited {now - req.arrival_time:.3f} s, then {steps} step(s) of "
+                    f"{fastest * 1e3:.1f} ms for its {req.num_tokens} tokens), more than the TTFT "
+                    f"target of {self.ttft_s:.3f} s. Retry later or on another replica.",
+                )
                 self.num_shed += 1
             else:
                 kept.append(req)
@@ -185,6 +197,17 @@ def _prefill_pairs(spans: Sequence[tuple[int, int]], tokens: int) -> int:
     return pairs + max(tokens, 0) * (max(tokens, 0) + 1) // 2
 
 
+def refuser(scheduler) -> Callable[[Request, str], None]:
+    """Refuses a waiting request of `scheduler` with a message: it ends at the next schedule()
+    with finish reason "refused", its `status_message` the message."""
+
+    def refuse(req: Request, message: str) -> None:
+        req.status_message = message
+        scheduler.abort_request(req.request_id, FinishReason.REFUSED)
+
+    return refuse
+
+
 def attach(scheduler, config, cost: CostModel | None) -> SloPolicy | None:
     """Gives `scheduler` an SloPolicy when `config` (an EngineConfig) asks for SLO-aware
     scheduling; returns it, or None (and the scheduler plans exactly as without this module)."""
@@ -193,7 +216,9 @@ def attach(scheduler, config, cost: CostModel | None) -> SloPolicy | None:
     if config.tpot_slo_s is None:
         raise ValueError("slo_scheduling needs a TPOT target (tpot_slo_s / --tpot-slo).")
     if cost is None:
-        raise ValueError("slo_scheduling needs a step-cost model (--cost-model FILE).")
+        raise ValueError(
+            "slo_scheduling needs a step-cost model (--cost-model FILE, or measured at warm-up)."
+        )
     if scheduler.config.batching != "continuous":
         return None  # static and dynamic groups run whole: nothing to size
     policy = SloPolicy(
@@ -202,34 +227,51 @@ def attach(scheduler, config, cost: CostModel | None) -> SloPolicy | None:
         ttft_s=config.ttft_slo_s,
         token_buckets=scheduler.config.token_buckets or (scheduler.config.max_num_batched_tokens,),
         max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
-        shed=scheduler.abort_request if config.shed_late else None,
+        shed=refuser(scheduler) if config.shed_late else None,
     )
     scheduler.step_budget = policy
     return policy
 
 
 def attach_to_engine(engine) -> SloPolicy | None:
-    """`attach` for an Engine: loads `config.cost_model`, refusing one measured for another
-    model, dtype, device kind or bucket ladder, and shows its key and fit error in the engine's
-    stats. Returns the policy, or None when the config asks for none (nothing is loaded)."""
+    """`attach` for an Engine, after its precompile: finds the cost model (below), shows it in
+    the engine's stats and attaches the policy. Returns the policy, or None when the config asks
+    for none (nothing is loaded or measured).
+
+    The cost model is `config.cost_model`'s file when it was measured for this model, dtype,
+    device kind and bucket ladder. Otherwise, unless `calibrate_cost_model` is False, it is
+    measured now (jaxserve/calibration.py) and saved to that path for the next start; a file
+    that does not apply is then replaced, with a warning that says why. With
+    `calibrate_cost_model` False such a file is an error; with True the model is measured even
+    without SLO-aware scheduling (its stats alone).
+    """
     config = engine.config
-    if not config.cost_model:
+    calibrate = config.calibrate_cost_model
+    if not (config.cost_model or config.slo_scheduling or calibrate):
         return None
-    import jax  # the engine's device kind; only the engine path gets here
-    import numpy as np
+    from jaxserve import calibration  # the engine's path only: it imports jax
 
-    from jaxserve.cost_model import CostKey
-
-    expect = CostKey(
-        model=engine.model.source,
-        dtype=str(np.dtype(engine.model.dtype)),
-        device_kind=jax.devices()[0].device_kind,
-        token_buckets=tuple(engine.runner.config.token_buckets),
-    )
-    cost = CostModel.load(config.cost_model, expect=expect)
+    cost, source = None, "file"
+    if config.cost_model and calibrate is not True:
+        try:
+            cost = CostModel.load(config.cost_model, expect=calibration.cost_key(engine))
+        except CostModelError as e:
+            if calibrate is False or not (config.slo_scheduling or calibrate):
+                raise
+            logger.warning("%s Measuring a cost model at warm-up instead.", e)
+    if cost is None:
+        cost, source = calibration.calibrate(engine, log=logger.info), "calibrated"
+        calibration.forget(engine)  # the stats count served requests only
+        if config.cost_model:
+            cost.save(config.cost_model)
+    saved = cost.to_json()
     engine.metrics.stats.cost_model = {
-        "path": str(config.cost_model),
-        **cost.to_json()["key"],
-        "fit_error": cost.fit_error,
+        "path": config.cost_model,
+        "source": source,
+        **saved["key"],
+        "fit_error": saved["fit_error"],
+        "buckets": saved["buckets"],
     }
+    rel_rms = cost.fit_error.get("rel_rms")
+    engine.metrics.set_gauges(cost_model_fit_rel_rms=-1.0 if rel_rms is None else rel_rms)
     return attach(engine.scheduler, config, cost)

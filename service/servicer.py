@@ -7,10 +7,12 @@ cancelled, deadline expired), and closing it aborts the request in the engine.
 
 Status codes: INVALID_ARGUMENT for a request that cannot run as sent (convert.InvalidRequest,
 the engine's RequestRejected, a message beyond --max-message-bytes, a text longer than the
-context can hold); RESOURCE_EXHAUSTED when the waiting queue is full; UNAVAILABLE while warming
-up or draining; INTERNAL once the engine has failed. Every message names the field and the
-value at fault. A request the engine fails alone (finish reason `error`: its output could not
-be processed) is not a failed call: its last response says FINISH_REASON_ERROR and why.
+context can hold); RESOURCE_EXHAUSTED when the waiting queue is full, or when the engine refused
+the request under load (--shed-late: its predicted TTFT, shown, misses the target); UNAVAILABLE
+while warming up or draining; INTERNAL once the engine has failed. Every message names the
+field and the value at fault. A request the engine fails alone (finish reason `error`: its
+output could not be processed) is not a failed call: its last response says FINISH_REASON_ERROR
+and why.
 """
 
 from __future__ import annotations
@@ -289,6 +291,7 @@ class JaxServeServicer:
     async def _generate(self, request, context, call: _Call) -> None:
         async with contextlib.aclosing(await self._stream(request, call)) as stream:
             async for out in stream:
+                _raise_if_refused(out)
                 await context.write(convert.response(out))
                 if out.finished:
                     call.finished(out)
@@ -297,6 +300,7 @@ class JaxServeServicer:
         ids, text, logprobs, last = [], [], [], None
         async with contextlib.aclosing(await self._stream(request, call)) as stream:
             async for last in stream:
+                _raise_if_refused(last)
                 ids += last.new_token_ids
                 text.append(last.text_delta)
                 logprobs += last.logprobs or []
@@ -309,6 +313,14 @@ class JaxServeServicer:
 
     async def _model_info(self, request, context, call: _Call) -> pb.ModelInfo:
         return convert.model_info(self.server.engine.engine)
+
+
+def _raise_if_refused(out) -> None:
+    """A request the engine refused under load (--shed-late, finish reason "refused") fails its
+    call with RESOURCE_EXHAUSTED and the engine's reason, as a full queue does: it never had a
+    token, and the client should retry later or elsewhere, not read it as a finished answer."""
+    if out.finish_reason == "refused":
+        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, out.error or "Refused under load.")
 
 
 async def _one(result: Awaitable):

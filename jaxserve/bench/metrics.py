@@ -4,7 +4,9 @@ Throughputs divide by the run's span (first arrival to last finish), not by the 
 time: a scheduler that leaves the device idle while requests wait is charged for it. Goodput
 counts requests per second that finished normally and met both the TTFT and the TPOT target,
 following DistServe's definition; a request with a single output token has no TPOT and is judged
-on TTFT alone.
+on TTFT alone. A request the server refused under load (finish reason "refused": shed by
+--shed-late, or turned away by a full queue when online) is counted apart from failures: it is
+neither good nor a fault, the load shedding the SLO asked for.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def summarize(result: RunResult, slo: SLO) -> dict:
     span = result.duration_s
     per_s = (lambda n: n / span) if span and span > 0 else (lambda n: math.nan)
     good = sum(slo.met_by(r) for r in records)
+    refused = sum(r.finish_reason == "refused" for r in records)
+    missing = len(result.workload.requests) - len(records)  # never came back
     out_tokens = sum(r.output_len for r in done)
     summary = {
         "label": result.label,
@@ -66,7 +70,8 @@ def summarize(result: RunResult, slo: SLO) -> dict:
         "load_kind": result.workload.load_kind,
         "num_requests": len(result.workload.requests),
         "num_finished": len(done),
-        "num_failed": len(records) - len(done) + len(result.workload.requests) - len(records),
+        "num_refused": refused,
+        "num_failed": missing + len(records) - len(done) - refused,
         "duration_s": span,
         "request_throughput": per_s(len(done)),
         "output_token_throughput": per_s(out_tokens),

@@ -51,6 +51,7 @@ def format_table(summaries: Sequence[dict]) -> str:
         "E2E p99",
         "queue p50",
         "goodput",
+        "refused",
         "KV peak",
         "preempt",
         "prefix hit",
@@ -72,6 +73,7 @@ def format_table(summaries: Sequence[dict]) -> str:
                 _ms(s["e2e"]["p99"]),
                 _ms(s["queue_wait"]["p50"]),
                 _num(s["goodput"]),
+                str(s.get("num_refused", 0)),
                 "-" if kv is None else f"{100 * kv:.0f}%",
                 "-" if s["preemptions"] is None else str(s["preemptions"]),
                 _share(s.get("prefix_cache", {}).get("hit_rate")),
@@ -101,6 +103,7 @@ def format_markdown(summaries: Sequence[dict]) -> str:
         "TPOT p50 (ms)",
         "TPOT p99 (ms)",
         "goodput (req/s)",
+        "refused",
         "KV peak",
         "preemptions",
     ]
@@ -120,6 +123,7 @@ def format_markdown(summaries: Sequence[dict]) -> str:
                     _ms(s["tpot"]["p50"]),
                     _ms(s["tpot"]["p99"]),
                     _num(s["goodput"]),
+                    str(s.get("num_refused", 0)),
                     "-" if kv is None else f"{100 * kv:.0f}%",
                     str(s["preemptions"]),
                 ]

@@ -356,8 +356,10 @@ def run_online(
                     if resp.timings is not None:  # None over the OpenAI API: not visible
                         record.first_scheduled = arrival + resp.timings.queue_wait_s
         except Exception as e:  # RpcError, OpenAIError: the request failed; counted, not raised
-            logger.warning("request %s failed: %s", spec.request_id, e)
-            record.finish_reason = "error"
+            refused = _is_refusal(e)
+            if not refused:
+                logger.warning("request %s failed: %s", spec.request_id, e)
+            record.finish_reason = "refused" if refused else "error"
         record.finished = time.monotonic() - t0
         return record
 
@@ -396,3 +398,12 @@ def _time_mean(t: list[float], values: np.ndarray) -> float:
     ts = np.asarray([0.0, *t], np.float64)  # f64[steps + 1]
     dt = np.diff(ts)  # f64[steps]: the step that ended at t[i] took dt[i]
     return float((values * dt).sum() / dt.sum()) if dt.sum() > 0 else float(values.mean())
+
+
+def _is_refusal(error: Exception) -> bool:
+    """Whether a failed call was the server refusing it under load (gRPC RESOURCE_EXHAUSTED,
+    HTTP 429: a full queue, or a request shed by --shed-late), not a fault."""
+    code = getattr(error, "code", None)
+    if callable(code):  # grpc.RpcError; grpc stays a lazy import
+        return getattr(code(), "name", None) == "RESOURCE_EXHAUSTED"
+    return str(error).startswith("HTTP 429")

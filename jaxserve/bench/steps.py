@@ -24,18 +24,17 @@ it; fitted per token bucket and written beside steps.json as cost_model.json.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import cost_model
+from jaxserve import calibration
 from jaxserve.engine import DEFAULT_MAX_MODEL_LEN, Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_pages import kv_bytes_per_page
@@ -133,93 +132,29 @@ def run_steps(spec: StepsSpec, log: Callable[[str], None] = print) -> dict[str, 
 # ---- the step-cost model ------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def recording_steps(engine: Engine) -> Iterator[list[cost_model.StepSample]]:
-    """Yields a list that, when the block ends, holds one sample per step the engine ran in it.
-
-    The engine plans once per loop iteration, so the interval between two plans is what one
-    step held the loop (its device time, or the host's when longer), which is what a request
-    waits for. Which step: synchronous, a plan is made right after the previous step's tokens
-    came back, so the interval after plan k is step k's; asynchronous, plan k+1 is made before
-    step k is waited for, so step k's interval is the one after plan k+1. Intervals touching an
-    empty plan (the engine idled) are not counted.
-    """
-    scheduler = engine.scheduler
-    schedule = scheduler.schedule
-    lag = 1 if getattr(engine.config, "async_scheduling", False) else 0
-    calls: list[tuple[float, tuple[int, int] | None]] = []  # (perf_counter, features) per plan
-
-    def timed(now=None):
-        plan = schedule(now)
-        feats = cost_model.plan_features(plan) if plan.seqs else None
-        calls.append((time.perf_counter(), feats))
-        return plan
-
-    samples: list[cost_model.StepSample] = []
-    scheduler.schedule = timed
-    try:
-        yield samples
-    finally:
-        del scheduler.schedule  # the class's method again
-    for k in range(len(calls) - lag - 1):
-        window = calls[k : k + lag + 2]
-        if all(feats is not None for _, feats in window):
-            start, end = window[-2][0], window[-1][0]
-            samples.append(cost_model.StepSample(*calls[k][1], seconds=end - start))
-
-
 def measure_cost_model(model, spec: StepsSpec, log: Callable[[str], None] = print):
     """Times steps of every token bucket at a few contexts on an engine of `spec.cost_seqs` rows
-    and the spec's budget; returns the fitted `cost_model.CostModel`."""
+    and the spec's budget (jaxserve/calibration.py, the engine's own warm-up calibration at
+    full length); returns the fitted `cost_model.CostModel`."""
     mc = model.config
     context = min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    decode_tokens = 8
-    contexts = sorted({min(c, context - decode_tokens) for c in spec.cost_contexts})
+    calib = calibration.Calibration(
+        contexts=tuple(sorted({min(c, context - 8) for c in spec.cost_contexts})),
+        decode_tokens=8,
+        seed=spec.seed,
+    )
     seqs = spec.cost_seqs
-    budget = max(spec.max_num_batched_tokens, seqs)
     engine = Engine(
         EngineConfig(
             max_num_seqs=seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=max(contexts) + 4 * decode_tokens,
+            max_num_batched_tokens=max(spec.max_num_batched_tokens, seqs),
+            max_model_len=max(calib.contexts) + 4 * calib.decode_tokens,
             compilation_cache_dir=spec.compile_cache,
             show_progress=False,
         ),
         model=model,
     )
-    rng = np.random.default_rng(spec.seed)
-    start = time.perf_counter()
-    with recording_steps(engine) as samples:
-        # Decode-only steps: every batch of the ladder, at each context.
-        for ctx in contexts:
-            b = 1
-            while b <= seqs:
-                for _ in range(b):
-                    _request(engine, ctx, decode_tokens, rng)
-                _drain(engine)
-                b *= 2
-        # Mixed steps: prompts of random lengths arriving while others decode, so prefill
-        # chunks of every size share steps with decode batches of every size.
-        longest = max(contexts)
-        for _ in range(3 * seqs):
-            _request(engine, int(rng.integers(8, longest + 1)), int(rng.integers(2, 33)), rng)
-            for _ in range(int(rng.integers(0, 3))):
-                engine.step()
-        _drain(engine)
-    runner = engine.runner.config
-    key = cost_model.CostKey(
-        model=model.source,
-        dtype=str(jnp.dtype(model.dtype)),
-        device_kind=jax.devices()[0].device_kind,
-        token_buckets=tuple(runner.token_buckets),
-    )
-    log(f"cost model: {len(samples)} steps timed in {time.perf_counter() - start:.1f}s")
-    return cost_model.fit(samples, key)
-
-
-def _drain(engine: Engine) -> None:
-    while engine.has_unfinished():
-        engine.step()
+    return calibration.calibrate(engine, calib, log)
 
 
 def _request(engine: Engine, prompt_len: int, max_tokens: int, rng) -> str:

@@ -1,5 +1,7 @@
 """SLO-aware scheduling in a real engine: the policy is attached from the cost model file, caps
-the steps beside decodes, changes no output, and refuses a cost model of another device."""
+the steps beside decodes, changes no output, refuses a cost model of another device, sheds a
+request that cannot meet its TTFT target with finish reason "refused", and measures its cost
+model at warm-up when no file applies."""
 
 from __future__ import annotations
 
@@ -12,11 +14,11 @@ from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
-from tests.engine.conftest import SMALL
+from tests.engine.conftest import SMALL, drain
 
 
-def _cost_file(engine: Engine, path, device_kind: str | None = None) -> str:
-    """A cost model of `engine`'s key: 1 ms + 0.1 ms per token in every bucket."""
+def _cost_file(engine: Engine, path, device_kind: str | None = None, fixed_s: float = 1e-3) -> str:
+    """A cost model of `engine`'s key: `fixed_s` (1 ms) + 0.1 ms per token in every bucket."""
     key = CostKey(
         model=engine.model.source,
         dtype=str(np.dtype(engine.model.dtype)),
@@ -24,7 +26,7 @@ def _cost_file(engine: Engine, path, device_kind: str | None = None) -> str:
         token_buckets=tuple(engine.runner.config.token_buckets),
     )
     fits = [
-        BucketFit(bucket=b, coef=(1e-3, 1e-4, 0.0), samples=0, shared_slopes=True, rel_rms=None)
+        BucketFit(bucket=b, coef=(fixed_s, 1e-4, 0.0), samples=0, shared_slopes=True, rel_rms=None)
         for b in key.token_buckets
     ]
     return str(CostModel(key, fits).save(path))
@@ -59,4 +61,70 @@ def test_policy_caps_steps_beside_decodes_and_keeps_outputs(stories_engine, tmp_
 def test_cost_model_of_another_device_is_refused(stories_engine, tmp_path):
     cost = _cost_file(stories_engine, tmp_path / "cost.json", device_kind="TPU v9")
     with pytest.raises(CostModelError, match="device_kind='TPU v9'"):
-        Engine(EngineConfig(**SMALL, slo_scheduling=True, tpot_slo_s=0.01, cost_model=cost))
+        Engine(
+            EngineConfig(
+                **SMALL,
+                slo_scheduling=True,
+                tpot_slo_s=0.01,
+                cost_model=cost,
+                calibrate_cost_model=False,
+                precompile=False,  # the file is refused before any step runs
+            ),
+            model=stories_engine.model,
+        )
+
+
+def test_request_that_cannot_meet_its_ttft_is_refused_with_the_reason(stories_engine, tmp_path):
+    # Every step is predicted at 0.5 s: a 40-token prompt (one step) cannot start within 0.2 s.
+    cost = _cost_file(stories_engine, tmp_path / "cost.json", fixed_s=0.5)
+    config = EngineConfig(
+        **SMALL,
+        slo_scheduling=True,
+        tpot_slo_s=1.0,
+        ttft_slo_s=0.2,
+        shed_late=True,
+        cost_model=cost,
+        calibrate_cost_model=False,
+        precompile=False,  # one bucket runs, at the end
+    )
+    engine = Engine(config, model=stories_engine.model)
+    late = engine.add_request([5] * 40, SamplingParams(max_tokens=4))
+    outs = drain(engine)
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [(late, True, "refused")]
+    assert outs[0].new_token_ids == [] and outs[0].num_output_tokens == 0
+    message = outs[0].error
+    assert "predicted time to first token is 0.5" in message, message
+    assert "TTFT target of 0.200 s" in message and "40 tokens" in message, message
+    assert engine.metrics.stats.finished == {"refused": 1}
+    assert engine.slo_policy.num_shed == 1
+    # A looser target admits the same request: the refusal was the prediction's doing.
+    engine.slo_policy.ttft_s = 5.0
+    engine.add_request([5] * 40, SamplingParams(max_tokens=4))
+    assert drain(engine)[-1].finish_reason == "length"
+
+
+def test_calibration_at_warm_up_fits_every_bucket_saves_and_reloads(stories_engine, tmp_path):
+    path = tmp_path / "cost.json"
+    config = EngineConfig(
+        **SMALL, slo_scheduling=True, tpot_slo_s=0.05, cost_model=str(path), precompile=False
+    )
+    engine = Engine(config, model=stories_engine.model)
+    stats = engine.metrics.stats
+    assert stats.cost_model["source"] == "calibrated" and path.exists()
+    buckets = tuple(engine.runner.config.token_buckets)
+    assert [b["bucket"] for b in stats.cost_model["buckets"]] == list(buckets)
+    assert all(b["samples"] > 0 for b in stats.cost_model["buckets"])  # each bucket was stepped
+    assert stats.cost_model["fit_error"]["samples"] > len(buckets)
+    assert stats.cost_model_fit_rel_rms == stats.cost_model["fit_error"]["rel_rms"] >= 0
+    # The calibration's requests are not served requests: the counters start after it.
+    assert stats.finished == {} and stats.num_steps == 0 and engine.scheduler.num_preemptions == 0
+    assert engine.slo_policy is not None and engine.slo_policy.cost.key.token_buckets == buckets
+    # A second engine of the same key loads the file instead of measuring again.
+    again = Engine(config, model=stories_engine.model)
+    assert again.metrics.stats.cost_model["source"] == "file"
+    assert again.slo_policy.cost.fits == engine.slo_policy.cost.fits
+    # A file measured elsewhere is refused, says why, and is measured again and replaced.
+    other = _cost_file(engine, tmp_path / "other.json", device_kind="TPU v9")
+    replaced = Engine(config.replace(cost_model=other), model=stories_engine.model)
+    assert replaced.metrics.stats.cost_model["source"] == "calibrated"
+    assert CostModel.load(other).key.device_kind == jax.devices()[0].device_kind

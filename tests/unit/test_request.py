@@ -16,6 +16,7 @@ def test_status_order_puts_every_finished_status_after_preempted():
         RequestStatus.FINISHED_LENGTH,
         RequestStatus.FINISHED_ABORTED,
         RequestStatus.FINISHED_ERROR,
+        RequestStatus.FINISHED_REFUSED,
     }
 
 
@@ -25,7 +26,7 @@ def test_finish_reason_round_trips_through_status():
     for reason in FinishReason:
         req.status = reason.status
         assert req.finish_reason is reason and req.is_finished
-    assert [r.value for r in FinishReason] == ["stop", "length", "abort", "error"]
+    assert [r.value for r in FinishReason] == ["stop", "length", "abort", "error", "refused"]
     assert FinishReason.LENGTH == "length"
 
 

@@ -1,0 +1,145 @@
+"""Measures the step-cost model on a live engine: the one calibration jaxserve has.
+
+`jaxserve bench --profile steps` runs it on an engine of its own (bench/steps.py), and an
+engine runs a shorter one at warm-up when SLO-aware scheduling has no cost model file that
+applies (`EngineConfig.calibrate_cost_model`, slo_policy.attach_to_engine). Both time steps as
+the engine loop runs them (`recording_steps`) while requests of fresh random ids go through its
+public add_request / step: decode-only batches of every size of the ladder at a few contexts,
+then a stream of prompts whose chunks share steps with decodes, so every token bucket is
+stepped with small and large attention. The samples are fitted by cost_model.fit.
+
+Warm-up cost: on `tiny` with 64 rows the warm-up spec times about 200 steps (seconds on the
+CPU); the calibration's requests and their counters are forgotten afterwards (`forget`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+
+import jax
+import numpy as np
+
+from jaxserve import cost_model
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Which steps a calibration times."""
+
+    contexts: tuple[int, ...] = (32, 128, 512)  # prompt tokens of the decode-only batches
+    decode_tokens: int = 8  # tokens each decode-only request generates
+    mixed_requests: int | None = None  # prompts of the mixed stream; None: 3 per row
+    max_mixed_output: int = 32  # outputs of the mixed stream's requests: 2 to this many
+    seed: int = 0
+
+
+# At warm-up: fewer, shorter requests (a few steps per bucket), still both kinds of step.
+WARM_UP = Calibration(contexts=(16, 128), decode_tokens=4, mixed_requests=None, max_mixed_output=8)
+
+
+def cost_key(engine) -> cost_model.CostKey:
+    """The key a cost model measured on `engine` carries (and a loaded one must match)."""
+    return cost_model.CostKey(
+        model=engine.model.source,
+        dtype=str(np.dtype(engine.model.dtype)),
+        device_kind=jax.devices()[0].device_kind,
+        token_buckets=tuple(engine.runner.config.token_buckets),
+    )
+
+
+@contextlib.contextmanager
+def recording_steps(engine) -> Iterator[list[cost_model.StepSample]]:
+    """Yields a list that, when the block ends, holds one sample per step the engine ran in it.
+
+    The engine plans once per loop iteration, so the interval between two plans is what one
+    step held the loop (its device time, or the host's when longer), which is what a request
+    waits for. Which step: synchronous, a plan is made right after the previous step's tokens
+    came back, so the interval after plan k is step k's; asynchronous, plan k+1 is made before
+    step k is waited for, so step k's interval is the one after plan k+1. Intervals touching an
+    empty plan (the engine idled) are not counted.
+    """
+    scheduler = engine.scheduler
+    schedule = scheduler.schedule
+    lag = 1 if getattr(engine.config, "async_scheduling", False) else 0
+    calls: list[tuple[float, tuple[int, int] | None]] = []  # (perf_counter, features) per plan
+
+    def timed(now=None):
+        plan = schedule(now)
+        feats = cost_model.plan_features(plan) if plan.seqs else None
+        calls.append((time.perf_counter(), feats))
+        return plan
+
+    samples: list[cost_model.StepSample] = []
+    scheduler.schedule = timed
+    try:
+        yield samples
+    finally:
+        del scheduler.schedule  # the class's method again
+    for k in range(len(calls) - lag - 1):
+        window = calls[k : k + lag + 2]
+        if all(feats is not None for _, feats in window):
+            start, end = window[-2][0], window[-1][0]
+            samples.append(cost_model.StepSample(*calls[k][1], seconds=end - start))
+
+
+def calibrate(
+    engine, spec: Calibration = WARM_UP, log: Callable[[str], None] | None = None
+) -> cost_model.CostModel:
+    """Times steps of every token bucket of `engine` (module docstring); returns the fit."""
+    rows = engine.config.max_num_seqs
+    room = engine.max_model_len - spec.decode_tokens
+    contexts = sorted({max(1, min(c, room)) for c in spec.contexts})
+    rng = np.random.default_rng(spec.seed)
+    names = (f"calibrate-{i}" for i in range(1 << 62))
+    start = time.perf_counter()
+    with recording_steps(engine) as samples:
+        # Decode-only steps: every batch of the ladder, at each context.
+        for ctx in contexts:
+            b = 1
+            while b <= rows:
+                for _ in range(b):
+                    _request(engine, next(names), ctx, spec.decode_tokens, rng)
+                drain(engine)
+                b *= 2
+        # Mixed steps: prompts of random lengths arriving while others decode, so prefill
+        # chunks of every size share steps with decode batches of every size.
+        longest = max(contexts)
+        most = max(2, min(spec.max_mixed_output, engine.max_model_len - longest))
+        for _ in range(spec.mixed_requests or 3 * rows):
+            prompt = int(rng.integers(min(8, longest), longest + 1))
+            _request(engine, next(names), prompt, int(rng.integers(2, most + 1)), rng)
+            for _ in range(int(rng.integers(0, 3))):
+                engine.step()
+        drain(engine)
+    if log is not None:
+        log(f"cost model: {len(samples)} steps timed in {time.perf_counter() - start:.1f}s")
+    return cost_model.fit(samples, cost_key(engine))
+
+
+def forget(engine) -> None:
+    """Restarts the engine's counters after a calibration at warm-up, so its stats and
+    Prometheus series count served requests only (the calibration's pages stay cached, free)."""
+    from jaxserve.kv_cache_manager import PrefixCacheStats
+    from jaxserve.metrics import EngineMetrics
+
+    config = engine.config
+    engine.metrics = EngineMetrics(config.ttft_slo_s, config.tpot_slo_s)
+    engine.scheduler.num_preemptions = 0
+    engine.scheduler.kv.stats = PrefixCacheStats()
+
+
+def drain(engine) -> None:
+    """Steps the engine until every request it holds has finished."""
+    while engine.has_unfinished():
+        engine.step()
+
+
+def _request(engine, request_id: str, prompt_len: int, max_tokens: int, rng) -> str:
+    """Adds a greedy request of fresh random ids (no cached prefix can serve it)."""
+    ids = rng.integers(3, engine.model.config.vocab_size, size=prompt_len).tolist()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return engine.add_request(ids, params, request_id=request_id)
