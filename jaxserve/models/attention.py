@@ -16,7 +16,11 @@ from pallas_kernels.ragged_paged_attention import reference, xla_blocked
 # reference: the dense pure-jnp oracle (cost follows max_model_len). xla: pure jnp blocked over
 # the real context (the CPU's production path). pallas: the platform's kernel (TPU or GPU), an
 # error on the CPU. auto: pallas on TPU and GPU, xla on the CPU. pallas_tpu / pallas_gpu name one
-# kernel; the *_interpret forms run it in Pallas interpret mode on the CPU (slow: tests).
+# platform's kernel; the *_interpret forms run it in Pallas interpret mode on the CPU (slow: tests).
+# On a GPU, pallas_gpu is the Mosaic GPU kernel from compute capability 9.0 (Hopper) on, with the
+# Triton kernel for f32 pools (wgmma cannot take them) and for older GPUs (`gpu_kernel_for`);
+# pallas_gpu_mosaic / pallas_gpu_triton force one. pallas_gpu_interpret is the Triton kernel in
+# interpret mode, as before the Mosaic kernel existed (the CPU has no capability to choose by).
 ATTENTION_BACKENDS = (
     "reference",
     "xla",
@@ -24,8 +28,12 @@ ATTENTION_BACKENDS = (
     "auto",
     "pallas_tpu",
     "pallas_gpu",
+    "pallas_gpu_mosaic",
+    "pallas_gpu_triton",
     "pallas_tpu_interpret",
     "pallas_gpu_interpret",
+    "pallas_gpu_mosaic_interpret",
+    "pallas_gpu_triton_interpret",
 )
 
 AttentionFn = Callable[..., jax.Array]
@@ -49,6 +57,19 @@ def _resolve(backend: str) -> str:
             )
         return _KERNEL_PLATFORMS[platform]
     return backend
+
+
+def gpu_kernel_for(compute_capability: str | None) -> str:
+    """'mosaic' from compute capability 9.0 (Hopper: TMA and wgmma) on, else 'triton'.
+
+    `compute_capability` is `jax.Device.compute_capability`, a string like "9.0" or "8.6";
+    None or an unreadable value picks Triton, which runs on every CUDA GPU Pallas supports.
+    """
+    try:
+        major = int(str(compute_capability).split(".")[0])
+    except ValueError:
+        return "triton"
+    return "mosaic" if major >= 9 else "triton"
 
 
 def with_attention_plan(backend: str, batch: StepBatch) -> StepBatch:
@@ -134,10 +155,26 @@ def get_attention_fn(backend: str) -> AttentionFn:
 
         fn = tpu_kernel.ragged_paged_attention
         return functools.partial(fn, interpret=pltpu.InterpretParams()) if interpret else fn
-    from pallas_kernels.ragged_paged_attention import gpu_kernel
+    from pallas_kernels.ragged_paged_attention import gpu_kernel, mosaic_gpu_kernel
 
-    fn = gpu_kernel.ragged_paged_attention
-    return functools.partial(fn, interpret=True) if interpret else fn
+    triton = gpu_kernel.ragged_paged_attention
+    mosaic = mosaic_gpu_kernel.ragged_paged_attention
+    name = backend.removesuffix("_interpret").removeprefix("pallas_gpu").removeprefix("_")
+    if interpret:  # pallas_gpu_interpret stays the Triton kernel
+        if name == "mosaic":
+            return functools.partial(mosaic, interpret=mosaic_gpu_kernel.interpret_params())
+        return functools.partial(triton, interpret=True)
+    if name:  # "mosaic" or "triton", forced
+        return mosaic if name == "mosaic" else triton
+    if gpu_kernel_for(getattr(jax.devices()[0], "compute_capability", None)) == "triton":
+        return triton
+
+    def mosaic_or_triton(q, k_pool, *args, **kwargs):
+        # Chosen per pool dtype when the model is traced: wgmma has no f32 K^T.
+        use_mosaic = mosaic_gpu_kernel.supports_dtype(k_pool.dtype)
+        return (mosaic if use_mosaic else triton)(q, k_pool, *args, **kwargs)
+
+    return mosaic_or_triton
 
 
 @functools.partial(jax.named_call, name="write_kv")

@@ -1,4 +1,6 @@
-"""What both kernels' wrappers share: argument checks and the grouped-query layout.
+"""What the kernels share: argument checks, the grouped-query layout, and the GPU kernels' work
+list, key-block range and flash-decoding split/merge (the Triton and Mosaic GPU kernels split the
+work the same way, so it lives here once).
 
 Both kernels read queries as [num_kv_heads, tokens * group, head_dim] ("grouped"): the `group`
 query heads that share a KV head become consecutive rows, so one matmul against one KV head's keys
@@ -7,6 +9,8 @@ costs two passes over q (T * H * D elements), which is small beside the keys and
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -71,3 +75,99 @@ def ungroup_outputs(
 def real_rows(query_start: jax.Array, num_seqs: jax.Array, num_tokens: int) -> jax.Array:
     """bool[T]: rows before query_start[num_seqs]; the rest are padding and output 0."""
     return jnp.arange(num_tokens, dtype=jnp.int32) < query_start[num_seqs]
+
+
+def max_work_items(num_tokens: int, num_slots: int, block_tokens: int) -> int:
+    """Work items a bucket can need: each sequence's tokens split into ceil(q_len / block_tokens).
+
+    Static (bucket sizes only), so the grid never changes with the batch.
+    """
+    real = min(num_slots, num_tokens)
+    return max(1, (num_tokens + real * (block_tokens - 1)) // block_tokens)
+
+
+def work_items(
+    query_start: jax.Array,  # i32[S + 1]
+    num_seqs: jax.Array,  # i32[]
+    block_tokens: int,
+    num_items: int,
+) -> tuple[jax.Array, jax.Array]:  # i32[num_items] each
+    """Sequence and first token of each work item; first token -1 for the unused slots."""
+    num_slots = query_start.shape[0] - 1
+    q_lens = jnp.where(
+        jnp.arange(num_slots) < num_seqs, query_start[1:] - query_start[:-1], 0
+    ).astype(jnp.int32)
+    blocks = -(-q_lens // block_tokens)
+    ends = jnp.cumsum(blocks)
+    w = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), num_slots - 1).astype(jnp.int32)
+    start = query_start[seq] + (w - (ends[seq] - blocks[seq])) * block_tokens
+    return seq, jnp.where(w < ends[-1], start, -1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemSpan:
+    """What one program (work item, KV head, key split) attends over; scalars, all i32."""
+
+    t_hi: jax.Array  # one past the item's last token
+    pos_offset: jax.Array  # token t sits at position t + pos_offset
+    kv_start: jax.Array  # first key position any of the item's rows sees
+    kv_end: jax.Array  # one past the last such position
+    block_lo: jax.Array  # this split's key blocks: [block_lo, block_hi) of block_kv keys
+    block_hi: jax.Array
+
+
+def item_span(
+    t_lo: jax.Array,  # i32[] the item's first token
+    q_end: jax.Array,  # i32[] query_start[s + 1] of its sequence s
+    kv_len: jax.Array,  # i32[] kv_lens[s]
+    split: jax.Array,  # i32[] this program's key split
+    *,
+    block_tokens: int,
+    block_kv: int,
+    num_splits: int,
+    sliding_window: int | None,
+) -> ItemSpan:
+    """The key range of a work item and this split's share of its key blocks, inside a kernel.
+
+    Plain scalar arithmetic, so the same code traces in the Triton and the Mosaic GPU kernel.
+    Splits divide the item's blocks evenly; the last ones may get none (then they write an empty
+    partial: max -1e30, sum 0).
+    """
+    t_hi = jnp.minimum(q_end, t_lo + block_tokens)
+    pos_offset = kv_len - q_end
+    kv_end = t_hi + pos_offset
+    kv_start = jnp.int32(0)
+    if sliding_window is not None:
+        kv_start = jnp.maximum(0, t_lo + pos_offset - sliding_window + 1)
+    blk_lo = kv_start // block_kv
+    blk_hi = (kv_end + block_kv - 1) // block_kv
+    per_split = (blk_hi - blk_lo + num_splits - 1) // num_splits
+    j_lo = blk_lo + split * per_split
+    j_hi = jnp.minimum(blk_hi, j_lo + per_split)
+    return ItemSpan(t_hi, pos_offset, kv_start, kv_end, j_lo, j_hi)
+
+
+def num_kv_splits(num_programs: int, max_blocks: int, sizes) -> int:
+    """Key splits that bring the program count to about 4 per SM (a power of 2, capped).
+
+    `num_programs` is the count before splitting (work items * KV heads); `sizes` a
+    `tuning.GpuBlockSizes` (its num_sms and max_kv_splits).
+    """
+    want = (4 * sizes.num_sms) // max(1, num_programs)
+    splits = 1
+    while splits * 2 <= min(want, sizes.max_kv_splits, max_blocks):
+        splits *= 2
+    return splits
+
+
+def merge_splits(
+    acc: jax.Array,  # f32[splits, ..., rows, D] unnormalised numerators
+    row_max: jax.Array,  # f32[splits, ..., rows]
+    row_sum: jax.Array,  # f32[splits, ..., rows]
+) -> jax.Array:  # f32[..., rows, D]
+    """Combines the splits' partial softmaxes (rescaled to a common max)."""
+    weight = jnp.exp(row_max - row_max.max(axis=0)[None])
+    total = (weight * row_sum).sum(axis=0)
+    out = (weight[..., None] * acc).sum(axis=0)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]

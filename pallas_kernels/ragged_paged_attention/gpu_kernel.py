@@ -1,5 +1,11 @@
 """Ragged paged attention in Pallas on Triton (GPU), with the reference's signature.
 
+The pre-Hopper fallback: JAX 0.11 deprecated Pallas's Triton backend, and on compute capability
+9.0 and later `attention_backend="pallas"` runs mosaic_gpu_kernel.py instead (see
+jaxserve/models/attention.py). This kernel still serves older GPUs and f32 pools (which the Mosaic
+GPU kernel's wgmma cannot take). Its work list, key-block range and split/merge live in common.py,
+shared with the Mosaic GPU kernel.
+
 Grid: (work item, KV head, key split). A work item is up to `block_tokens` consecutive query
 tokens of one sequence (a decode token, or a piece of a prefill chunk); XLA lists the items
 beforehand from query_start (a cumsum and a searchsorted), in a static number of slots so that
@@ -85,17 +91,18 @@ def _kernel(
 
     @pl.when(t_lo >= 0)
     def _():
-        q_end = query_start_ref[s + 1]
-        t_hi = jnp.minimum(q_end, t_lo + block_tokens)
-        pos_offset = kv_lens_ref[s] - q_end  # token t sits at position t + pos_offset
-        kv_end = t_hi + pos_offset
-        kv_start = 0
-        if sliding_window is not None:
-            kv_start = jnp.maximum(0, t_lo + pos_offset - sliding_window + 1)
-        blk_lo, blk_hi = kv_start // block_kv, pl.cdiv(kv_end, block_kv)
-        per_split = pl.cdiv(blk_hi - blk_lo, num_splits)
-        j_lo = blk_lo + split * per_split
-        j_hi = jnp.minimum(blk_hi, j_lo + per_split)
+        span = common.item_span(
+            t_lo,
+            query_start_ref[s + 1],
+            kv_lens_ref[s],
+            split,
+            block_tokens=block_tokens,
+            block_kv=block_kv,
+            num_splits=num_splits,
+            sliding_window=sliding_window,
+        )
+        t_hi, pos_offset, kv_start, kv_end = span.t_hi, span.pos_offset, span.kv_start, span.kv_end
+        j_lo, j_hi = span.block_lo, span.block_hi
 
         r = jnp.arange(rows, dtype=jnp.int32)  # row r holds token t_lo + r // group
         row_ok = r < (t_hi - t_lo) * group
@@ -155,46 +162,6 @@ def _kernel(
             plgpu.store(l_ref.at[split, h, row_slice], row_sum, mask=row_ok)
 
 
-def _work_items(
-    query_start: jax.Array,  # i32[S + 1]
-    num_seqs: jax.Array,  # i32[]
-    block_tokens: int,
-    num_items: int,
-) -> tuple[jax.Array, jax.Array]:  # i32[num_items] each
-    """Sequence and first token of each work item; first token -1 for the unused slots."""
-    num_slots = query_start.shape[0] - 1
-    q_lens = jnp.where(
-        jnp.arange(num_slots) < num_seqs, query_start[1:] - query_start[:-1], 0
-    ).astype(jnp.int32)
-    blocks = -(-q_lens // block_tokens)
-    ends = jnp.cumsum(blocks)
-    w = jnp.arange(num_items, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), num_slots - 1).astype(jnp.int32)
-    start = query_start[seq] + (w - (ends[seq] - blocks[seq])) * block_tokens
-    return seq, jnp.where(w < ends[-1], start, -1).astype(jnp.int32)
-
-
-def _merge_splits(
-    acc: jax.Array,  # f32[splits, num_kv_heads, rows, D] unnormalised numerators
-    row_max: jax.Array,  # f32[splits, num_kv_heads, rows]
-    row_sum: jax.Array,  # f32[splits, num_kv_heads, rows]
-) -> jax.Array:  # f32[num_kv_heads, rows, D]
-    """Combines the splits' partial softmaxes (rescaled to a common max)."""
-    weight = jnp.exp(row_max - row_max.max(axis=0)[None])
-    total = (weight * row_sum).sum(axis=0)
-    out = (weight[..., None] * acc).sum(axis=0)
-    return out / jnp.where(total > 0, total, 1.0)[..., None]
-
-
-def _num_splits(num_items: int, num_kv_heads: int, max_blocks: int, sizes) -> int:
-    """Key splits that bring the program count to about 4 per SM (a power of 2, capped)."""
-    want = (4 * sizes.num_sms) // max(1, num_items * num_kv_heads)
-    splits = 1
-    while splits * 2 <= min(want, sizes.max_kv_splits, max_blocks):
-        splits *= 2
-    return splits
-
-
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret")
 )
@@ -231,15 +198,13 @@ def ragged_paged_attention(
     block_tokens, rows = tuning.gpu_query_block(num_tokens, num_slots, group, sizes.q_rows)
     pages_per_block = max(1, sizes.kv_tokens // page_size)
     pages_per_block = min(pages_per_block, tuning.next_power_of_2(pages_per_seq))
-    # Each sequence's tokens split into ceil(q_len / block_tokens) items: at most this many.
-    real = min(num_slots, num_tokens)
-    num_items = max(1, (num_tokens + real * (block_tokens - 1)) // block_tokens)
+    num_items = common.max_work_items(num_tokens, num_slots, block_tokens)
     max_blocks = pl.cdiv(pages_per_seq, pages_per_block)
-    splits = _num_splits(num_items, num_kv_heads, max_blocks, sizes)
+    splits = common.num_kv_splits(num_items * num_kv_heads, max_blocks, sizes)
     # Padded by a program's rows so the last item's [rows, D] tile stays in bounds.
     padded_tokens = num_tokens + pl.cdiv(rows, group)
     q_grouped = common.group_queries(q, num_kv_heads, padded_tokens)
-    item_seq, item_start = _work_items(query_start, num_seqs, block_tokens, num_items)
+    item_seq, item_start = common.work_items(query_start, num_seqs, block_tokens, num_items)
 
     grouped_shape = q_grouped.shape
     if splits == 1:
@@ -280,7 +245,7 @@ def ragged_paged_attention(
         k_pool,
         v_pool,
     )
-    out = outs[0] if splits == 1 else _merge_splits(*outs).astype(q.dtype)
+    out = outs[0] if splits == 1 else common.merge_splits(*outs).astype(q.dtype)
     # Rows of no work item (padding) were never written: zero them.
     return common.ungroup_outputs(
         out, num_tokens, group, common.real_rows(query_start, num_seqs, num_tokens)

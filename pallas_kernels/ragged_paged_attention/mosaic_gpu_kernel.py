@@ -1,0 +1,446 @@
+"""Ragged paged attention in Pallas on Mosaic GPU (Hopper, sm90+), with the reference's signature.
+
+Why a second GPU kernel: JAX 0.11 deprecated Pallas's Triton backend; Pallas on GPU now lowers to
+Mosaic GPU, which drives Hopper's TMA engine and warpgroup tensor-core MMAs (wgmma) directly.
+gpu_kernel.py (Triton) stays as the fallback for GPUs older than sm90.
+
+Design. The work split is the Triton kernel's (common.py): XLA lists work items (up to
+`block_tokens` consecutive query tokens of one sequence) from query_start, in a static number of
+slots, and the grid is (work item, KV head, key split). One program = one warpgroup:
+- its queries, grouped (the `group` query heads of its KV head on consecutive rows, so one MMA
+  serves GQA), are TMA-copied GMEM->SMEM as a 64-row tile (wgmma's M; spare rows are masked);
+- keys and values go GMEM->SMEM a block of `pages_per_block` pages at a time, one TMA copy per page
+  (`pool[layer, page, :, h, :]`, page ids read from the page table in GMEM), into `stages` SMEM
+  slots, each slot with one barrier for its keys and one for its values; block j+stages-1 is in
+  flight while block j is computed, so the copies overlap the math;
+- S = Q K^T and O += P V are wgmmas with f32 accumulators (P goes through SMEM); the softmax is
+  online, in registers, with a finite -1e30 for masked scores (rows with no key give 0, not NaN);
+- a block that reaches past the visible keys (a sequence's last, partial page; a sliding window's
+  first block) may hold unwritten slots, possibly NaN: its values are zeroed in SMEM before the PV
+  MMA, since 0 * NaN would otherwise poison the row (keys need no such care: their scores are
+  replaced by -1e30 with a select). Such a block still copies whole pages (page-table entries past
+  the sequence's last page included), at most one block's worth of extra reads per program;
+- each program writes its own [rows, D] output tile (items never share a tile, so no ragged
+  stores): XLA then gathers each token's rows back. Small decode batches split the keys ("flash
+  decoding") into partial (numerator, max, sum) tiles merged by XLA, as the Triton kernel does.
+
+The new keys and values are written by XLA's scatter (`write_kv`) before the kernel: it only reads
+the pool.
+
+Limits: 16-bit pools (bf16, f16) on a GPU: wgmma takes no transposed f32 operand, so f32 pools
+go to the Triton kernel (jaxserve/models/attention.py); interpret mode runs f32 too. page_size a
+multiple of 8 (SMEM tiles of 8 rows) that divides the 64-key block or is a multiple of it;
+group <= 64. head_dim 64 and 128 are what the tests lower.
+
+Verified where: only on the CPU. In Mosaic GPU interpret mode (JAX's simulator of TMA copies,
+barriers, SMEM and wgmma) against the reference, except two things interpret mode cannot run:
+S = Q K^T is a plain dot there (its wgmma takes no transposed operand) and register layouts are
+left out; lowered to Mosaic GPU for CUDA by the tests (which checks those two). Not yet run on a
+GPU: `python -m pallas_kernels.gpu_check` runs the tests natively and times it there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.ragged_paged_attention import common, tuning
+
+# A finite "minus infinity", as in the reference (no inf - inf = NaN for rows with no keys).
+_MASKED = -1e30
+# Rows of one wgmma (one warpgroup's M): a program's query tile.
+_ROWS = 64
+
+
+def interpret_params():
+    """Mosaic GPU interpret mode's parameters (run the kernel on the CPU), for tests.
+
+    JAX 0.10 has no public alias for them; the private path is imported here only, so a JAX that
+    moves it breaks this one function with a clear message, not the module.
+    """
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError as e:  # pragma: no cover - depends on the JAX version
+        raise NotImplementedError(
+            f"This JAX ({jax.__version__}) has no Mosaic GPU interpret mode where it was expected "
+            "(jax._src.pallas.mosaic_gpu.interpret.params.InterpretGPUParams)."
+        ) from e
+    # NaN in uninitialised SMEM, so a read of a slot no copy filled shows in the output.
+    return InterpretGPUParams(uninitialized_memory="nan")
+
+
+def supports_dtype(dtype) -> bool:
+    """Whether the kernel compiles for a pool of `dtype` on a GPU (interpret mode takes any)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _smem_transforms(minor: int, dtype) -> tuple:
+    """Tiling and swizzle for an SMEM tile whose last dimension has `minor` elements."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(minor * bits)
+    return plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle)
+
+
+def _kernel(
+    layer_ref,  # i32[1]
+    query_start_ref,  # i32[S + 1]
+    kv_lens_ref,  # i32[S]
+    page_tables_ref,  # i32[S, P]
+    item_seq_ref,  # i32[W] sequence of each work item
+    item_start_ref,  # i32[W] first token of each work item; -1: an unused slot
+    q_ref,  # [num_kv_heads, padded_tokens * group, D] grouped queries
+    k_ref,  # [num_layers, num_pages, page_size, num_kv_heads, D]
+    v_ref,  # same as k_ref
+    *refs,  # outputs, then scratch (see `ragged_paged_attention`)
+    sm_scale: float,
+    sliding_window: int | None,
+    group: int,
+    block_tokens: int,
+    rows: int,
+    pages_per_block: int,
+    stages: int,
+    num_splits: int,
+    interpreted: bool,
+):
+    if num_splits == 1:
+        (o_ref, q_smem, k_smem, v_smem, p_smem, o_smem, k_bars, v_bars, q_bar) = refs
+    else:
+        (o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem) = refs[:10]
+        k_bars, v_bars, q_bar = refs[10:]
+    item, h, split = lax.axis_index("item"), lax.axis_index("head"), lax.axis_index("split")
+    page_size, head_dim = k_ref.shape[2], k_ref.shape[4]
+    pages_per_seq = page_tables_ref.shape[1]
+    block_kv = pages_per_block * page_size
+    s, t_lo = item_seq_ref[item], item_start_ref[item]
+
+    @pl.when(t_lo >= 0)
+    def _():
+        span = common.item_span(
+            t_lo,
+            query_start_ref[s + 1],
+            kv_lens_ref[s],
+            split,
+            block_tokens=block_tokens,
+            block_kv=block_kv,
+            num_splits=num_splits,
+            sliding_window=sliding_window,
+        )
+        j_lo, j_hi = span.block_lo, span.block_hi
+        layer = layer_ref[0]
+        num_rows = (span.t_hi - t_lo) * group  # real rows of this tile
+
+        def fetch(j):
+            """Starts the TMA copies of key block j into its slot."""
+            slot = lax.rem(j - j_lo, stages)
+            for p in range(pages_per_block):
+                page = page_tables_ref[s, jnp.minimum(j * pages_per_block + p, pages_per_seq - 1)]
+                dst = pl.ds(p * page_size, page_size)
+                src = (layer, page, slice(None), h, slice(None))
+                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, dst], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_bars.at[slot])
+
+        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t_lo * group, _ROWS)], q_smem, q_bar.at[0])
+        for i in range(stages - 1):  # the pipeline's prologue: blocks in flight before the loop
+            pl.when(j_lo + i < j_hi)(functools.partial(fetch, j_lo + i))
+
+        plgpu.barrier_wait(q_bar.at[0])
+        # Register layouts are hints for the Mosaic GPU compiler; interpret mode has no rule for
+        # them (and needs none), so they are left out there.
+        wgmma_layout = plgpu.Layout.WGMMA
+
+        def iota(shape, dim):
+            if interpreted:
+                return lax.broadcasted_iota(jnp.int32, shape, dim)
+            return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+
+        def cast(x, layout):
+            return x if interpreted else plgpu.layout_cast(x, layout)
+
+        r = iota((_ROWS, block_kv), 0)
+        col = iota((_ROWS, block_kv), 1)
+
+        def body(j, carry):
+            acc, m_prev, l_prev = carry
+            slot = lax.rem(j - j_lo, stages)
+
+            # The slot of block j + stages - 1 was read by block j - 1, which has finished.
+            @pl.when(j + stages - 1 < j_hi)
+            def _():
+                fetch(j + stages - 1)
+
+            plgpu.barrier_wait(k_bars.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                return acc_ref[...]
+
+            if interpreted:
+                # Interpret mode's wgmma cannot read a transposed operand: the same product,
+                # from the same SMEM tiles, as a plain f32 dot.
+                scores = lax.dot_general(
+                    q_smem[...],
+                    k_smem[slot],
+                    (((1,), (1,)), ((), ())),
+                    preferred_element_type=jnp.float32,
+                    precision=lax.Precision.HIGHEST,
+                )
+            else:
+                scores = pl.run_scoped(qk, plgpu.ACC((_ROWS, block_kv), jnp.float32))
+            scores = scores * sm_scale
+            c = col + j * block_kv  # key positions
+            # Causal (and window) per row, without integer division: c <= t + pos_offset with
+            # t = t_lo + r // group  <=>  (c - pos_offset - t_lo) * group <= r.
+            rel = (c - span.pos_offset - t_lo) * group
+            mask = (r < num_rows) & (rel <= r)
+            if sliding_window is not None:
+                mask &= rel + sliding_window * group > r
+            scores = jnp.where(mask, scores, _MASKED)
+            m_next = jnp.maximum(m_prev, scores.max(axis=1))
+            probs = jnp.exp(scores - lax.broadcast_in_dim(m_next, scores.shape, [0]))
+            probs = jnp.where(mask, probs, 0.0)
+            alpha = jnp.exp(m_prev - m_next)
+            l_next = alpha * l_prev + probs.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            plgpu.barrier_wait(v_bars.at[slot])
+            first, last = j * block_kv, (j + 1) * block_kv
+
+            @pl.when((first < span.kv_start) | (last > span.kv_end))
+            def _():
+                # Slots outside [kv_start, kv_end) may be unwritten (NaN in tests): 0 * NaN = NaN.
+                vals = v_smem[slot]
+                pos = first + iota(vals.shape, 0)
+                keep = (pos >= span.kv_start) & (pos < span.kv_end)
+                v_smem[slot] = jnp.where(keep, vals, jnp.zeros((), vals.dtype))
+                plgpu.commit_smem()  # make the stores visible to the wgmma (async proxy)
+
+            # P goes through SMEM rather than registers: decode is bound by the pool's reads, the
+            # 64 x block_kv store is cheap beside them, and interpret mode's wgmma takes only refs.
+            p_smem[...] = probs.astype(p_smem.dtype)
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                return acc_ref[...]
+
+            # A fresh accumulator plus an add, not run_state on `acc`: interpret mode has no
+            # run_state, and the add is 64 x D registers beside a 64 x block_kv x D MMA.
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((_ROWS, head_dim), jnp.float32))
+            return acc, m_next, l_next
+
+        init = (
+            cast(jnp.zeros((_ROWS, head_dim), jnp.float32), wgmma_layout),
+            cast(jnp.full((_ROWS,), _MASKED, jnp.float32), wgmma_layout.reduce(1)),
+            cast(jnp.zeros((_ROWS,), jnp.float32), wgmma_layout.reduce(1)),
+        )
+        acc, row_max, row_sum = lax.fori_loop(j_lo, j_hi, body, init)
+        out_rows = pl.ds(0, rows)
+        if num_splits == 1:
+            safe = jnp.where(row_sum > 0, row_sum, 1.0)
+            o_smem[...] = (acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[out_rows], o_ref.at[item, h])
+        else:
+            # Every split writes, even with no keys (m = -1e30, l = 0): the merge reads them all.
+            o_smem[...] = acc
+            m_smem[...] = row_max
+            l_smem[...] = row_sum
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[out_rows], o_ref.at[split, item, h])
+            plgpu.copy_smem_to_gmem(m_smem.at[out_rows], m_ref.at[split, item, h])
+            plgpu.copy_smem_to_gmem(l_smem.at[out_rows], l_ref.at[split, item, h])
+        plgpu.wait_smem_to_gmem(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchShape:
+    """The static shape of one call: blocks, grid and pipeline depth, from the bucket's sizes."""
+
+    block_tokens: int  # query tokens per work item
+    rows: int  # of a program's 64-row tile, those stored (block_tokens * group, >= 16)
+    num_items: int  # work-item slots: the grid's first axis
+    block_kv: int  # keys per pipelined block (whole pages)
+    splits: int  # key splits ("flash decoding"): the grid's last axis
+    stages: int  # SMEM slots per K and V: stages - 1 blocks in flight while one is computed
+
+
+def launch_shape(
+    num_tokens: int,
+    num_slots: int,
+    num_kv_heads: int,
+    group: int,
+    pages_per_seq: int,
+    page_size: int,
+    dtype,
+    sizes: tuning.GpuBlockSizes,
+) -> LaunchShape:
+    """The launch for a bucket (all static); NotImplementedError on shapes wgmma cannot take."""
+    if group > _ROWS:
+        raise NotImplementedError(f"The Mosaic GPU kernel needs {group=} <= {_ROWS} (one tile).")
+    # wgmma's K dimension (keys, in the PV product) comes in whole swizzle tiles: 64 bf16, 32 f32.
+    min_block = 128 // jnp.dtype(dtype).itemsize
+    block_kv = max(sizes.kv_tokens, min_block, page_size)
+    if block_kv % page_size or block_kv % min_block or page_size % 8:
+        raise NotImplementedError(
+            f"The Mosaic GPU kernel needs page_size={page_size} a multiple of 8 dividing a key "
+            f"block of {block_kv} keys, itself a multiple of {min_block} for "
+            f"{jnp.dtype(dtype).name}."
+        )
+    block_tokens, rows = tuning.gpu_query_block(num_tokens, num_slots, group, _ROWS)
+    num_items = common.max_work_items(num_tokens, num_slots, block_tokens)
+    max_blocks = -(-pages_per_seq * page_size // block_kv)
+    return LaunchShape(
+        block_tokens=block_tokens,
+        rows=rows,
+        num_items=num_items,
+        block_kv=block_kv,
+        splits=common.num_kv_splits(num_items * num_kv_heads, max_blocks, sizes),
+        stages=max(2, min(sizes.num_stages, max_blocks)),
+    )
+
+
+def _gather_tokens(
+    tiles: jax.Array,  # [num_items, num_kv_heads, rows, D] one tile per work item
+    item_start: jax.Array,  # i32[num_items]; -1: unused
+    num_tokens: int,
+    group: int,
+) -> jax.Array:  # [T, num_kv_heads * group, D]
+    """Each token's `group` rows from its work item's tile (the inverse of the kernel's split).
+
+    A token's item is the last used item starting at or before it; padding tokens get some
+    item's rows, zeroed by the caller.
+    """
+    starts = jnp.where(item_start >= 0, item_start, jnp.iinfo(jnp.int32).max)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    item = jnp.maximum(jnp.searchsorted(starts, t, side="right") - 1, 0).astype(jnp.int32)
+    first_row = (t - starts[item]) * group
+    row = jnp.clip(first_row[:, None] + jnp.arange(group, dtype=jnp.int32), 0, tiles.shape[2] - 1)
+    out = tiles[item[:, None, None], jnp.arange(tiles.shape[1])[None, :, None], row[:, None, :]]
+    return out.reshape(num_tokens, tiles.shape[1] * group, tiles.shape[3])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret")
+)
+def ragged_paged_attention(
+    q: jax.Array,  # [T, num_heads, head_dim]
+    k_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    v_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    layer: jax.Array,  # i32[] which layer of the pool to read
+    query_start: jax.Array,  # i32[S + 1]
+    kv_lens: jax.Array,  # i32[S]
+    page_tables: jax.Array,  # i32[S, P]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    block_sizes: tuning.GpuBlockSizes | None = None,
+    interpret=None,
+) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
+    """The reference's attention as a Pallas Mosaic GPU kernel (conventions in reference.py).
+
+    `block_sizes` defaults to this device kind's row of `tuning.GPU_TABLE` (its q_rows is ignored:
+    a program's query tile is one wgmma's 64 rows). `interpret=interpret_params()` runs the kernel
+    on the CPU in Mosaic GPU interpret mode, for tests.
+    """
+    common.check_args(q, k_pool, v_pool, query_start, kv_lens, page_tables, sliding_window)
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, _ = k_pool.shape
+    num_slots, pages_per_seq = page_tables.shape
+    group = num_heads // num_kv_heads
+    dtype = k_pool.dtype
+    if interpret is None and not supports_dtype(dtype):
+        raise NotImplementedError(
+            f"The Mosaic GPU kernel runs 16-bit pools only (wgmma cannot take an f32 K^T), got "
+            f"{dtype.name}; gpu_kernel (Triton) serves f32 pools."
+        )
+    shape = launch_shape(
+        num_tokens,
+        num_slots,
+        num_kv_heads,
+        group,
+        pages_per_seq,
+        page_size,
+        dtype,
+        block_sizes or tuning.gpu_block_sizes(),
+    )
+    block_tokens, rows, num_items = shape.block_tokens, shape.rows, shape.num_items
+    block_kv, splits, stages = shape.block_kv, shape.splits, shape.stages
+    pages_per_block = block_kv // page_size
+    # Padded by a whole tile so the last item's 64-row query copy stays in bounds.
+    padded_tokens = num_tokens + pl.cdiv(_ROWS, group)
+    # wgmma takes one dtype for both operands: q in the pool's.
+    q_grouped = common.group_queries(q.astype(dtype), num_kv_heads, padded_tokens)
+    item_seq, item_start = common.work_items(query_start, num_seqs, block_tokens, num_items)
+
+    tile = (num_items, num_kv_heads, rows)
+    kv_transforms = _smem_transforms(head_dim, dtype)
+    scratch = [
+        plgpu.SMEM((_ROWS, head_dim), dtype, transforms=kv_transforms),
+        plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=kv_transforms),
+        plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=kv_transforms),
+        plgpu.SMEM((_ROWS, block_kv), dtype, transforms=_smem_transforms(block_kv, dtype)),
+    ]
+    if splits == 1:
+        out_type = [jax.ShapeDtypeStruct((*tile, head_dim), dtype)]
+        scratch.append(plgpu.SMEM((_ROWS, head_dim), dtype, transforms=kv_transforms))
+    else:
+        f32_transforms = _smem_transforms(head_dim, jnp.float32)
+        out_type = [
+            jax.ShapeDtypeStruct((splits, *tile, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, *tile), jnp.float32),
+            jax.ShapeDtypeStruct((splits, *tile), jnp.float32),
+        ]
+        scratch += [
+            plgpu.SMEM((_ROWS, head_dim), jnp.float32, transforms=f32_transforms),
+            plgpu.SMEM((_ROWS,), jnp.float32),
+            plgpu.SMEM((_ROWS,), jnp.float32),
+        ]
+    scratch += [
+        # One arrival per page copy: a block is in when all its pages are.
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+        plgpu.Barrier(num_barriers=1),
+    ]
+    body = functools.partial(
+        _kernel,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        group=group,
+        block_tokens=block_tokens,
+        rows=rows,
+        pages_per_block=pages_per_block,
+        stages=stages,
+        num_splits=splits,
+        interpreted=interpret is not None,
+    )
+    kernel = plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(num_items, num_kv_heads, splits),
+        grid_names=("item", "head", "split"),
+        interpret=interpret,
+    )
+    outs = kernel(
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        query_start.astype(jnp.int32),
+        kv_lens.astype(jnp.int32),
+        page_tables.astype(jnp.int32),
+        item_seq,
+        item_start,
+        q_grouped,
+        k_pool,
+        v_pool,
+    )
+    tiles = outs[0] if splits == 1 else common.merge_splits(*outs)
+    out = _gather_tokens(tiles, item_start, num_tokens, group).astype(q.dtype)
+    # Rows of no work item (padding) hold another item's rows: zero them.
+    real = common.real_rows(query_start, num_seqs, num_tokens)
+    return jnp.where(real[:, None, None], out, jnp.zeros((), out.dtype))
