@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from jaxserve.bench.metrics import SLO, summarize
 from jaxserve.bench.workload import LengthMix, mixed_workloads
 from jaxserve.engine_config import EngineConfig
-from jaxserve.request import Request
+from jaxserve.request import FinishReason, Request
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import StepResult
 from jaxserve.simulator import build_scheduler, simulate
 from jaxserve.slo_policy import SloPolicy, attach
 from tests.unit.test_simulator import BUCKETS, fake_cost
@@ -161,3 +163,34 @@ def test_policy_learns_that_the_machine_runs_slower_than_measured():
         r.num_computed_tokens += 1
     policy(decodes, [], now=now + 50 * 2.4e-3)
     assert policy.scale == pytest.approx(3.0, rel=0.05)
+
+
+def test_a_request_that_cannot_meet_its_ttft_is_refused_with_the_reason():
+    config = BASE.replace(slo_scheduling=True, shed_late=True, ttft_slo_s=0.05)
+    sched = build_scheduler(config, COST, 256)
+    # 200 tokens: 4 steps of the whole budget at 8.4 ms = 33.6 ms, after waiting 40 ms or 10 ms.
+    params = SamplingParams(max_tokens=4)
+    sched.add_request(Request(request_id="late", prompt_token_ids=[5] * 200, arrival_time=0.0,
+                              sampling_params=params))  # fmt: skip
+    sched.add_request(Request(request_id="soon", prompt_token_ids=[5] * 200, arrival_time=0.03,
+                              sampling_params=params))  # fmt: skip
+    plan = sched.schedule(now=0.04)
+    assert plan.aborted_ids == ["late"] and [s.request_id for s in plan.seqs] == ["soon"]
+    late = sched.update(plan, StepResult(sampled_token_ids=[None]), now=0.05)[0]
+    assert late.finished and late.request.finish_reason == FinishReason.REFUSED
+    message = late.request.status_message
+    assert "predicted time to first token is 0.074 s" in message, message
+    assert "4 step(s) of 8.4 ms for its 200 tokens" in message, message
+    assert "TTFT target of 0.050 s" in message, message
+
+
+def test_refused_requests_are_counted_apart_from_failures_and_goodput():
+    w = _traffic(rate=2000.0)
+    config = BASE.replace(slo_scheduling=True, shed_late=True, ttft_slo_s=0.05)
+    result = simulate(w, config, COST)
+    refused = [r for r in result.records if r.finish_reason == "refused"]
+    assert refused and all(r.first_token is None and r.output_len == 0 for r in refused)
+    summary = summarize(result, SLO(ttft_s=0.05, tpot_s=TPOT))
+    assert summary["num_refused"] == len(refused) and summary["num_failed"] == 0
+    assert summary["num_finished"] + len(refused) == len(w.requests)
+    assert 0 < summary["good_requests"] <= summary["num_finished"]
