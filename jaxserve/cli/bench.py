@@ -450,10 +450,13 @@ def _add_bench_parser(sub) -> None:
         "--slo-scheduling",
         default="off",
         help="on, off or on,off: size prefill to keep decodes within --tpot-slo "
-        "(needs --cost-model)",
+        "(the step-cost model: --cost-model, else measured at each engine's warm-up)",
     )
     o.add_argument(
-        "--cost-model", default=None, metavar="FILE", help="from `jaxserve bench --profile steps`"
+        "--cost-model",
+        default=None,
+        metavar="FILE",
+        help="from `jaxserve bench --profile steps` or an earlier warm-up",
     )
     o.add_argument(
         "--shed-late",

@@ -112,10 +112,15 @@ def register(sub) -> None:
         "--slo-scheduling",
         action="store_true",
         default=None,
-        help="size each step's prefill so decodes keep --tpot-slo (needs --cost-model)",
+        help="size each step's prefill so decodes keep --tpot-slo (the step-cost model: "
+        "--cost-model, else measured at warm-up)",
     )
     slo.add_argument(
-        "--cost-model", default=None, metavar="FILE", help="from `jaxserve bench --profile steps`"
+        "--cost-model",
+        default=None,
+        metavar="FILE",
+        help="from `jaxserve bench --profile steps` or an earlier warm-up; one that does not "
+        "apply to this model, dtype, device and buckets is measured again and replaced",
     )
     slo.add_argument(
         "--shed-late",
