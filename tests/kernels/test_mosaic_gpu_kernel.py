@@ -227,3 +227,39 @@ def test_lowers_for_sm90(max_kv_splits: int):
     # The serialized Mosaic GPU module names its TMA copies and wgmmas.
     assert "mosaic_gpu" in text
     assert "wgmma" in text and "cp.async.bulk.tensor" in text
+
+
+def test_gpu_check_records_a_kernel_that_fails_and_goes_on():
+    """gpu_check's sweep on the CPU: the Mosaic kernel without interpret mode cannot compile here
+    (a real compile failure), which the point records while the next kernel (Triton, interpreted)
+    is still timed and checked against the reference; the default kernel keeps the old keys."""
+    from pallas_kernels import gpu_check
+    from pallas_kernels.ragged_paged_attention import gpu_kernel
+
+    kernels = {
+        "mosaic": mosaic_gpu_kernel.ragged_paged_attention,
+        "triton": functools.partial(gpu_kernel.ragged_paged_attention, interpret=True),
+    }
+    point = gpu_check.bench_point(
+        2,
+        64,
+        None,
+        None,
+        shape=gpu_check.DRY,
+        kernels=kernels,
+        default="triton",
+        timing=dict(iters=1, reps=1),
+    )
+    assert "interpret" in point["kernels"]["mosaic"]["error"]
+    triton = point["kernels"]["triton"]
+    assert triton["us"] > 0 and triton["max_abs_error_vs_reference"] < 2e-2
+    assert point["kernel_name"] == "triton" and point["kernel"]["us"] == triton["us"]
+    assert point["max_abs_error_vs_reference"] == triton["max_abs_error_vs_reference"]
+
+
+def test_gpu_check_without_a_gpu_runs_nothing(tmp_path):
+    from pallas_kernels import gpu_check
+
+    out = tmp_path / "report.json"
+    assert gpu_check.main(["--out", str(out)]) == 2
+    assert not out.exists()
