@@ -22,8 +22,10 @@ Why subprocesses: a stage that hangs or runs out of device memory is killed alon
 starts on a clean device (JAX keeps what it allocated until its process exits, and torch must
 not share the GPU with it), and the parent never initialises a device itself. After every stage
 the parent rewrites DIR/report.json and DIR/summary.md, so a run cut short by the device's time
-limit still leaves everything done so far. Compiled buckets go to a persistent compilation cache
-shared by the stages, so the speed stage reloads what the correctness stage compiled.
+limit still leaves everything done so far (with the last lines of each stage's log in
+DIR/stages.log: three files, since the device tool brings back eight at most). Compiled buckets
+go to a persistent compilation cache shared by the stages, so the speed stage reloads what the
+correctness stage compiled.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import inspect
 import json
 import math
 import os
@@ -55,6 +58,7 @@ STAGES = (
     ("peer", 120, 240),
 )
 MIN_STAGE_S = 15  # a stage with less time than this left is skipped, not started
+LOG_LINES = 300  # of each stage's log, kept in OUT/stages.log
 
 # The issue's acceptance targets, checked in the summary.
 MAX_KERNEL_ERROR = 2e-2
@@ -195,8 +199,25 @@ class Stage:
         self.path.write_text(json.dumps(self.result, indent=2, default=str))
 
 
+# What the stages import beyond the standard library. The GPU machine has JAX, flax, orbax,
+# transformers and torch; anything else missing there must be carried (docs/accelerators).
+NEEDED_MODULES = (
+    "jax",
+    "flax",
+    "orbax.checkpoint",
+    "numpy",
+    "tqdm",
+    "safetensors",
+    "prometheus_client",
+    "transformers",
+    "torch",
+    "pytest",  # gpu_check runs the kernel tests with it
+)
+
+
 def stage_environment(s: Stage) -> None:
     import importlib.metadata as md
+    import importlib.util
 
     import jax
 
@@ -207,6 +228,15 @@ def stage_environment(s: Stage) -> None:
         if d.metadata["Name"]
         and d.metadata["Name"].lower().startswith(("jax", "nvidia-cu", "torch", "transformers"))
     }
+    missing = []
+    for name in NEEDED_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # its parent package is missing
+            found = False
+        if not found:
+            missing.append(name)
+    s.put("missing_modules", missing)
     s.put("backend", jax.default_backend())
     s.put("device_kind", device.device_kind)
     s.put("num_devices", jax.device_count())
@@ -434,7 +464,6 @@ def stage_peer(s: Stage) -> None:
     model = _hf_model(mc, device, dtype)
     s.put("device", torch.cuda.get_device_name() if device == "cuda" else "cpu")
     s.put("dtype", str(dtype))
-    s.put("attn_implementation", getattr(model.config, "_attn_implementation", None))
     if not hasattr(model, "init_continuous_batching"):
         raise RuntimeError(
             f"transformers {md.version('transformers')} has no continuous batching "
@@ -447,6 +476,7 @@ def stage_peer(s: Stage) -> None:
         start = time.perf_counter()
         manager.warmup()  # CUDA graphs captured before the timed runs, as jaxserve precompiles
         s.put("warmup_s", round(time.perf_counter() - start, 2))
+    s.put("attn_implementation", getattr(model.config, "_attn_implementation", None))
     manager.start()
     try:
         _peer_burst(manager, [[5, 6, 7, 8]] * 4, 4)  # first-run costs outside the timed runs
@@ -517,8 +547,11 @@ def _peer_burst(manager, prompts: list[list[int]], max_tokens: int) -> dict:
     """Sends every prompt at once and waits for all; output tokens/s over the burst's span."""
     import numpy as np
 
+    # Older 5.x managers may not record token timestamps: then only throughput is reported.
+    accepts = inspect.signature(manager.add_requests).parameters
+    stamps = {"record_timestamps": True} if "record_timestamps" in accepts else {}
     start = time.perf_counter()
-    ids = manager.add_requests(inputs=prompts, max_new_tokens=max_tokens, record_timestamps=True)
+    ids = manager.add_requests(inputs=prompts, max_new_tokens=max_tokens, **stamps)
     done: dict = {}
     while len(done) < len(ids):
         r = manager.get_result(timeout=1)
@@ -531,12 +564,10 @@ def _peer_burst(manager, prompts: list[list[int]], max_tokens: int) -> dict:
     span = time.perf_counter() - start
     errors = [r.error for r in done.values() if r.error]
     out_tokens = sum(len(r.generated_tokens) for r in done.values())
-    ttft = [r.timestamps[0] - start for r in done.values() if r.timestamps]
-    tpot = [
-        (r.timestamps[-1] - r.timestamps[0]) / (len(r.timestamps) - 1)
-        for r in done.values()
-        if r.timestamps and len(r.timestamps) > 1
-    ]
+    # Timestamps are time.perf_counter() values, like `start`.
+    times = [t for r in done.values() if (t := getattr(r, "timestamps", None))]
+    ttft = [t[0] - start for t in times]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
     return {
         "num_requests": len(ids),
@@ -564,7 +595,7 @@ STAGE_FNS = {
 
 def run_stage_process(name: str, args, limit_s: float) -> dict:
     """Runs one stage in a subprocess under `limit_s`; its result, whatever happened."""
-    out = args.out / "stages" / f"{name}.json"
+    out = args.work_dir / f"{name}.json"
     out.unlink(missing_ok=True)
     if name == "gpu_check":
         cmd = [sys.executable, "-m", "pallas_kernels.gpu_check", "--out", str(out)]
@@ -574,10 +605,10 @@ def run_stage_process(name: str, args, limit_s: float) -> dict:
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     else:
         cmd = [sys.executable, "-m", "jaxserve.accelerator_check", "--stage", name]
-        cmd += ["--out", str(args.out), "--cache-dir", args.cache_dir]
+        cmd += ["--work-dir", str(args.work_dir), "--cache-dir", args.cache_dir]
         cmd += ["--dry-run"] if args.dry_run else []
         env = dict(os.environ, JAX_PLATFORMS="cpu") if args.dry_run else dict(os.environ)
-    log_path = args.out / "stages" / f"{name}.log"
+    log_path = args.work_dir / f"{name}.log"
     start, cpu_before = time.perf_counter(), _children_cpu_s()
     with open(log_path, "w") as log:
         # Its own process group: a timeout ends the stage's children too (gpu_check's pytest).
@@ -593,7 +624,11 @@ def run_stage_process(name: str, args, limit_s: float) -> dict:
     seconds = round(time.perf_counter() - start, 1)
     cpu_s = round(_children_cpu_s() - cpu_before, 1)  # on a shared machine: the stage's own cost
     result = json.loads(out.read_text()) if out.exists() else {}
-    tail = log_path.read_text(errors="replace").strip().splitlines()[-30:]
+    lines = log_path.read_text(errors="replace").strip().splitlines()
+    with open(args.out / "stages.log", "a") as all_logs:  # one file: $OUT brings back 8 at most
+        all_logs.write(f"==== {name} ({len(lines)} lines, the last {LOG_LINES}) ====\n")
+        all_logs.write("\n".join(lines[-LOG_LINES:]) + "\n")
+    tail = lines[-30:]
     record = {"seconds": seconds, "cpu_s": cpu_s, "limit_s": round(limit_s, 1), "result": result}
     if rc is None:
         return record | {
@@ -617,7 +652,9 @@ def _children_cpu_s() -> float:
 
 def run_all(args) -> dict:
     """Every stage in order under the budget; report.json and summary.md after each."""
-    (args.out / "stages").mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    (args.out / "stages.log").unlink(missing_ok=True)
     deadline = time.monotonic() + args.budget_s
     report = {
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -747,7 +784,8 @@ def summary_markdown(report: dict) -> str:
         f"(compute capability {env.get('compute_capability', '-')}), "
         f"JAX {env.get('jax_version', '?')}, "
         f"jaxlib {env.get('jaxlib_version', '?')}; model {report['plan']['model']} "
-        f"{report['plan']['dtype']}.",
+        f"{report['plan']['dtype']}."
+        + (f" Missing modules: {env['missing_modules']}." if env.get("missing_modules") else ""),
         "",
         "| stage | status | seconds | note |",
         "|---|---|---|---|",
@@ -811,7 +849,7 @@ def summary_markdown(report: dict) -> str:
 
 def _stage_main(args) -> int:
     """One stage in this process: its function, its error (if any) written into its result."""
-    stage = Stage(args.out / "stages" / f"{args.stage}.json", args)
+    stage = Stage(args.work_dir / f"{args.stage}.json", args)
     try:
         STAGE_FNS[args.stage](stage)
     except Exception as e:
@@ -823,7 +861,7 @@ def _stage_main(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="folder for report.json, summary.md, stages/")
+    parser.add_argument("--out", type=Path, help="folder for report.json, summary.md, stages.log")
     parser.add_argument(
         "--dry-run", action="store_true", help="on the CPU: tiny model, interpret kernel"
     )
@@ -838,6 +876,12 @@ def main(argv: list[str] | None = None) -> int:
         default=os.path.join(tempfile.gettempdir(), "jaxserve-accelerator-check-xla"),
         help="JAX's persistent compilation cache the stages share",
     )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        help="each stage's own JSON and full log (default: a new temporary folder); --out gets "
+        "only report.json, summary.md and stages.log, since the device tool returns 8 files",
+    )
     parser.add_argument("--stage", choices=sorted(STAGE_FNS), help=argparse.SUPPRESS)
     parser.add_argument("--tiny-cpu-tokens", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -845,10 +889,11 @@ def main(argv: list[str] | None = None) -> int:
         tokens = tiny_tokens(plan(args.dry_run), args.cache_dir, backend="xla")
         args.tiny_cpu_tokens.write_text(json.dumps(tokens))
         return 0
-    if args.out is None:
-        parser.error("--out DIR is required.")
     if args.stage:
         return _stage_main(args)
+    if args.out is None:
+        parser.error("--out DIR is required.")
+    args.work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="jaxserve-accelerator-check-"))
     unknown = set(args.stages or ()) - {name for name, *_ in STAGES}
     if unknown:
         parser.error(

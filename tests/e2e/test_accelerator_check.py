@@ -1,0 +1,107 @@
+"""The accelerator check's dry run, as CI runs it: the whole script on the CPU, so the GPU's
+metered minutes are never spent on an error the CPU could have shown."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from jaxserve import accelerator_check as ac
+
+
+def test_dry_run_writes_every_stage_with_equal_tokens_and_no_compiles(tmp_path):
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "jaxserve.accelerator_check", "--out", str(out), "--dry-run"]
+    # A fresh compilation cache: the stages must share it among themselves, not with other runs.
+    cmd += ["--cache-dir", str(tmp_path / "xla"), "--budget-s", "1200"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The device tool brings back 8 files at most from $OUT.
+    assert sorted(f.name for f in out.iterdir()) == ["report.json", "stages.log", "summary.md"]
+    report = json.loads((out / "report.json").read_text())
+    stages = report["stages"]
+    assert list(stages) == [name for name, *_ in ac.STAGES]
+    for name, stage in stages.items():
+        want = "skipped" if name == "gpu_check" else "ok"
+        assert stage["status"] == want, (name, stage)
+        assert "error" not in stage and "error" not in stage["result"], (name, stage)
+    assert "needs a GPU" in stages["gpu_check"]["reason"]
+
+    p = ac.plan(dry_run=True)
+    correctness = stages["engine_correctness"]["result"]
+    assert correctness["tokens_equal"]["num_equal"] == len(p["prompt_lens"]) == 16
+    for backend in p["backends"]:
+        assert correctness[backend]["compiles_after_warmup"] == 0
+        assert correctness[backend]["compiles_at_warmup"] == len(correctness[backend]["buckets"])
+        assert [len(t) for t in correctness[backend]["tokens"]] == [p["correctness_tokens"]] * 16
+    tiny = stages["tiny_f32_vs_cpu"]["result"]
+    assert tiny["tokens_equal"]["num_equal"] == len(p["tiny_prompt_lens"])
+
+    speed = stages["speed"]["result"]
+    for backend in p["backends"]:
+        runs = speed[backend]
+        assert set(runs) == {"single", "mixed", *p["bursts"]}
+        for name, run in runs.items():
+            assert run["num_finished"] == run["num_requests"], (backend, name)
+            assert run["compiles_after_warmup"] == 0, (backend, name)
+        for name, count in p["bursts"].items():
+            assert runs[name]["output_tokens"] == count * p["burst_lengths"]["output_range"][1]
+        assert runs["single"]["tpot"]["p50"] > 0
+    peer = stages["peer"]["result"]
+    for name, count in p["bursts"].items():
+        assert peer[name]["num_errors"] == 0
+        assert peer[name]["output_tokens"] == count * p["burst_lengths"]["output_range"][1]
+
+    targets = {t["target"]: t for t in report["targets"]}
+    ratio = targets["burst8 output tok/s vs transformers"]
+    ours = speed[p["backends"][0]]["burst8"]["output_token_throughput"]
+    assert ratio["value"] == ours / peer["burst8"]["output_token_throughput"]
+    summary = (out / "summary.md").read_text()
+    assert "| engine_correctness | ok |" in summary
+    assert "Greedy tokens equal between backends: 16/16" in summary
+
+
+def test_a_spent_budget_skips_the_remaining_stages_and_still_reports(tmp_path):
+    # Under MIN_STAGE_S left from the start: nothing is started, every stage says why.
+    rc = ac.main(["--out", str(tmp_path), "--budget-s", "1", "--stages", "environment,peer"])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert rc == 0
+    assert list(report["stages"]) == ["environment", "peer"]
+    assert all(s["status"] == "skipped" for s in report["stages"].values())
+    assert "Budget spent" in report["stages"]["peer"]["reason"]
+    assert all(t["met"] is None for t in report["targets"])
+
+
+def test_targets_read_the_kernel_report_wherever_the_points_are_nested():
+    # gpu_check's JSON may group points per kernel; the targets find them by their fields.
+    point = {"batch": 64, "context": 2048, "speedup_vs_reference": 1.5}
+    report = {
+        "plan": ac.plan(dry_run=False),
+        "stages": {
+            "gpu_check": {
+                "result": {
+                    "decode": [{"batch": 1, "context": 512, "max_abs_error_vs_reference": 0.01}],
+                    "triton": {"decode": [point | {"max_abs_error_vs_reference": 0.03}]},
+                    "mosaic": {"decode": [point | {"speedup_vs_reference": 3.0}]},
+                }
+            },
+            "speed": {"result": {"pallas": {"burst256": {"output_token_throughput": 3000.0}}}},
+            "peer": {"result": {"burst256": {"output_token_throughput": 1000.0}}},
+        },
+    }
+    got = {t["target"]: t for t in ac.targets(report)}
+    error = got["kernel max abs error vs reference (bf16)"]
+    assert (error["value"], error["met"]) == (0.03, False)  # the worst point decides
+    assert error["source"] == "triton.decode[0].max_abs_error_vs_reference"
+    speedup = got["kernel speedup at batch 64, context 2048"]
+    assert (speedup["value"], speedup["met"]) == (1.5, False)  # the slower kernel decides
+    peer = got["burst256 output tok/s vs transformers"]
+    assert (peer["value"], peer["met"]) == (3.0, True)
+    assert got["single-stream decode MBU (pallas)"]["met"] is None  # not measured
+
+
+def test_compare_tokens_names_the_first_divergence():
+    got = ac.compare_tokens([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [7]])
+    assert got["num_equal"] == 1
+    assert got["first_divergence"] == {"prompt": 1, "position": 1, "a": [5, 6], "b": [9, 6]}
