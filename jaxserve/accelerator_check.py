@@ -368,6 +368,13 @@ def stage_speed(s: Stage) -> None:
         gc.collect()
 
 
+def burst_seed(index: int) -> int:
+    """The prompt seed of the index-th burst, the same for jaxserve and the peer. Bursts share
+    request ids (the larger's first requests are the smaller's), so without their own seeds
+    they would share prompts, and the prefix cache would serve the second from the first."""
+    return 1 + index
+
+
 def speed_of(engine, p: dict, result: dict, save) -> None:
     """Fills `result` with one backend's runs, calling `save` after each."""
     from jaxserve.bench.metrics import SLO, summarize
@@ -379,8 +386,8 @@ def speed_of(engine, p: dict, result: dict, save) -> None:
     warm = fixed_length_workloads([1], num_requests=1, prompt_len=8, max_tokens=4)[0]
     run_offline(engine, warm, label="warm-up")  # first-run costs outside the timed runs
 
-    def run(workload) -> dict:
-        r = run_offline(engine, workload, label=workload.name)
+    def run(workload, seed: int) -> dict:
+        r = run_offline(engine, workload, label=workload.name, seed=seed)
         summary = summarize(r, slo)
         e = r.engine or {}
         summary["device_busy_per_step_s"] = (
@@ -393,7 +400,7 @@ def speed_of(engine, p: dict, result: dict, save) -> None:
         save()
 
     single = fixed_length_workloads([1], **p["single"])[0]
-    one = run(single)
+    one = run(single, seed=0)
     mc = engine.model.config
     kv_per_token = kv_bytes_per_page(mc, 1, engine.model.dtype)
     context = p["single"]["prompt_len"] + p["single"]["max_tokens"] / 2  # the mean decode step's
@@ -407,9 +414,9 @@ def speed_of(engine, p: dict, result: dict, save) -> None:
     put("single", one)
 
     lengths = LengthMix(**p["burst_lengths"], long_share=0.5)
-    for name, count in p["bursts"].items():
+    for i, (name, count) in enumerate(p["bursts"].items()):
         burst = mixed_workloads([math.inf], num_requests=count, mix=lengths, seed=0)[0]
-        put(name, run(burst))
+        put(name, run(burst, seed=burst_seed(i)))
 
     # Saturating: the mixed requests per second the largest burst's output rate would carry.
     last = list(p["bursts"])[-1]
@@ -422,7 +429,8 @@ def speed_of(engine, p: dict, result: dict, save) -> None:
     mixed = mixed_workloads([rate], num_requests=n, mix=mix, seed=0)[0]
     put(
         "mixed",
-        run(mixed) | {"rate_per_s": rate, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}},
+        run(mixed, seed=len(p["bursts"]) + 1)
+        | {"rate_per_s": rate, "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}},
     )
 
 
@@ -481,9 +489,11 @@ def stage_peer(s: Stage) -> None:
     try:
         _peer_burst(manager, [[5, 6, 7, 8]] * 4, 4)  # first-run costs outside the timed runs
         lengths = LengthMix(**s.plan["burst_lengths"], long_share=0.5)
-        for name, count in s.plan["bursts"].items():
+        for i, (name, count) in enumerate(s.plan["bursts"].items()):
             workload = mixed_workloads([math.inf], num_requests=count, mix=lengths, seed=0)[0]
-            prompts = [random_prompt_ids(r, mc.vocab_size) for r in workload.requests]
+            prompts = [
+                random_prompt_ids(r, mc.vocab_size, burst_seed(i)) for r in workload.requests
+            ]
             s.put(name, _peer_burst(manager, prompts, out_len))
     finally:
         manager.stop(block=True, timeout=10)
@@ -793,10 +803,14 @@ def summary_markdown(report: dict) -> str:
     for name, st in report["stages"].items():
         note = st.get("error") or st.get("reason") or ""
         lines.append(f"| {name} | {st['status']} | {_fmt(st.get('seconds'))} | {str(note)[:120]} |")
-    lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
+    lines += ["", "| target | goal | measured | met | measured / goal |", "|---|---|---|---|---|"]
     for t in report["targets"]:
         met = {True: "met", False: "missed", None: "not measured"}[t["met"]]
-        lines.append(f"| {t['target']} | {t['op']} {t['goal']} | {_fmt(t['value'])} | {met} |")
+        ratio = t["value"] / t["goal"] if t["value"] is not None else None
+        lines.append(
+            f"| {t['target']} | {t['op']} {t['goal']} | {_fmt(t['value'])} | {met} | "
+            f"{_fmt(ratio)} |"
+        )
     corr = _result(report, "engine_correctness")
     if corr:
         lines += [
