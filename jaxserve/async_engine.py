@@ -6,8 +6,9 @@ Concurrency:
 - asyncio callers never touch the engine: `generate()` posts an add command (and `abort` an
   abort command) to a lock-protected list the engine thread drains between iterations, so a
   request joins or leaves only at an iteration boundary.
-- Outputs travel back through `loop.call_soon_threadsafe` into one unbounded asyncio.Queue per
-  request; each holds at most the tokens of one request, so memory is bounded by the requests.
+- Outputs travel back into one unbounded asyncio.Queue per request, a step's outputs in one
+  `loop.call_soon_threadsafe` per event loop; each queue holds at most the tokens of one
+  request, so memory is bounded by the requests.
 - A consumer that stops iterating (break, cancel, disconnect) aborts its request.
 - Identity: each admitted call gets an internal id that is never reused (`<user id>#<n>`); the
   engine and the output routing know only that id, and a stream sees its outputs with the
@@ -135,7 +136,7 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield dataclasses.replace(item, request_id=user_id)
+                yield item  # already under the caller's id (_deliver)
                 if item.finished:
                     return
         finally:
@@ -216,8 +217,7 @@ class AsyncEngine:
         # Published before delivery: a caller that sees its request end then reads a snapshot
         # without it (its slot and pages already back), never the one before.
         self._publish()
-        for out in outputs:
-            self._deliver(out.request_id, out)
+        self._deliver(outputs)
 
     def _close(self) -> None:
         """Ends every open stream, pending adds included, with EngineDeadError."""
@@ -278,11 +278,23 @@ class AsyncEngine:
 
         self._call_soon(future.get_loop(), settle)
 
-    def _deliver(self, request_id: str, item) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hands a step's outputs to their streams: one wake-up per event loop, not per output.
+
+        Each `call_soon_threadsafe` writes to the loop's wake-up pipe (a system call) and queues
+        a callback, and every one of them is work under the GIL that the next step waits for:
+        with 256 streams, one per output made up much of the host's time per step. The outputs
+        are the engine's fresh objects, so the caller's id is put on them here, in place.
+        """
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            self._put(stream, item)
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    out.request_id = stream.user_id
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            self._call_soon(loop, _put_all, items)
 
     def _put(self, stream: _Stream, item) -> None:
         self._call_soon(stream.loop, stream.queue.put_nowait, item)
@@ -293,6 +305,12 @@ class AsyncEngine:
             loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening
             logger.debug("dropped an output for a closed event loop")
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the consumers' event loop: each item into its stream's queue."""
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _user_id(internal_id: str) -> str:

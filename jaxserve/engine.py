@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import logging
 import math
 import random
@@ -512,6 +513,25 @@ class Engine:
         self.metrics.on_compiles(
             self.runner.num_compiles, self.runner.num_compiles - self._warm_compiles
         )
+
+
+def freeze_heap() -> None:
+    """Puts every object alive now out of the garbage collector's reach; call it once the
+    engine is built and warm, in a process that then serves.
+
+    Importing JAX, flax and transformers and building an engine leaves ~600k objects that the
+    collector tracks, and a full collection walks all of them: 1.1 s in the middle of serving
+    3,000 requests through the AsyncEngine (fake device, busy 2-core machine; the same walk
+    took 0.4-1.7 s on its own), a stall every running stream sees as one very late token.
+    They live as long as the process serves, so freezing them loses nothing; objects made
+    later are collected as before, and what dies is still freed by reference counting.
+
+    Collected first, so no garbage is frozen. Not for processes that build and drop many
+    engines (tests): a dropped engine's reference cycles (its runner's) were frozen too, and
+    would never be freed.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 # What the generated tokens' logprobs do not need of a step's SampleOutput: left on the device.

@@ -300,7 +300,7 @@ def replot(out_dir: Path) -> list[dict]:
 
 def _run_all_offline(spec: BenchSpec, log) -> list[RunResult]:
     from checkpoints import load_model
-    from jaxserve.engine import Engine
+    from jaxserve.engine import Engine, freeze_heap
     from jaxserve.sharding import make_mesh
 
     cache_dir = spec.compile_cache or tempfile.mkdtemp(prefix="jaxserve-bench-cc-")
@@ -317,6 +317,7 @@ def _run_all_offline(spec: BenchSpec, log) -> list[RunResult]:
                 f"{engine.runner.config.num_pages} KV pages, {time.perf_counter() - t:.1f}s"
             )
             engines.append((label, engine))
+        freeze_heap()  # as `jaxserve serve` does: no full collection stalls a timed run
         results = []
         cells = len(spec.workloads) * len(engines)
         for w in spec.workloads:

@@ -51,6 +51,39 @@ def test_concurrent_streams_match_offline_outputs(async_engine, stories_engine):
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])
 
 
+def test_a_step_wakes_each_event_loop_once_not_once_per_output(async_engine):
+    """Four streams decoding together: their outputs reach the loop in one callback per step.
+    Delivering each output with its own call_soon_threadsafe costs a system call and a
+    callback under the GIL per output, which the next step waits for."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = ["Once upon a time", "Tom had a red ball", "The little dog", "A cat"]
+    inner = async_engine.engine
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        calls = []
+        original = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):
+            calls.append(callback)
+            return original(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting
+        steps = inner.metrics.stats.num_steps
+        try:
+            outs = await asyncio.gather(*(_collect(async_engine, p, params) for p in prompts))
+        finally:
+            del loop.call_soon_threadsafe
+        return outs, len(calls), inner.metrics.stats.num_steps - steps
+
+    outs, calls, steps = asyncio.run(main())
+    delivered = sum(len(o) for o in outs)
+    assert [o[-1].request_id for o in outs] == [o[0].request_id for o in outs]
+    assert all(sum(len(x.new_token_ids) for x in o) == 12 for o in outs)
+    # One per step with outputs, plus each add's acceptance: far fewer than the outputs.
+    assert calls <= steps + len(prompts) < delivered, (calls, steps, delivered)
+
+
 def test_consumer_that_stops_iterating_aborts_its_request(async_engine):
     inner = async_engine.engine
 
