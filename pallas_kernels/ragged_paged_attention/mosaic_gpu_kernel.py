@@ -18,8 +18,8 @@ slots, and the grid is (work item, KV head, key split). One program = one warpgr
 - a block that reaches past the visible keys (a sequence's last, partial page; a sliding window's
   first block) may hold unwritten slots, possibly NaN: its values are zeroed in SMEM before the PV
   MMA, since 0 * NaN would otherwise poison the row (keys need no such care: their scores are
-  replaced by -1e30 with a select). Such a block still copies whole pages (page-table entries past
-  the sequence's last page included), at most one block's worth of extra reads per program;
+  replaced by -1e30 with a select). Pages with no visible key are not copied at all: their
+  barrier arrival is a plain arrive;
 - each program writes its own [rows, D] output tile (items never share a tile, so no ragged
   stores): XLA then gathers each token's rows back. Small decode batches split the keys ("flash
   decoding") into partial (numerator, max, sum) tiles merged by XLA, as the Triton kernel does.
@@ -135,15 +135,28 @@ def _kernel(
         layer = layer_ref[0]
         num_rows = (span.t_hi - t_lo) * group  # real rows of this tile
 
+        def copy_page(j, slot, p):
+            page = page_tables_ref[s, jnp.minimum(j * pages_per_block + p, pages_per_seq - 1)]
+            dst = pl.ds(p * page_size, page_size)
+            src = (layer, page, slice(None), h, slice(None))
+            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, dst], k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_bars.at[slot])
+
+        def skip_page(slot):
+            # A page no row sees is not read (a short sequence's last block, a window's first):
+            # a plain arrival stands for its copy. Its stale slot is masked (K) and zeroed (V)
+            # like any invisible key.
+            plgpu.barrier_arrive(k_bars.at[slot])
+            plgpu.barrier_arrive(v_bars.at[slot])
+
         def fetch(j):
-            """Starts the TMA copies of key block j into its slot."""
+            """Starts the TMA copies of key block j's visible pages into its slot."""
             slot = lax.rem(j - j_lo, stages)
             for p in range(pages_per_block):
-                page = page_tables_ref[s, jnp.minimum(j * pages_per_block + p, pages_per_seq - 1)]
-                dst = pl.ds(p * page_size, page_size)
-                src = (layer, page, slice(None), h, slice(None))
-                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, dst], k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_bars.at[slot])
+                first = j * block_kv + p * page_size
+                visible = (first < span.kv_end) & (first + page_size > span.kv_start)
+                pl.when(visible)(functools.partial(copy_page, j, slot, p))
+                pl.when(~visible)(functools.partial(skip_page, slot))
 
         plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t_lo * group, _ROWS)], q_smem, q_bar.at[0])
         for i in range(stages - 1):  # the pipeline's prologue: blocks in flight before the loop
