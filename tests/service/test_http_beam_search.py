@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import time
 
 import openai
 import pytest
@@ -202,7 +203,17 @@ def test_a_client_that_leaves_mid_search_aborts_its_beams(served):
     start = async_engine.snapshot().iteration
     conn.sock.close()
     conn.close()
-    wait_until(lambda: not async_engine.snapshot().request_ids, timeout=20)
+
+    def idle():
+        # Twice, 0.2 s apart: between two iterations of a search its requests have all finished
+        # and the next ones are not added yet, so one look can find no requests mid-search.
+        first = async_engine.snapshot()
+        time.sleep(0.2)
+        second = async_engine.snapshot()
+        quiet = first.iteration == second.iteration
+        return quiet and not first.request_ids and not second.request_ids
+
+    wait_until(idle, timeout=30)
     snap = async_engine.snapshot()
     assert snap.slots_used == 0 and snap.kv_pages_used == 0
     assert snap.iteration - start < 150  # cancelled, not run to its 200 tokens
