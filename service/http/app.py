@@ -419,21 +419,21 @@ class OpenAIFrontEnd:
         ]
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         fields.update(id=cid, prompts=len(prompts), n=body.n, beam_width=width, stream=body.stream)
-        ids = [ids for ids, _ in prompts]
-        search = beams.search_all(self.server.engine, ids, params, body.priority)
+        prompt_ids = [ids for ids, _ in prompts]
+        search = beams.search_all(self.server.engine, prompt_ids, params, body.priority)
         outs = await self._unless_gone(request, search)
         for out in outs:
             if out.error is not None:  # a beam's request failed or was aborted: no result
                 raise HttpError(500, out.error, "internal_error")
         choices = []
-        for i, (out, (ids_, text)) in enumerate(zip(outs, prompts, strict=True)):
+        for i, (out, (ids, text)) in enumerate(zip(outs, prompts, strict=True)):
+            echo = ""
+            if not chat and body.echo:
+                echo = self._echo_text(_Job(i, 0, ids, params[i], text))
             for beam in out.beams[: body.n]:
                 if chat:
                     choices.append(beams.chat_choice(len(choices), beam))
                 else:
-                    echo = ""
-                    if body.echo:
-                        echo = self._echo_text(_Job(i, 0, ids_, params[i], text))
                     choices.append(beams.completion_choice(len(choices), beam, echo))
         head = {
             "id": cid,
@@ -441,7 +441,7 @@ class OpenAIFrontEnd:
             "created": protocol.now(),
             "model": self.model_id(),
         }
-        usage = beams.usage(ids, outs, body.n)
+        usage = beams.usage(prompt_ids, outs, body.n)
         if body.stream:
             include = body.stream_options is not None and body.stream_options.include_usage
             return beams.events(head, choices, usage if include else None)
