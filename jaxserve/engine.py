@@ -21,7 +21,6 @@ import collections
 import dataclasses
 import gc
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -29,26 +28,20 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from checkpoints import LoadedModel, load_model
-from jaxserve.buckets import bucket_ladder
+from checkpoints import LoadedModel
+from jaxserve.builder import build_runner
 from jaxserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from jaxserve.engine_config import EngineConfig
 from jaxserve.input_batch import InputBatch
-from jaxserve.kv_pages import kv_bytes_per_page, pages_that_fit
 from jaxserve.metrics import EngineMetrics, PhaseClock
-from jaxserve.model_runner import ModelRunner, RunnerConfig, enable_compilation_cache
-from jaxserve.multihost import agree_min
 from jaxserve.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.request import FinishReason, Request
 from jaxserve.sampling import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput, StepResult
-from jaxserve.sharding import ShardingPlan, make_mesh
 from jaxserve.slo_policy import attach_to_engine
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_MODEL_LEN = 4096
 
 
 @dataclasses.dataclass
@@ -86,41 +79,11 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, model: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
-        if config.compilation_cache_dir:
-            enable_compilation_cache(config.compilation_cache_dir)
-        mesh = make_mesh(config.tensor_parallel, config.mesh_shape)
-        model = model or load_model(config.model, dtype=config.dtype, seed=config.seed, mesh=mesh)
-        self.sharding = ShardingPlan.create(mesh, model.config)
-        # Params into their shardings (a no-op when loaded there) before free memory is measured.
-        self.model = dataclasses.replace(model, params=self.sharding.place(model.params))
+        self.runner = build_runner(config, model)  # the model on its mesh, the KV pool sized
+        self.model, self.sharding = self.runner.model, self.runner.sharding
         self.tokenizer = self.model.tokenizer
-        mc = self.model.config
-        self.max_model_len = min(
-            config.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN),
-            mc.max_position_embeddings,
-        )
-        pages_per_seq = math.ceil(self.max_model_len / config.page_size)
-        # Each device holds 1 / kv_shards of every page; all hosts must agree on one pool shape.
-        page_bytes = kv_bytes_per_page(mc, config.page_size, self.model.dtype)
-        fit = pages_that_fit(
-            page_bytes // self.sharding.kv_shards,
-            list(mesh.devices.flat),
-            fraction=config.kv_cache_memory_fraction,
-            fallback_gb=config.kv_cache_memory_gb,
-        )
-        num_pages = config.num_pages or min(config.max_num_seqs * pages_per_seq, agree_min(fit))
-        self.runner = ModelRunner(
-            self.model,
-            RunnerConfig(
-                num_pages=num_pages,
-                page_size=config.page_size,
-                max_model_len=self.max_model_len,
-                token_buckets=config.token_buckets,
-                seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
-                attention_backend=config.attention_backend,
-            ),
-            self.sharding,
-        )
+        self.max_model_len = self.runner.config.max_model_len
+        num_pages = self.runner.config.num_pages
         self.scheduler = Scheduler(
             config.scheduler_config(
                 max_model_len=self.max_model_len,

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import calibration
-from jaxserve.engine import DEFAULT_MAX_MODEL_LEN, Engine
+from jaxserve.builder import DEFAULT_MAX_MODEL_LEN
+from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.kv_pages import kv_bytes_per_page
 from jaxserve.sampling_params import SamplingParams
