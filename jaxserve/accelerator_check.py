@@ -784,6 +784,16 @@ def _fmt(x, digits: int = 3) -> str:
     return str(x)
 
 
+def _cuda_of(env: dict) -> str:
+    """', CUDA ...' from the CUDA packages JAX runs on (their wheels carry the versions)."""
+    cuda = {
+        k: v
+        for k, v in (env.get("packages") or {}).items()
+        if k.lower().startswith(("jax-cuda", "jax_cuda", "nvidia-cuda-runtime", "nvidia-cudnn"))
+    }
+    return f", CUDA {cuda}" if cuda else ""
+
+
 def summary_markdown(report: dict) -> str:
     """A few tables: stages, targets, correctness, speed per backend beside the peer."""
     env = _result(report, "environment")
@@ -793,7 +803,7 @@ def summary_markdown(report: dict) -> str:
         f"Started {report['started']}; device {env.get('device_kind', '?')} "
         f"(compute capability {env.get('compute_capability', '-')}), "
         f"JAX {env.get('jax_version', '?')}, "
-        f"jaxlib {env.get('jaxlib_version', '?')}; model {report['plan']['model']} "
+        f"jaxlib {env.get('jaxlib_version', '?')}{_cuda_of(env)}; model {report['plan']['model']} "
         f"{report['plan']['dtype']}."
         + (f" Missing modules: {env['missing_modules']}." if env.get("missing_modules") else ""),
         "",
