@@ -75,6 +75,14 @@ def interpret_params():
     return InterpretGPUParams(uninitialized_memory="nan")
 
 
+def reset_interpret_state() -> None:
+    """Clears interpret mode's simulator state, which an exception inside a kernel leaves broken
+    (JAX asks for this before the next interpreted kernel); for tests."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
 def supports_dtype(dtype) -> bool:
     """Whether the kernel compiles for a pool of `dtype` on a GPU (interpret mode takes any)."""
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -135,8 +143,7 @@ def _kernel(
         layer = layer_ref[0]
         num_rows = (span.t_hi - t_lo) * group  # real rows of this tile
 
-        def copy_page(j, slot, p):
-            page = page_tables_ref[s, jnp.minimum(j * pages_per_block + p, pages_per_seq - 1)]
+        def copy_page(slot, p, page):
             dst = pl.ds(p * page_size, page_size)
             src = (layer, page, slice(None), h, slice(None))
             plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, dst], k_bars.at[slot])
@@ -152,10 +159,16 @@ def _kernel(
         def fetch(j):
             """Starts the TMA copies of key block j's visible pages into its slot."""
             slot = lax.rem(j - j_lo, stages)
-            for p in range(pages_per_block):
+            # All page ids first, outside the branches: independent loads that overlap, rather
+            # than one global-memory round trip per page before its copy can start.
+            pages = [
+                page_tables_ref[s, jnp.minimum(j * pages_per_block + p, pages_per_seq - 1)]
+                for p in range(pages_per_block)
+            ]
+            for p, page in enumerate(pages):
                 first = j * block_kv + p * page_size
                 visible = (first < span.kv_end) & (first + page_size > span.kv_start)
-                pl.when(visible)(functools.partial(copy_page, j, slot, p))
+                pl.when(visible)(functools.partial(copy_page, slot, p, page))
                 pl.when(~visible)(functools.partial(skip_page, slot))
 
         plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t_lo * group, _ROWS)], q_smem, q_bar.at[0])

@@ -79,6 +79,14 @@ def mosaic(*args, **kwargs):
     return mosaic_gpu_kernel.ragged_paged_attention(*args, interpret=interpret, **kwargs)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    """Interpret mode keeps simulator state that an exception leaves broken: one failing case must
+    not fail the next ones."""
+    yield
+    mosaic_gpu_kernel.reset_interpret_state()
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_gpu_mosaic_matches_reference(name: str):
     case, block_sizes = CASES[name]
@@ -229,6 +237,7 @@ def test_lowers_for_sm90(max_kv_splits: int):
     assert "wgmma" in text and "cp.async.bulk.tensor" in text
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs a kernel that fails to compile")
 def test_gpu_check_records_a_kernel_that_fails_and_goes_on():
     """gpu_check's sweep on the CPU: the Mosaic kernel without interpret mode cannot compile here
     (a real compile failure), which the point records while the next kernel (Triton, interpreted)
@@ -257,6 +266,7 @@ def test_gpu_check_records_a_kernel_that_fails_and_goes_on():
     assert point["max_abs_error_vs_reference"] == triton["max_abs_error_vs_reference"]
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="on a GPU it would run the sweep")
 def test_gpu_check_without_a_gpu_runs_nothing(tmp_path):
     from pallas_kernels import gpu_check
 
