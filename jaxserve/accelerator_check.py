@@ -479,7 +479,18 @@ def stage_peer(s: Stage) -> None:
         )
     out_len = s.plan["burst_lengths"]["output_range"][1]
     gen = GenerationConfig(max_new_tokens=out_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=gen, **_cb_config(dry))
+    options = _cb_config(dry)
+    if "workload_hints" in inspect.signature(model.init_continuous_batching).parameters:
+        # What generate_batch tells the manager about its inputs, so it sizes itself the same.
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        options["workload_hints"] = WorkloadHints(
+            max_prompt_length=s.plan["burst_lengths"]["prompt_range"][1],
+            max_generated_length=out_len,
+            num_requests=max(s.plan["bursts"].values()),
+        )
+    s.put("options", {k: repr(v) for k, v in options.items()})
+    manager = model.init_continuous_batching(generation_config=gen, **options)
     if hasattr(manager, "warmup") and not dry:
         start = time.perf_counter()
         manager.warmup()  # CUDA graphs captured before the timed runs, as jaxserve precompiles
