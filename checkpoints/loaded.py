@@ -1,64 +1,32 @@
-"""`LoadedModel`: what every loader returns, and the abstract param tree loaders fill."""
+"""Model configs to and from JSON, and (re-exported from `jaxserve.models.loaded`, where they live
+beside the model) what loaders return and fill."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from jaxserve.batch import SeqChunk, pack_chunks
 from jaxserve.config import ModelConfig, RopeConfig
-from jaxserve.kv_pages import KVPages
-from jaxserve.models import LlamaForCausalLM
+from jaxserve.models.loaded import (
+    LoadedModel,
+    abstract_params,
+    is_unstacked,
+    layer_loop_of,
+    model_for,
+    stack_layers,
+    unstack_layers,
+)
 
-
-@dataclasses.dataclass
-class LoadedModel:
-    """A model ready to run: config, params on the device, tokenizer (None if random)."""
-
-    config: ModelConfig
-    params: dict  # the flax param tree (without the outer {"params": ...})
-    tokenizer: Any | None
-    dtype: jnp.dtype
-    source: str  # where it came from, for logs and GetModelInfo
-
-
-def model_for(
-    config: ModelConfig,
-    dtype=jnp.float32,
-    attention_backend: str = "auto",
-    plan=None,
-    layer_loop: str = "auto",
-):
-    """The flax module of `config`; `plan` (a jaxserve.sharding.ShardingPlan) splits it.
-
-    `layer_loop` decides the param tree's layout (see `unstack_layers`); loaders use the same
-    "auto" default, so a loaded model and the runner's module agree on each platform.
-    """
-    return LlamaForCausalLM(
-        config, attention_backend=attention_backend, dtype=dtype, plan=plan, layer_loop=layer_loop
-    )
-
-
-def abstract_params(config: ModelConfig, dtype, layer_loop: str = "scan") -> dict:
-    """Shapes and dtypes of the param tree, traced without allocating any weights.
-
-    The default is the stacked layout every loader reads and writes; pass "auto" for the layout
-    the platform's module runs (`unstack_layers` turns one into the other).
-    """
-    model = model_for(config, dtype, layer_loop=layer_loop)
-    kv_shape = (config.num_layers, 1, 1, config.num_kv_heads, config.head_dim)
-    kv = KVPages(k=jax.ShapeDtypeStruct(kv_shape, dtype), v=jax.ShapeDtypeStruct(kv_shape, dtype))
-    batch = pack_chunks(
-        [SeqChunk([0], 0, [0])], page_size=1, num_tokens=1, num_seqs=1, pages_per_seq=1, num_pages=1
-    )
-    # The pool is an argument, not a closed-over constant: unrolled layers index it directly.
-    variables = jax.eval_shape(
-        lambda kv: model.init(jax.random.key(0), kv, batch, method=model.init_all), kv
-    )
-    return variables["params"]
+__all__ = [
+    "LoadedModel",
+    "abstract_params",
+    "config_from_json",
+    "config_to_json",
+    "is_unstacked",
+    "layer_loop_of",
+    "model_for",
+    "stack_layers",
+    "unstack_layers",
+]
 
 
 def config_to_json(config: ModelConfig) -> dict:
@@ -70,57 +38,3 @@ def config_from_json(data: dict) -> ModelConfig:
     data["rope"] = RopeConfig(**data["rope"])
     data["eos_token_ids"] = tuple(data["eos_token_ids"])
     return ModelConfig(**data)
-
-
-def is_unstacked(params: dict) -> bool:
-    """Whether `params` holds one subtree per layer ("layers_0", ...) rather than "layers"."""
-    return "layers_0" in params
-
-
-def unstack_layers(params: dict, shardings: dict | None = None) -> dict:
-    """The stacked tree (`params["layers"]` leaves [num_layers, ...]) as the unrolled loop's tree:
-    `params["layers_{i}"]` holding layer i's own arrays, so no step slices a stacked weight.
-
-    Works on arrays and on `jax.ShapeDtypeStruct`s. With `shardings` (of the unstacked tree) the
-    arrays land there directly. The stacked arrays are not kept: callers drop them, so the model
-    is held once.
-    """
-    if is_unstacked(params):
-        return params
-    stacked = params["layers"]
-    num_layers = jax.tree.leaves(stacked)[0].shape[0]
-    rest = {k: v for k, v in params.items() if k != "layers"}
-    if isinstance(jax.tree.leaves(stacked)[0], jax.ShapeDtypeStruct):
-        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked)
-        return {**rest, **{f"layers_{i}": one for i in range(num_layers)}}
-
-    def split(stacked):
-        return [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(num_layers)]
-
-    if shardings is None:
-        layers = jax.jit(split)(stacked)
-    else:
-        out = [shardings[f"layers_{i}"] for i in range(num_layers)]
-        layers = jax.jit(split, out_shardings=out)(stacked)
-    return {**rest, **{f"layers_{i}": layer for i, layer in enumerate(layers)}}
-
-
-def layer_loop_of(params: dict) -> str:
-    """The layer loop whose module runs `params` as they are laid out: "unrolled" or "scan"."""
-    return "unrolled" if is_unstacked(params) else "scan"
-
-
-def stack_layers(params: dict) -> dict:
-    """The inverse of `unstack_layers`: the stacked tree that checkpoints store."""
-    if not is_unstacked(params):
-        return params
-    num_layers = sum(1 for k in params if k.startswith("layers_"))
-    layers = [params[f"layers_{i}"] for i in range(num_layers)]
-    rest = {k: v for k, v in params.items() if not k.startswith("layers_")}
-    if isinstance(jax.tree.leaves(layers[0])[0], jax.ShapeDtypeStruct):
-        stacked = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((num_layers, *a.shape), a.dtype), layers[0]
-        )
-    else:
-        stacked = jax.jit(lambda ls: jax.tree.map(lambda *a: jnp.stack(a), *ls))(layers)
-    return {**rest, "layers": stacked}

@@ -28,12 +28,12 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from checkpoints import LoadedModel
 from jaxserve.builder import build_runner
 from jaxserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from jaxserve.engine_config import EngineConfig
 from jaxserve.input_batch import InputBatch
 from jaxserve.metrics import EngineMetrics, PhaseClock
+from jaxserve.models.loaded import LoadedModel
 from jaxserve.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.request import FinishReason, Request
 from jaxserve.sampling import SamplingBatch

@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints.loaded import LoadedModel, layer_loop_of, model_for
 from jaxserve.batch import SeqChunk, StepBatch, pack_chunks
 from jaxserve.buckets import bucket_ladder, pick_bucket  # noqa: F401 - re-exported
 from jaxserve.kv_pages import KVPages, init_kv_pages
 from jaxserve.models.attention import warm_up_batches
+from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for
 from jaxserve.multihost import StepLink, is_leader
 from jaxserve.sampling import (
     PenaltyState,

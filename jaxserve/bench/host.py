@@ -34,12 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxserve.engine as engine_module
-from checkpoints.loaded import LoadedModel
 from jaxserve.batch import StepBatch
 from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.metrics import HOST_PHASES
 from jaxserve.model_runner import ModelRunner, RunnerConfig
+from jaxserve.models.loaded import LoadedModel
 from jaxserve.sampling import MAX_TOP_LOGPROBS, SampleOutput, SamplingBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sharding import ShardingPlan
