@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,8 @@ from pallas_kernels.ragged_paged_attention import common, tuning
 _MASKED = -1e30
 # Rows of one wgmma (one warpgroup's M): a program's query tile.
 _ROWS = 64
+# SMEM for the buffers: Hopper's 227 KiB per block, less room for barriers and alignment.
+_SMEM_BYTES = 220 * 1024
 
 
 def interpret_params():
@@ -303,6 +306,7 @@ def launch_shape(
     group: int,
     pages_per_seq: int,
     page_size: int,
+    head_dim: int,
     dtype,
     sizes: tuning.GpuBlockSizes,
 ) -> LaunchShape:
@@ -321,13 +325,37 @@ def launch_shape(
     block_tokens, rows = tuning.gpu_query_block(num_tokens, num_slots, group, _ROWS)
     num_items = common.max_work_items(num_tokens, num_slots, block_tokens)
     max_blocks = -(-pages_per_seq * page_size // block_kv)
+    splits = common.num_kv_splits(num_items * num_kv_heads, max_blocks, sizes)
+    stages = max(2, min(sizes.num_stages, max_blocks))
+    # Fewer stages where the SMEM buffers would not fit (big pages make big key blocks).
+    while stages > 2 and _smem_bytes(block_kv, head_dim, dtype, stages, splits) > _SMEM_BYTES:
+        stages -= 1
+    if (need := _smem_bytes(block_kv, head_dim, dtype, stages, splits)) > _SMEM_BYTES:
+        raise NotImplementedError(
+            f"The Mosaic GPU kernel's buffers need {need} bytes of SMEM with {block_kv=} and "
+            f"{head_dim=}, more than the {_SMEM_BYTES} it budgets."
+        )
     return LaunchShape(
         block_tokens=block_tokens,
         rows=rows,
         num_items=num_items,
         block_kv=block_kv,
-        splits=common.num_kv_splits(num_items * num_kv_heads, max_blocks, sizes),
-        stages=max(2, min(sizes.num_stages, max_blocks)),
+        splits=splits,
+        stages=stages,
+    )
+
+
+def _smem_bytes(block_kv: int, head_dim: int, dtype, stages: int, splits: int) -> int:
+    """SMEM the kernel's scratch takes: q, K and V slots, P, the output tile and split stats."""
+    size = jnp.dtype(dtype).itemsize
+    out_size = size if splits == 1 else 4
+    stats = 0 if splits == 1 else 2 * _ROWS * 4
+    return (
+        _ROWS * head_dim * size
+        + 2 * stages * block_kv * head_dim * size
+        + _ROWS * block_kv * size
+        + _ROWS * head_dim * out_size
+        + stats
     )
 
 
@@ -393,14 +421,17 @@ def ragged_paged_attention(
         group,
         pages_per_seq,
         page_size,
+        head_dim,
         dtype,
         block_sizes or tuning.gpu_block_sizes(),
     )
     block_tokens, rows, num_items = shape.block_tokens, shape.rows, shape.num_items
     block_kv, splits, stages = shape.block_kv, shape.splits, shape.stages
     pages_per_block = block_kv // page_size
-    # Padded by a whole tile so the last item's 64-row query copy stays in bounds.
-    padded_tokens = num_tokens + pl.cdiv(_ROWS, group)
+    # Padded by a whole tile so the last item's 64-row query copy stays in bounds, and to whole
+    # 64-row tiles: a TMA copy's source dimension must be a multiple of its 8-row tiling.
+    tokens_per_tile = _ROWS // math.gcd(_ROWS, group)
+    padded_tokens = -(-(num_tokens + pl.cdiv(_ROWS, group)) // tokens_per_tile) * tokens_per_tile
     # wgmma takes one dtype for both operands: q in the pool's.
     q_grouped = common.group_queries(q.astype(dtype), num_kv_heads, padded_tokens)
     item_seq, item_start = common.work_items(query_start, num_seqs, block_tokens, num_items)

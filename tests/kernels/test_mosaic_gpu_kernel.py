@@ -116,6 +116,7 @@ def test_launch_shapes_of_the_cases():
             case.num_heads // case.num_kv_heads,
             args[6].shape[1],
             case.page_size,
+            case.head_dim,
             case.dtype,
             block_sizes,
         )
@@ -217,16 +218,33 @@ def test_f32_pool_is_refused_natively():
         mosaic_gpu_kernel.ragged_paged_attention(*args, sm_scale=0.1)
 
 
-@pytest.mark.parametrize("max_kv_splits", [1, 4], ids=["one_split", "key_splits"])
-def test_lowers_for_sm90(max_kv_splits: int):
-    """Lowering (not compiling) to Mosaic GPU for CUDA runs the whole Pallas -> Mosaic GPU
-    lowering on the CPU: TMA descriptors, barriers, wgmma shapes and register layouts.
+LOWERING_CASES = {
+    # Serving's mixed step: head_dim 128, pages of 16, bf16, GQA 4, one split.
+    "mixed": (
+        Case(((9, 40), (1, 17), (1, 3)), 16, 8, 2, 128, jnp.bfloat16, 16, 4),
+        sizes(kv_tokens=64, stages=3, max_kv_splits=1),
+    ),
+    # One decode sequence: the H200 row's 16 key splits; 17 tokens of queries, padded to whole
+    # 64-row tiles for the query copy.
+    "decode_one": (
+        Case(((1, 2048),), 16, 32, 8, 128, jnp.bfloat16, 1, 1),
+        tuning.gpu_block_sizes("NVIDIA H200"),
+    ),
+    # Pages of 128 make 128-key blocks: the stages drop to 2 to fit SMEM; no GQA.
+    "big_pages": (
+        Case(((1, 300), (1, 70)), 128, 8, 8, 128, jnp.bfloat16, 2, 2),
+        tuning.gpu_block_sizes("NVIDIA H200"),
+    ),
+}
 
-    Shapes as in serving: head_dim 128, pages of 16, bf16, GQA 4.
-    """
-    case = Case(((9, 40), (1, 17), (1, 3)), 16, 8, 2, 128, jnp.bfloat16, 16, 4)
+
+@pytest.mark.parametrize("name", list(LOWERING_CASES))
+def test_lowers_for_sm90(name: str):
+    """Lowering (not compiling) to Mosaic GPU for CUDA runs the whole Pallas -> Mosaic GPU
+    lowering on the CPU: TMA descriptors, barriers, wgmma shapes, register layouts and the SMEM
+    budget (decode_one failed on the query copy's tiling, big_pages on SMEM, before their fixes)."""
     pytest.importorskip("jax.experimental.mosaic.gpu")
-    block_sizes = sizes(kv_tokens=64, stages=3, max_kv_splits=max_kv_splits)
+    case, block_sizes = LOWERING_CASES[name]
     fn = functools.partial(
         mosaic_gpu_kernel.ragged_paged_attention, sm_scale=0.1, block_sizes=block_sizes
     )
