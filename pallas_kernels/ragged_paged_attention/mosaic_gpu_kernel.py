@@ -119,6 +119,11 @@ def _kernel(
     num_splits: int,
     interpreted: bool,
 ):
+    """One program: work item `item`, KV head `h`, key split `split` (the grid's named axes).
+
+    Outputs: one split: o [W, num_kv_heads, rows, D]; else o f32[splits, W, num_kv_heads, rows, D]
+    (unnormalised) with row max and row sum, f32[splits, W, num_kv_heads, rows].
+    """
     if num_splits == 1:
         (o_ref, q_smem, k_smem, v_smem, p_smem, o_smem, k_bars, v_bars, q_bar) = refs
     else:
