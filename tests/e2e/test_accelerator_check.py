@@ -3,18 +3,27 @@ metered minutes are never spent on an error the CPU could have shown."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 
+import pytest
+
 from jaxserve import accelerator_check as ac
 
 
-def test_dry_run_writes_every_stage_with_equal_tokens_and_no_compiles(tmp_path):
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    """One fresh compilation cache for this module: the dry run's stages share it (as on the
+    device), and the later test reloads the xla bucket the dry run compiled."""
+    return str(tmp_path_factory.mktemp("xla"))
+
+
+def test_dry_run_writes_every_stage_with_equal_tokens_and_no_compiles(tmp_path, cache_dir):
     out = tmp_path / "report"
     cmd = [sys.executable, "-m", "jaxserve.accelerator_check", "--out", str(out), "--dry-run"]
-    # A fresh compilation cache: the stages must share it among themselves, not with other runs.
-    cmd += ["--cache-dir", str(tmp_path / "xla"), "--budget-s", "1200"]
+    cmd += ["--cache-dir", cache_dir, "--budget-s", "1200"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # The device tool brings back 8 files at most from $OUT.
@@ -105,3 +114,21 @@ def test_compare_tokens_names_the_first_divergence():
     got = ac.compare_tokens([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [7]])
     assert got["num_equal"] == 1
     assert got["first_divergence"] == {"prompt": 1, "position": 1, "a": [5, 6], "b": [9, 6]}
+
+
+def test_a_backend_that_fails_is_recorded_and_the_other_still_runs(
+    tmp_path, monkeypatch, cache_dir
+):
+    # 'pallas' needs a TPU or GPU: on the CPU its engine fails, as a kernel that does not compile
+    # would on the device. The xla engine must still run, and the stage must end in error.
+    dry = ac.plan(dry_run=True)
+    monkeypatch.setattr(ac, "plan", lambda dry_run: dry | {"backends": ("pallas", "xla")})
+    args = argparse.Namespace(dry_run=True, cache_dir=cache_dir)
+    stage = ac.Stage(tmp_path / "engine_correctness.json", args)
+    ac.stage_engine_correctness(stage)
+    saved = json.loads((tmp_path / "engine_correctness.json").read_text())
+    assert "needs a TPU or GPU" in saved["pallas"]["error"]
+    assert saved["xla"]["compiles_after_warmup"] == 0
+    assert len(saved["xla"]["tokens"]) == len(dry["prompt_lens"])
+    assert "tokens_equal" not in saved
+    assert saved["error"] == "Backends ['pallas'] failed; see their entries."
