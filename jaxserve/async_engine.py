@@ -85,6 +85,10 @@ class AsyncEngine:
         self._closed = False  # set (under the lock) once the engine thread has ended
         self.error: BaseException | None = None
         self._live: set[str] = set()  # added and not yet reported finished (engine thread only)
+        # The snapshot's request ids, rebuilt only after an iteration that added, aborted or
+        # finished a request: most iterations change none, and the rebuild walks them all.
+        self._live_ids: frozenset[str] = frozenset()
+        self._ids_stale = True
         self._iteration = 0
         self._publish()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
@@ -212,6 +216,7 @@ class AsyncEngine:
         for out in outputs:
             if out.finished:  # released first: a caller that sees the end may reuse the id
                 self._live.discard(out.request_id)
+                self._ids_stale = True
                 self._release(out.request_id)
         self._iteration += 1
         # Published before delivery: a caller that sees its request end then reads a snapshot
@@ -232,9 +237,12 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         s = self.engine.scheduler
+        if self._ids_stale:
+            self._live_ids = frozenset(_user_id(r) for r in self._live if s.get_request(r) is not None)
+            self._ids_stale = False
         self._snapshot = EngineSnapshot(
             iteration=self._iteration,
-            request_ids=frozenset(_user_id(r) for r in self._live if s.get_request(r) is not None),
+            request_ids=self._live_ids,
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             slots_used=s.num_slots_used,
@@ -243,6 +251,7 @@ class AsyncEngine:
         )
 
     def _apply(self, command: tuple) -> None:
+        self._ids_stale = True
         if command[0] == "abort":
             self.engine.abort(command[1])
             return
