@@ -8,8 +8,9 @@ public add_request / step: decode-only batches of every size of the ladder at a 
 then a stream of prompts whose chunks share steps with decodes, so every token bucket is
 stepped with small and large attention. The samples are fitted by cost_model.fit.
 
-Warm-up cost: on `tiny` with 64 rows the warm-up spec times about 200 steps (seconds on the
-CPU); the calibration's requests and their counters are forgotten afterwards (`forget`).
+Warm-up cost: `WARM_UP` runs 2 x log2(rows) decode-only batches of 4 tokens and one mixed prompt
+per row, a few steps per token bucket; the calibration's requests and their counters are
+forgotten afterwards (`forget`).
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ class Calibration:
 
     contexts: tuple[int, ...] = (32, 128, 512)  # prompt tokens of the decode-only batches
     decode_tokens: int = 8  # tokens each decode-only request generates
-    mixed_requests: int | None = None  # prompts of the mixed stream; None: 3 per row
+    mixed_per_row: float = 3.0  # prompts of the mixed stream, per row of the engine
     max_mixed_output: int = 32  # outputs of the mixed stream's requests: 2 to this many
     seed: int = 0
 
 
 # At warm-up: fewer, shorter requests (a few steps per bucket), still both kinds of step.
-WARM_UP = Calibration(contexts=(16, 128), decode_tokens=4, mixed_requests=None, max_mixed_output=8)
+WARM_UP = Calibration(contexts=(16, 128), decode_tokens=4, mixed_per_row=1.0, max_mixed_output=8)
 
 
 def cost_key(engine) -> cost_model.CostKey:
@@ -109,7 +110,7 @@ def calibrate(
         # chunks of every size share steps with decode batches of every size.
         longest = max(contexts)
         most = max(2, min(spec.max_mixed_output, engine.max_model_len - longest))
-        for _ in range(spec.mixed_requests or 3 * rows):
+        for _ in range(max(1, round(spec.mixed_per_row * rows))):
             prompt = int(rng.integers(min(8, longest), longest + 1))
             _request(engine, next(names), prompt, int(rng.integers(2, most + 1)), rng)
             for _ in range(int(rng.integers(0, 3))):

@@ -1,0 +1,353 @@
+"""Issue 12's measurement in one process: scheduling for goodput, real runs beside the simulator.
+
+    python -m jaxserve.bench.slo_experiment --out DIR --quick   # ~2 min: a smoke run
+    python -m jaxserve.bench.slo_experiment --out DIR --full    # <= 12 min on an idle machine
+    python -m jaxserve.bench.slo_experiment --out DIR --full --tune   # and the tuner's pick
+
+One process, one model (`--model`, default the peers' `tiny`), one seeded workload (the bench's
+mixed profile at a saturating `--rate`, prompts 16-512 and outputs 8-256 tokens, 30% long),
+engines sharing the weights with 64 rows and a 512-token budget (today's, which also runs the
+SLO-aware configurations with the policy attached as the engine attaches it; static; dynamic;
+the prefix cache off, since one engine serves the same prompts several times):
+
+1. The step-cost model is measured first, on today's engine, by the engine's own calibration
+   (jaxserve/calibration.py: the warm-up one with --quick, the `bench --profile steps` one with
+   --full) and saved as DIR/cost_model.json; the SLO-aware engines load it (same key), so the
+   real runs and the simulator use one model measured in this run.
+2. Real runs, back to back on the same workload (as `jaxserve bench` runs them): continuous
+   batching as today, static and dynamic batching, SLO-aware scheduling and SLO-aware + shed
+   late (`--shed-late`: requests refused with finish reason "refused", counted apart).
+3. The simulator (jaxserve/simulator.py) on the same workload and configurations with that cost
+   model; the error of its TTFT p50, TPOT p50 and goodput against each real run.
+4. With --tune: `jaxserve tune`'s search in the simulator, and its pick measured for real.
+
+The SLO is the issue's (TTFT <= 0.25 s, TPOT <= 0.02 s). When the cost model says the step alone
+cannot meet it on this machine (a decode step of every row already slower than the TPOT target,
+or the longest prompt's prefill slower than the TTFT target), the script says so and also runs
+the SLO-aware configurations under `--loose-ttft` / `--loose-tpot` (default 1 s / 0.1 s, the
+bench's defaults); the other configurations do not depend on the SLO and are scored under both.
+The output is one markdown table for docs/benchmarks.md (also DIR/slo_experiment.md, and every
+summary in DIR/slo_experiment.json). Ratios inside this run are what to quote, never absolutes
+across runs: the development machine is shared.
+
+llama.cpp on the same workload and SLO: ../shared/peers reports goodput for its `mixed`
+condition under the SLO it is given (tiny: 200 requests at 25 req/s, TTFT <= 0.25 s, TPOT
+<= 0.02 s; small: 40 at 1 req/s, 2 s / 0.1 s), and its jaxserve adapter takes EngineConfig
+fields from JS_EXTRA; SLO-aware scheduling needs no cost model file (the engine measures one at
+warm-up). A refused request counts there as failed (no token), never as good. So, per size:
+
+    SIZES=tiny CONDITIONS=mixed JS_TTFT_SLO=0.25 JS_TPOT_SLO=0.02 \\
+      JS_EXTRA='{"slo_scheduling": true, "shed_late": true}' ../shared/peers/run_side_by_side.sh
+    SIZES=small CONDITIONS=mixed JS_TTFT_SLO=2.0 JS_TPOT_SLO=0.1 \\
+      JS_EXTRA='{"slo_scheduling": true, "shed_late": true}' ../shared/peers/run_side_by_side.sh
+
+(without JS_EXTRA, the same commands give jaxserve's goodput with today's scheduling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from jaxserve.bench.metrics import SLO, summarize
+from jaxserve.bench.workload import LengthMix, Workload, mixed_workloads
+from jaxserve.cost_model import CostModel
+from jaxserve.engine_config import EngineConfig
+
+ISSUE_SLO = SLO(ttft_s=0.25, tpot_s=0.02)
+PEERS_TINY = os.path.expanduser("~/.cache/peers/models/tiny")
+MIX = LengthMix(prompt_range=(16, 512), output_range=(8, 256), long_share=0.3, extended_share=0.3)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What one invocation runs."""
+
+    model: str | None
+    out: Path
+    rate: float
+    num_requests: int
+    full_calibration: bool
+    slo: SLO
+    loose: SLO
+    tune: bool
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    seed: int = 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="folder for cost_model.json and the results")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--quick", action="store_true", help="30 requests, warm-up calibration")
+    size.add_argument("--full", action="store_true", help="200 requests, full calibration")
+    p.add_argument("--model", default=PEERS_TINY if os.path.isdir(PEERS_TINY) else None)
+    p.add_argument("--rate", type=float, default=25.0, help="requests/s (saturating on tiny)")
+    p.add_argument("--num-requests", type=int, default=None, help="default: 30 quick, 200 full")
+    p.add_argument("--ttft-slo", type=float, default=ISSUE_SLO.ttft_s)
+    p.add_argument("--tpot-slo", type=float, default=ISSUE_SLO.tpot_s)
+    p.add_argument("--loose-ttft", type=float, default=1.0, help="when the SLO cannot be met")
+    p.add_argument("--loose-tpot", type=float, default=0.1, help="when the SLO cannot be met")
+    p.add_argument("--tune", action="store_true", help="also measure the tuner's pick for real")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    plan = Plan(
+        model=args.model,
+        out=Path(args.out),
+        rate=args.rate,
+        num_requests=args.num_requests or (200 if args.full else 30),
+        full_calibration=args.full,
+        slo=SLO(args.ttft_slo, args.tpot_slo),
+        loose=SLO(args.loose_ttft, args.loose_tpot),
+        tune=args.tune,
+        seed=args.seed,
+    )
+    table = run(plan)
+    print(table)
+    return 0
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)  # progress; the table alone goes to stdout
+
+
+def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
+    """Runs the whole experiment; returns the markdown table (also written under plan.out)."""
+    from checkpoints import load_model
+    from jaxserve import calibration, slo_policy
+    from jaxserve.bench.runner import run_offline
+    from jaxserve.bench.suite import needed_model_len
+    from jaxserve.engine import Engine
+
+    started = time.perf_counter()
+    plan.out.mkdir(parents=True, exist_ok=True)
+    workload = mixed_workloads(
+        [plan.rate], num_requests=plan.num_requests, mix=MIX, seed=plan.seed
+    )[0]
+    max_model_len = needed_model_len([workload])
+    model = load_model(plan.model, seed=plan.seed)
+    cost_path = plan.out / "cost_model.json"
+    cost_path.unlink(missing_ok=True)  # measured in this run, never a stale one
+    base = EngineConfig(
+        model=plan.model,
+        max_num_seqs=plan.max_num_seqs,
+        max_num_batched_tokens=plan.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        ttft_slo_s=plan.slo.ttft_s,
+        tpot_slo_s=plan.slo.tpot_s,
+        show_progress=False,
+        seed=plan.seed,
+        # Today's engine serves several runs of the same prompts: a prefix cache would serve the
+        # later runs from the earlier. Random prompts share no prefix within a run, so nothing
+        # else changes.
+        enable_prefix_caching=False,
+    )
+
+    def build(config: EngineConfig) -> Engine:
+        t = time.perf_counter()
+        engine = Engine(config, model=model)
+        log(f"built an engine in {time.perf_counter() - t:.1f}s")
+        return engine
+
+    # 1. The cost model, on today's engine (its buckets are every configuration's).
+    today = build(base)
+    spec = calibration.Calibration(seed=plan.seed) if plan.full_calibration else calibration.WARM_UP
+    cost = calibration.calibrate(today, spec, log)
+    calibration.forget(today)
+    cost.save(cost_path)
+    log(cost.describe())
+    feasible, why = slo_feasible(cost, plan.slo, plan.max_num_seqs, MIX)
+    log(why)
+    slos = [plan.slo] if feasible else [plan.slo, plan.loose]
+
+    # 2. The configurations (the SLO-aware ones once per SLO), then the real runs. The SLO-aware
+    # ones run on today's engine with the policy attached as Engine attaches it (slo_policy):
+    # the same compiled steps, and four engine builds (minutes of precompile) saved.
+    configs: list[tuple[str, SLO | None, EngineConfig]] = [
+        ("continuous, today", None, base),
+        ("static", None, base.replace(batching="static")),
+        ("dynamic", None, base.replace(batching="dynamic")),
+    ]
+    for slo in slos:
+        aware = base.replace(
+            ttft_slo_s=slo.ttft_s,
+            tpot_slo_s=slo.tpot_s,
+            slo_scheduling=True,
+            cost_model=str(cost_path),
+        )
+        configs += [("SLO-aware", slo, aware), ("SLO-aware + shed late", slo, aware.replace(
+            shed_late=True))]  # fmt: skip
+    if plan.tune:
+        configs += _tuned(workload, base, cost, cost_path, slos[-1], max_model_len, plan, log)
+    engines = {"continuous, today": today}
+    for label, _, config in configs:
+        if label not in engines and not config.slo_scheduling:
+            engines[label] = build(config)
+        elif label.startswith("tuner"):
+            engines[label] = build(config.replace(calibrate_cost_model=False))
+    rows = []
+    for label, slo, config in configs:
+        engine = engines.get(label, today)
+        if engine is today:
+            slo_policy.attach(today.scheduler, config, cost)  # None unless SLO-aware
+        t = time.perf_counter()
+        real = run_offline(engine, workload, label=label, seed=plan.seed)
+        today.scheduler.step_budget = None
+        log(f"real {label} ({_slo_name(slo)}): {time.perf_counter() - t:.1f}s")
+        # 3. The simulator on the same workload, configuration and cost model.
+        sim = _simulate(workload, config, cost, label, max_model_len, model, plan.seed)
+        for scored in [slo] if slo else slos:
+            rows.append((label, scored, summarize(real, scored), summarize(sim, scored)))
+    rows.sort(key=lambda row: slos.index(row[1]))  # by SLO, configurations in order (stable)
+    table = format_table(rows, plan, why, time.perf_counter() - started)
+    (plan.out / "slo_experiment.md").write_text(table + "\n")
+    (plan.out / "slo_experiment.json").write_text(
+        json.dumps(
+            {
+                "plan": {**dataclasses.asdict(plan), "out": str(plan.out)},
+                "cost_model": cost.to_json(),
+                "rows": [
+                    {"label": lb, "slo": dataclasses.asdict(s), "real": r, "simulated": m}
+                    for lb, s, r, m in rows
+                ],
+            },
+            indent=1,
+            default=_jsonable,
+        )
+        + "\n"
+    )
+    return table
+
+
+def slo_feasible(cost: CostModel, slo: SLO, rows: int, mix: LengthMix) -> tuple[bool, str]:
+    """Whether the machine's step alone can meet `slo` (by the cost model), and a sentence."""
+    mean_context = (sum(mix.prompt_range) + sum(mix.output_range)) // 4
+    decode_s = cost.predict(rows, rows * mean_context)
+    longest = mix.prompt_range[1]
+    prefill_s = cost.predict(longest, longest * (longest + 1) // 2)
+    ok = decode_s <= slo.tpot_s and prefill_s <= slo.ttft_s
+    verdict = "can meet" if ok else "cannot meet"
+    return ok, (
+        f"By the cost model, this machine's step alone {verdict} the SLO (TTFT <= {slo.ttft_s} s, "
+        f"TPOT <= {slo.tpot_s} s): a decode step of {rows} rows at context {mean_context} takes "
+        f"{decode_s * 1e3:.1f} ms and a {longest}-token prefill {prefill_s * 1e3:.1f} ms."
+    )
+
+
+def _simulate(workload: Workload, config, cost, label, max_model_len, model, seed):
+    from jaxserve.simulator import simulate
+
+    return simulate(
+        workload,
+        config,
+        cost,
+        label=label,
+        max_model_len=max_model_len,
+        vocab_size=model.config.vocab_size,
+        seed=seed,
+    )
+
+
+def _tuned(workload, base, cost, cost_path, slo, max_model_len, plan, log):
+    """The tuner's best configuration for `slo` (budgets within the measured ladder, so the
+    cost model file applies to it)."""
+    from jaxserve import tuner
+
+    grid = tuner.Grid(
+        max_num_batched_tokens=(128, 256, plan.max_num_batched_tokens),
+        max_num_seqs=(16, 32, 64),
+        shed_late=(False, True),
+    )
+    cfg = base.replace(ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s, cost_model=str(cost_path))
+    t = time.perf_counter()
+    trials = tuner.tune([workload], cfg, cost, slo, grid, max_model_len=max_model_len)
+    best = trials[0].config
+    log(
+        f"tuner: {len(trials)} configurations in {time.perf_counter() - t:.1f}s; best "
+        f"{tuner.label(best)} (predicted goodput {trials[0].goodput:.2f} req/s)"
+    )
+    return [(f"tuner's pick: {tuner.label(best)}", slo, best)]
+
+
+def format_table(rows, plan: Plan, why: str, wall_s: float) -> str:
+    """One markdown table: each configuration's real metrics beside the simulator's."""
+    lines = [
+        f"{plan.num_requests} requests, mixed {plan.rate:g} req/s, {plan.max_num_seqs} rows, "
+        f"{plan.max_num_batched_tokens}-token budget, model {plan.model or 'embedded'}; "
+        f"{'full' if plan.full_calibration else 'warm-up'} calibration; {wall_s:.0f} s in all.",
+        why,
+        "",
+        "| SLO (TTFT / TPOT) | config | out tok/s | TTFT p50 real / sim (s) | TPOT p50 real / sim "
+        "(ms) | goodput real / sim (req/s) | refused real / sim |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, slo, real, sim in rows:
+        lines.append(
+            f"| {slo.ttft_s:g} s / {slo.tpot_s * 1e3:g} ms | {label} | "
+            f"{_num(real['output_token_throughput'], '.0f')} | "
+            f"{_pair(real['ttft']['p50'], sim['ttft']['p50'], 1, '.2f')} | "
+            f"{_pair(real['tpot']['p50'], sim['tpot']['p50'], 1e3, '.0f')} | "
+            f"{_pair(real['goodput'], sim['goodput'], 1, '.2f')} | "
+            f"{real['num_refused']} / {sim['num_refused']} |"
+        )
+    lines += ["", *_ratios(rows)]
+    return "\n".join(lines)
+
+
+def _ratios(rows) -> list[str]:
+    """The acceptance ratios, per SLO, from the real runs."""
+    out = []
+    for slo in dict.fromkeys(s for _, s, _, _ in rows):
+        good = {label: real["goodput"] for label, s, real, _ in rows if s == slo}
+        today = good.get("continuous, today", math.nan)
+        aware = max(
+            (v for k, v in good.items() if k.startswith(("SLO-aware", "tuner"))), default=math.nan
+        )
+        batch = max(good.get("static", math.nan), good.get("dynamic", math.nan))
+        out.append(
+            f"SLO {slo.ttft_s:g} s / {slo.tpot_s:g} s: best SLO-aware goodput {aware:.2f} req/s "
+            f"against today's {today:.2f} ({_ratio(aware, today)}) and the better of static and "
+            f"dynamic {batch:.2f} ({_ratio(aware, batch)})."
+        )
+    return out
+
+
+def _ratio(a: float, b: float) -> str:
+    if not b > 0:
+        return "against 0" if a > 0 else "both 0"
+    return f"{a / b:.1f}x"
+
+
+def _pair(real, sim, scale: float, fmt: str) -> str:
+    """'real / sim (+e%)': the simulator's error relative to the real run."""
+    if real is None or sim is None or (isinstance(real, float) and math.isnan(real)):
+        return f"{_num(real, fmt, scale)} / {_num(sim, fmt, scale)}"
+    err = f" ({100 * (sim / real - 1):+.0f}%)" if real else ""
+    return f"{real * scale:{fmt}} / {sim * scale:{fmt}}{err}"
+
+
+def _num(x, fmt: str, scale: float = 1.0) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x * scale:{fmt}}"
+
+
+def _slo_name(slo: SLO | None) -> str:
+    return "any SLO" if slo is None else f"{slo.ttft_s:g} s / {slo.tpot_s:g} s"
+
+
+def _jsonable(x):
+    return str(x) if not isinstance(x, float | int) else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The measurement script's pure parts: whether the machine's step can meet an SLO, and the
+table it prints (no JAX: simulated runs stand in for the real ones)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaxserve.bench import slo_experiment
+from jaxserve.bench.metrics import SLO, summarize
+from jaxserve.bench.workload import LengthMix, mixed_workloads
+from jaxserve.engine_config import EngineConfig
+from jaxserve.simulator import simulate
+from tests.unit.test_simulator import fake_cost
+
+# 2 ms + 0.1 ms per token: a 64-row decode step 8.4 ms, a 512-token prefill 53.2 ms.
+COST = fake_cost(fixed=2e-3, per_token=1e-4)
+MIX = LengthMix(prompt_range=(16, 512), output_range=(8, 256))
+
+
+def test_feasibility_compares_the_step_alone_with_the_targets():
+    ok, why = slo_experiment.slo_feasible(COST, SLO(0.25, 0.02), 64, MIX)
+    assert ok and "can meet" in why and "8.4 ms" in why and "53.2 ms" in why, why
+    ok, why = slo_experiment.slo_feasible(COST, SLO(0.25, 0.008), 64, MIX)
+    assert not ok and "cannot meet" in why, why
+    ok, _ = slo_experiment.slo_feasible(COST, SLO(0.05, 0.02), 64, MIX)
+    assert not ok  # the longest prompt's prefill alone misses the TTFT target
+
+
+def test_table_sets_each_run_beside_the_simulator_with_its_error():
+    mix = LengthMix(prompt_range=(16, 128), output_range=(4, 32))
+    w = mixed_workloads([200.0], num_requests=40, mix=mix, seed=1)[0]
+    slo = SLO(0.2, 0.02)
+    base = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                        ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s)  # fmt: skip
+    configs = {
+        "continuous, today": base,
+        "static": base.replace(batching="static"),
+        "SLO-aware + shed late": base.replace(slo_scheduling=True, shed_late=True),
+    }
+    rows = []
+    for label, config in configs.items():
+        real = summarize(simulate(w, config, COST), slo)
+        # A "simulator" that runs every step twice as slow: its TTFT p50 reads far above.
+        sim = summarize(simulate(w, config, fake_cost(fixed=4e-3, per_token=2e-4)), slo)
+        rows.append((label, slo, real, sim))
+    plan = slo_experiment.Plan(
+        model=None, out=Path("."), rate=200.0, num_requests=40, full_calibration=False,
+        slo=slo, loose=slo, tune=False,
+    )  # fmt: skip
+    lines = slo_experiment.format_table(rows, plan, "why", 1.0).splitlines()
+    for label, _, real, sim in rows:
+        cells = next(x for x in lines if f"| {label} |" in x).split("|")
+        err = 100 * (sim["ttft"]["p50"] / real["ttft"]["p50"] - 1)
+        assert cells[4].strip().endswith(f"({err:+.0f}%)") and err > 50, cells
+        assert cells[7].strip() == f"{real['num_refused']} / {sim['num_refused']}"
+    good = {label: real["goodput"] for label, _, real, _ in rows}
+    assert rows[2][2]["num_refused"] > 0  # the shedding run refused some
+    ratio = good["SLO-aware + shed late"] / good["static"]
+    assert lines[-1] == (
+        f"SLO 0.2 s / 0.02 s: best SLO-aware goodput {good['SLO-aware + shed late']:.2f} req/s "
+        f"against today's {good['continuous, today']:.2f} "
+        f"({slo_experiment._ratio(good['SLO-aware + shed late'], good['continuous, today'])}) "
+        f"and the better of static and dynamic {good['static']:.2f} ({ratio:.1f}x)."
+    )
+
+
+def test_quick_or_full_is_required():
+    with pytest.raises(SystemExit):
+        slo_experiment.main(["--out", "x"])
