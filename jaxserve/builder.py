@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 from checkpoints import LoadedModel, load_model
 from jaxserve.buckets import bucket_ladder
@@ -29,11 +30,16 @@ def max_model_len_for(config: EngineConfig, model: ModelConfig) -> int:
     return min(asked, model.max_position_embeddings)
 
 
-def build_runner(config: EngineConfig, model: LoadedModel | None = None) -> ModelRunner:
+def build_runner(
+    config: EngineConfig,
+    model: LoadedModel | None = None,
+    runner_class: Callable[..., ModelRunner] = ModelRunner,
+) -> ModelRunner:
     """Loads the model (unless given) onto the config's mesh and sizes the KV pool: the config's
     `num_pages`, else what fits `kv_cache_memory_fraction` of the devices' free memory, never more
     than `max_num_seqs` full-length sequences need. Every host of a multi-host mesh gets the same
-    pool shape (the smallest fit among them)."""
+    pool shape (the smallest fit among them). `runner_class` builds the runner from (model,
+    RunnerConfig, ShardingPlan): the host benchmark's runner whose device call costs nothing."""
     if config.compilation_cache_dir:
         enable_compilation_cache(config.compilation_cache_dir)
     mesh = make_mesh(config.tensor_parallel, config.mesh_shape)
@@ -52,7 +58,7 @@ def build_runner(config: EngineConfig, model: LoadedModel | None = None) -> Mode
         fallback_gb=config.kv_cache_memory_gb,
     )
     num_pages = config.num_pages or min(config.max_num_seqs * pages_per_seq, agree_min(fit))
-    return ModelRunner(
+    return runner_class(
         model,
         RunnerConfig(
             num_pages=num_pages,

@@ -33,6 +33,7 @@ from jaxserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from jaxserve.engine_config import EngineConfig
 from jaxserve.input_batch import InputBatch
 from jaxserve.metrics import EngineMetrics, PhaseClock
+from jaxserve.model_runner import ModelRunner
 from jaxserve.models.loaded import LoadedModel
 from jaxserve.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from jaxserve.request import FinishReason, Request
@@ -77,9 +78,17 @@ class _InFlight:
 class Engine:
     """Continuous batching over one model on one device mesh."""
 
-    def __init__(self, config: EngineConfig | None = None, model: LoadedModel | None = None):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        model: LoadedModel | None = None,
+        *,
+        runner: ModelRunner | None = None,
+    ):
+        """Builds the runner (builder.py) unless one built from this config is given."""
         self.config = config = config or EngineConfig()
-        self.runner = build_runner(config, model)  # the model on its mesh, the KV pool sized
+        # The model on its mesh, the KV pool sized.
+        self.runner = runner or build_runner(config, model)
         self.model, self.sharding = self.runner.model, self.runner.sharding
         self.tokenizer = self.model.tokenizer
         self.max_model_len = self.runner.config.max_model_len

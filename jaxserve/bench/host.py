@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxserve.engine as engine_module
 from jaxserve.batch import StepBatch
+from jaxserve.builder import build_runner
 from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.metrics import HOST_PHASES
@@ -162,18 +162,15 @@ def host_engine(
 ) -> Engine:
     """The real `Engine` of `config` over a `HostOnlyRunner` (config.num_pages must be set).
 
-    The engine builds its runner itself; the runner class it uses is swapped for the duration of
-    the constructor only (not thread-safe: build host engines from one thread).
+    The runner is built as the engine's own would be (builder.py), of another class.
     """
     if config.num_pages is None:
         raise ValueError("A host-only engine needs config.num_pages: it has no memory to size.")
-    runner = functools.partial(HostOnlyRunner, step_time_s=step_time_s, next_tokens=next_tokens)
-    saved = engine_module.ModelRunner
-    engine_module.ModelRunner = runner
-    try:
-        return Engine(dataclasses.replace(config, precompile=False), model=model)
-    finally:
-        engine_module.ModelRunner = saved
+    config = dataclasses.replace(config, precompile=False)
+    runner_class = functools.partial(
+        HostOnlyRunner, step_time_s=step_time_s, next_tokens=next_tokens
+    )
+    return Engine(config, runner=build_runner(config, model, runner_class))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
