@@ -52,8 +52,9 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from jaxserve.async_engine import AsyncEngine
 from service import convert
 from service.auth import BearerTokenInterceptor
+from service.lifecycle import Lifecycle, State
 from service.logs import configure_logging, log
-from service.servicer import SERVICE_NAME, JaxServeServicer, State
+from service.servicer import SERVICE_NAME, JaxServeServicer
 
 __all__ = ["JaxServeServer", "ServeError", "ServerOptions", "State", "configure_logging", "serve"]
 
@@ -124,14 +125,11 @@ class JaxServeServer:
         self.options = options or ServerOptions()
         self._engine_source = engine
         self._owns_engine = not isinstance(engine, AsyncEngine)  # built here: stopped here
-        self.engine: AsyncEngine | None = None
-        self.state = State.WARMING
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.http_port: int | None = None
         self._http = None  # service.http.HttpListener, with options.http_port
         self.http_app = None  # service.http.app.OpenAIFrontEnd, with options.http_port
-        self.warmup_error: BaseException | None = None
         self._ready = asyncio.Event()  # serving, or warm-up failed
         self._force = asyncio.Event()  # end the drain now
         self.failed = asyncio.Event()  # set once the engine has died while serving
@@ -141,10 +139,40 @@ class JaxServeServer:
         self._metrics_http = None
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(self))
-        self.servicer = JaxServeServicer(self, self.registry)
+        # State, engine and calls in flight, shared by the gRPC servicer and the HTTP front end.
+        self.lifecycle = Lifecycle(self.registry, self.engine_failed)
+        self.servicer = JaxServeServicer(
+            self.lifecycle, self.registry, self.options.max_message_bytes
+        )
         self._serving_gauge = Gauge(
             "jaxserve_serving", "1 while health says SERVING.", registry=self.registry
         )
+
+    # What the lifecycle holds, read and written here as the server's own.
+
+    @property
+    def state(self) -> State:
+        return self.lifecycle.state
+
+    @state.setter
+    def state(self, value: State) -> None:
+        self.lifecycle.state = value
+
+    @property
+    def engine(self) -> AsyncEngine | None:
+        return self.lifecycle.engine
+
+    @engine.setter
+    def engine(self, value: AsyncEngine) -> None:
+        self.lifecycle.engine = value
+
+    @property
+    def warmup_error(self) -> BaseException | None:
+        return self.lifecycle.warmup_error
+
+    @warmup_error.setter
+    def warmup_error(self, value: BaseException) -> None:
+        self.lifecycle.warmup_error = value
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -224,7 +252,7 @@ class JaxServeServer:
         from service.http.app import OpenAIFrontEnd
 
         opts = self.options
-        self.http_app = OpenAIFrontEnd(self, self.registry)
+        self.http_app = OpenAIFrontEnd(self.lifecycle, self.options, self.registry)
         self._http = HttpListener(
             self.http_app.app,
             opts.host,
@@ -254,14 +282,14 @@ class JaxServeServer:
         self.state = State.DRAINING
         self._serving_gauge.set(0)
         await self._health.enter_graceful_shutdown()  # NOT_SERVING for every service, for good
-        active = self.servicer.active
+        active = self.lifecycle.active
         _log(logging.INFO, "draining", calls_in_flight=active, grace_s=grace)
-        waits = [asyncio.ensure_future(e.wait()) for e in (self.servicer.idle, self._force)]
+        waits = [asyncio.ensure_future(e.wait()) for e in (self.lifecycle.idle, self._force)]
         await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
             w.cancel()
-        if self.servicer.active:
-            _log(logging.WARNING, "drain cut short", calls_in_flight=self.servicer.active)
+        if self.lifecycle.active:
+            _log(logging.WARNING, "drain cut short", calls_in_flight=self.lifecycle.active)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(
@@ -271,7 +299,7 @@ class JaxServeServer:
             # Off the loop: it waits up to half a second for the HTTP thread's next poll.
             *([asyncio.to_thread(self._close_metrics)] if self._metrics_http is not None else []),
         )
-        self.servicer.close()
+        self.lifecycle.close()
         if self.engine is not None and self._owns_engine:
             await asyncio.to_thread(self.engine.shutdown)
         self.state = State.STOPPED
@@ -316,7 +344,7 @@ class JaxServeServer:
             await asyncio.to_thread(engine.shutdown)
             return
         # Read from the vocabulary once, off the loop (health checks keep being answered).
-        self.servicer.prompt_limit = await asyncio.to_thread(convert.prompt_limit, engine.engine)
+        self.lifecycle.prompt_limit = await asyncio.to_thread(convert.prompt_limit, engine.engine)
         if self.state is not State.WARMING:
             await asyncio.to_thread(engine.shutdown)
             return
@@ -331,7 +359,7 @@ class JaxServeServer:
             model=str(e.model.source),
             warmup_s=round(warmup_s, 3),
             max_model_len=e.max_model_len,
-            max_prompt_bytes=self.servicer.prompt_limit.max_bytes,
+            max_prompt_bytes=self.lifecycle.prompt_limit.max_bytes,
             compiles=e.runner.num_compiles,
         )
         self._spawn(self._watch_engine())

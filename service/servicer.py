@@ -1,4 +1,5 @@
-"""The jaxserve.v1.JaxServe calls: admission by server state, status codes, call logs and metrics.
+"""The jaxserve.v1.JaxServe calls: status codes, call logs and metrics; admission by the server's
+state (service/lifecycle.py).
 
 Runs on the server's event loop (see service/server.py for the concurrency). Each call is
 checked here, its text tokenized on a small thread pool (never on the loop), then it streams
@@ -18,50 +19,27 @@ and why.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
-import enum
 import logging
 import time
 import uuid
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter
 
 from jaxserve import beam_search
 from jaxserve.async_engine import EngineDeadError
 from jaxserve.scheduler import QueueFull
 from service import convert
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
+from service.lifecycle import Lifecycle, Refused
 from service.logs import log
-
-if TYPE_CHECKING:
-    from service.server import JaxServeServer
 
 logger = logging.getLogger("jaxserve.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
-
-
-class State(enum.Enum):
-    """Where the server is in its life (see service/server.py)."""
-
-    WARMING = "warming"
-    SERVING = "serving"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-
-class Refused(Exception):
-    """A call the server's state does not let in."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclasses.dataclass
@@ -89,38 +67,22 @@ class _Call:
 
 
 class JaxServeServicer:
-    """Answers calls according to `server.state`; counts the calls in flight for the drain."""
+    """The jaxserve.v1 calls, admitted and counted by the server's `Lifecycle`."""
 
-    # Tokenizing is CPU work: two threads keep the loop free without crowding the engine thread.
-    TOKENIZER_THREADS = 2
-
-    def __init__(self, server: JaxServeServer, registry: CollectorRegistry):
-        self.server = server
-        self.prompt_limit: convert.PromptLimit | None = None  # set by the server with the engine
-        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
-            self.TOKENIZER_THREADS, thread_name_prefix="jaxserve-tokenize"
-        )
-        self.active = 0
-        self.idle = asyncio.Event()  # set while no call is in flight
-        self.idle.set()
+    def __init__(self, lifecycle: Lifecycle, registry: CollectorRegistry, max_message_bytes: int):
+        self.lifecycle = lifecycle
+        self.max_message_bytes = max_message_bytes
         self._calls = Counter(
             "jaxserve_grpc_calls",
             "gRPC calls by method and status code.",
             ["method", "code"],
             registry=registry,
         )
-        self._in_flight = Gauge(
-            "jaxserve_grpc_calls_in_flight", "jaxserve.v1 calls running.", registry=registry
-        )
-
-    def close(self) -> None:
-        """Stops the tokenizer threads (a tokenization under way finishes, unread)."""
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         # Lenient deserializers: malformed UTF-8 and oversized messages become INVALID_ARGUMENT
         # (not INTERNAL, nor gRPC's RESOURCE_EXHAUSTED, which would read as "retry later").
-        max_bytes = self.server.options.max_message_bytes
+        max_bytes = self.max_message_bytes
 
         def unary(name, body, request_cls, response_cls):
             return grpc.unary_unary_rpc_method_handler(
@@ -156,14 +118,11 @@ class JaxServeServicer:
         async def handler(request, context: grpc.aio.ServicerContext):
             call = _Call(method, context.peer())
             try:
-                self._admit()
+                self.lifecycle.admit()
                 if isinstance(request, convert.MalformedRequest):
                     raise convert.InvalidRequest(request.message)
-                self._begin()
-                try:
+                with self.lifecycle.in_flight():
                     return await body(request, context, call)
-                finally:
-                    self._end()
             except asyncio.CancelledError:  # the client cancelled, left, or its deadline passed
                 remaining = context.time_remaining()
                 expired = remaining is not None and remaining <= 0
@@ -194,57 +153,6 @@ class JaxServeServicer:
 
         return handler
 
-    # ---- shared with the HTTP front end (service/http/), which admits and counts alike --------
-
-    def admit(self) -> None:
-        """Raises Refused (or EngineDeadError) unless the server's state lets a new call in."""
-        self._admit()
-
-    @contextlib.contextmanager
-    def in_flight(self):
-        """Counts a call as in flight while the block runs: the drain waits for it."""
-        self._begin()
-        try:
-            yield
-        finally:
-            self._end()
-
-    async def off_loop(self, fn, *args):
-        """fn(*args) on the tokenizer threads: tokenizer work never runs on the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
-
-    def _begin(self) -> None:
-        self.active += 1
-        self.idle.clear()
-        self._in_flight.inc()
-
-    def _end(self) -> None:
-        self.active -= 1
-        self._in_flight.dec()
-        if not self.active:
-            self.idle.set()
-
-    def _admit(self) -> None:
-        server = self.server
-        if server.state is State.SERVING:
-            return
-        if server.state is State.WARMING:
-            raise Refused(
-                grpc.StatusCode.UNAVAILABLE,
-                "The server is warming up (loading the model, compiling); retry shortly.",
-            )
-        if server.state is State.FAILED and server.engine is not None:
-            error = server.engine.error
-            raise EngineDeadError(
-                f"The engine has failed: {error!r}" if error else "The engine was shut down."
-            )
-        if server.state is State.FAILED:
-            raise Refused(grpc.StatusCode.UNAVAILABLE, f"Warm-up failed: {server.warmup_error}")
-        raise Refused(
-            grpc.StatusCode.UNAVAILABLE,
-            "The server is shutting down (draining); send new requests to another replica.",
-        )
-
     async def _status_of(self, e: Exception) -> tuple[grpc.StatusCode, str]:
         if isinstance(e, Refused):
             return e.code, str(e)
@@ -256,7 +164,7 @@ class JaxServeServicer:
         if isinstance(e, ValueError):  # InvalidRequest, RequestRejected, add_request's checks
             return grpc.StatusCode.INVALID_ARGUMENT, str(e)
         if isinstance(e, EngineDeadError):
-            await self.server.engine_failed()
+            await self.lifecycle.engine_failed()
             return grpc.StatusCode.INTERNAL, str(e)
         logger.exception("unexpected error in a call")
         return grpc.StatusCode.INTERNAL, f"Internal error: {e!r}"
@@ -265,14 +173,13 @@ class JaxServeServicer:
 
     async def _encode(self, text: str) -> list[int]:
         """Token ids of a checked text, computed off the event loop."""
-        loop = asyncio.get_running_loop()
-        engine = self.server.engine.engine
-        return await loop.run_in_executor(self._tokenizer_pool, engine.encode, text)
+        return await self.lifecycle.off_loop(self.lifecycle.engine.engine.encode, text)
 
     async def _stream(self, request: pb.GenerateRequest, call: _Call):
-        async_engine = self.server.engine
+        async_engine = self.lifecycle.engine
         engine = async_engine.engine
-        text = convert.prompt_text(request, engine, self.prompt_limit)  # refuses what cannot fit
+        # Refuses a text that cannot fit.
+        text = convert.prompt_text(request, engine, self.lifecycle.prompt_limit)
         ids = convert.prompt_ids(
             request, engine, None if text is None else await self._encode(text)
         )
@@ -308,11 +215,12 @@ class JaxServeServicer:
         return convert.response(last, token_ids=ids, text="".join(text), logprobs=logprobs)
 
     async def _tokenize(self, request, context, call: _Call) -> pb.TokenizeResponse:
-        convert.check_text("text", request.text, self.server.engine.engine, self.prompt_limit)
+        engine = self.lifecycle.engine.engine
+        convert.check_text("text", request.text, engine, self.lifecycle.prompt_limit)
         return pb.TokenizeResponse(token_ids=await self._encode(request.text))
 
     async def _model_info(self, request, context, call: _Call) -> pb.ModelInfo:
-        return convert.model_info(self.server.engine.engine)
+        return convert.model_info(self.lifecycle.engine.engine)
 
 
 def _raise_if_refused(out) -> None:

@@ -4,11 +4,11 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /he
 GET /metrics, POST /tokenize, POST /detokenize.
 
 It only translates: a body is parsed (pydantic, types only), checked by service/validation.py
-(the checks gRPC runs, so an error names the field and value alike), tokenized on the gRPC
-servicer's tokenizer threads, and streamed from `AsyncEngine.generate()` (with vLLM's
-`use_beam_search`, service/http/beams.py runs a beam search per prompt instead). Admission and the
-count of calls in flight are the servicer's too, so the server's state (warming, serving,
-draining, failed) and its drain govern both front ends alike.
+(the checks gRPC runs, so an error names the field and value alike), tokenized on the server's
+tokenizer threads, and streamed from `AsyncEngine.generate()` (with vLLM's `use_beam_search`,
+service/http/beams.py runs a beam search per prompt instead). Admission and the count of calls in
+flight are the server's `Lifecycle` (service/lifecycle.py), as for gRPC, so the server's state
+(warming, serving, draining, failed) and its drain govern both front ends alike.
 
 Status codes: 400 for a request that cannot run as sent (`param` names the field), 401 without
 the bearer token when one is configured (/health is exempt with --health-without-auth), 429
@@ -49,12 +49,12 @@ from jaxserve.sampling_params import SEED_LIMIT, SamplingParams
 from jaxserve.scheduler_types import QueueFull
 from service import validation
 from service.http import beams, protocol
+from service.lifecycle import Lifecycle, Refused, State
 from service.logs import log
-from service.servicer import Refused, State
 from service.validation import InvalidRequest
 
 if TYPE_CHECKING:
-    from service.server import JaxServeServer
+    from service.server import ServerOptions
 
 logger = logging.getLogger("jaxserve.http")
 
@@ -100,10 +100,11 @@ class _Choice:
 
 
 class OpenAIFrontEnd:
-    """The ASGI app (`.app`) of one JaxServeServer."""
+    """The ASGI app (`.app`) of one JaxServeServer, over its lifecycle."""
 
-    def __init__(self, server: JaxServeServer, registry: CollectorRegistry):
-        self.server = server
+    def __init__(self, lifecycle: Lifecycle, options: ServerOptions, registry: CollectorRegistry):
+        self.lifecycle = lifecycle
+        self.options = options
         self.registry = registry
         self._token_texts: dict[int, str] = {}
         self._calls = Counter(
@@ -126,8 +127,8 @@ class OpenAIFrontEnd:
     # ---- plumbing -------------------------------------------------------------------------
 
     async def _auth(self, request: Request, call_next):
-        token = self.server.options.auth_token
-        exempt = request.url.path == "/health" and self.server.options.health_without_auth
+        token = self.options.auth_token
+        exempt = request.url.path == "/health" and self.options.health_without_auth
         if token and not exempt:
             sent = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(sent, f"Bearer {token}".encode()):
@@ -154,8 +155,8 @@ class OpenAIFrontEnd:
             streaming = False
             try:
                 if admit:
-                    self.server.servicer.admit()
-                stack.enter_context(self.server.servicer.in_flight())
+                    self.lifecycle.admit()
+                stack.enter_context(self.lifecycle.in_flight())
                 result = await body(request, fields)
                 if isinstance(result, Response):
                     return result
@@ -223,14 +224,14 @@ class OpenAIFrontEnd:
         if isinstance(e, ValueError):  # the engine's RequestRejected, add_request's checks
             return HttpError(400, str(e), "invalid_request_error")
         if isinstance(e, EngineDeadError):
-            await self.server.engine_failed()
+            await self.lifecycle.engine_failed()
             return HttpError(500, str(e), "internal_error")
         logger.exception("unexpected error in an HTTP call")
         return HttpError(500, f"Internal error: {e!r}", "internal_error")
 
     @property
     def _engine(self):
-        return self.server.engine.engine
+        return self.lifecycle.engine.engine
 
     def model_id(self) -> str:
         """The served model's name: its folder's name ("stories260k")."""
@@ -266,7 +267,7 @@ class OpenAIFrontEnd:
     # ---- the routes -----------------------------------------------------------------------
 
     async def _health(self, request: Request) -> Response:
-        state = self.server.state
+        state = self.lifecycle.state
         code = 200 if state is State.SERVING else 503
         return JSONResponse({"status": state.value}, status_code=code)
 
@@ -298,9 +299,9 @@ class OpenAIFrontEnd:
         if body.messages is not None:
             ids = await self._chat_ids(body.messages, True)
         else:
-            validation.check_text("prompt", body.prompt, engine, self.server.servicer.prompt_limit)
+            validation.check_text("prompt", body.prompt, engine, self.lifecycle.prompt_limit)
             tokenizer = engine.tokenizer
-            encoded = await self.server.servicer.off_loop(
+            encoded = await self.lifecycle.off_loop(
                 lambda: tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)
             )
             ids = list(encoded["input_ids"])
@@ -312,7 +313,7 @@ class OpenAIFrontEnd:
         validation.check_vocab("tokens", body.tokens, engine.model.config.vocab_size)
         if engine.tokenizer is None:
             raise InvalidRequest(f"Model {engine.model.source} has no tokenizer.", "tokens")
-        text = await self.server.servicer.off_loop(
+        text = await self.lifecycle.off_loop(
             lambda: engine.tokenizer.decode(body.tokens, skip_special_tokens=True)
         )
         return {"prompt": text}
@@ -420,7 +421,7 @@ class OpenAIFrontEnd:
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         fields.update(id=cid, prompts=len(prompts), n=body.n, beam_width=width, stream=body.stream)
         prompt_ids = [ids for ids, _ in prompts]
-        search = beams.search_all(self.server.engine, prompt_ids, params, body.priority)
+        search = beams.search_all(self.lifecycle.engine, prompt_ids, params, body.priority)
         outs = await self._unless_gone(request, search)
         for out in outs:
             if out.error is not None:  # a beam's request failed or was aborted: no result
@@ -466,8 +467,8 @@ class OpenAIFrontEnd:
         for i, p in enumerate(prompts):
             field = "prompt" if single else f"prompt[{i}]"
             if isinstance(p, str):
-                validation.check_text(field, p, engine, self.server.servicer.prompt_limit)
-                ids = await self.server.servicer.off_loop(engine.encode, p)
+                validation.check_text(field, p, engine, self.lifecycle.prompt_limit)
+                ids = await self.lifecycle.off_loop(engine.encode, p)
                 what = f"{field}={validation.short(p)}"
             else:
                 validation.check_token_ids(field, p, engine)
@@ -485,7 +486,7 @@ class OpenAIFrontEnd:
                 "rendered; use /v1/completions with a prompt instead.",
                 "messages",
             )
-        limit = self.server.servicer.prompt_limit
+        limit = self.lifecycle.prompt_limit
         for i, m in enumerate(messages):
             limit.check(f"messages[{i}].content", m.text())
         rendered = [{"role": m.role, "content": m.text()} for m in messages]
@@ -498,7 +499,7 @@ class OpenAIFrontEnd:
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
         try:
-            return await self.server.servicer.off_loop(render)
+            return await self.lifecycle.off_loop(render)
         except Exception as e:  # a template that raises on these messages (e.g. roles order)
             raise InvalidRequest(f"The chat template refused the messages: {e}", "messages") from e
 
@@ -550,7 +551,7 @@ class OpenAIFrontEnd:
     async def _start(self, request: Request, jobs: list[_Job], priority: int):
         """Starts every job's engine stream; returns once each has delivered its first output
         (or raises the first one's error, the others aborted)."""
-        pumps = _Pumps(self.server.engine, jobs, priority)
+        pumps = _Pumps(self.lifecycle.engine, jobs, priority)
         try:
             await self._unless_gone(request, pumps.first_outputs())
         except BaseException:

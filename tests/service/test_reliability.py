@@ -66,7 +66,7 @@ def test_huge_prompt_is_refused_at_once_and_streams_keep_flowing(engine):
     well short of the 3-4 s that tokenizing it takes.
     """
     with serving(engine) as server, server.client() as c, server.client() as flood:
-        limit = server.server.servicer.prompt_limit
+        limit = server.server.lifecycle.prompt_limit
         assert limit.max_bytes < len(HUGE) // 100
         flood.generate_unary("Once upon a time", max_tokens=2)  # connected and warm
         # Serialized once: what is timed is the server's answer, not this process encoding

@@ -1,0 +1,118 @@
+"""The server's life, shared by its front ends: the state, the engine once warm, who may come
+in, the calls in flight, tokenizing off the loop, and the engine's death.
+
+The gRPC servicer (servicer.py) and the HTTP front end (http/app.py) hold this object, not the
+server: they read the state and the engine here, admit and count their calls here, tokenize on
+its threads, and report an engine death here. The server (server.py) drives it through WARMING
+-> SERVING -> DRAINING -> STOPPED, or FAILED, and owns health, ports and signals. Everything runs
+on the server's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import enum
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import grpc
+from prometheus_client import CollectorRegistry, Gauge
+
+from jaxserve.async_engine import EngineDeadError
+
+if TYPE_CHECKING:
+    from jaxserve.async_engine import AsyncEngine
+    from service.convert import PromptLimit
+
+
+class State(enum.Enum):
+    """Where the server is in its life (see service/server.py)."""
+
+    WARMING = "warming"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class Refused(Exception):
+    """A call the server's state does not let in."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Lifecycle:
+    """State and engine of one server, and the calls its front ends have in flight."""
+
+    # Tokenizing is CPU work: two threads keep the loop free without crowding the engine thread.
+    TOKENIZER_THREADS = 2
+
+    def __init__(
+        self, registry: CollectorRegistry, on_engine_failed: Callable[[], Awaitable[None]]
+    ):
+        """`on_engine_failed` is the server's: it turns health NOT_SERVING, for good."""
+        self.state = State.WARMING
+        self.engine: AsyncEngine | None = None  # set once warm-up has built it
+        self.warmup_error: BaseException | None = None
+        self.prompt_limit: PromptLimit | None = None  # set by the server with the engine
+        self._on_engine_failed = on_engine_failed
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            self.TOKENIZER_THREADS, thread_name_prefix="jaxserve-tokenize"
+        )
+        self.active = 0  # calls in flight, gRPC and HTTP
+        self.idle = asyncio.Event()  # set while no call is in flight: what a drain waits for
+        self.idle.set()
+        self._in_flight = Gauge(  # the name predates HTTP; it counts both front ends' calls
+            "jaxserve_grpc_calls_in_flight", "jaxserve.v1 calls running.", registry=registry
+        )
+
+    def admit(self) -> None:
+        """Raises Refused (or EngineDeadError) unless the state lets a new call in."""
+        if self.state is State.SERVING:
+            return
+        if self.state is State.WARMING:
+            raise Refused(
+                grpc.StatusCode.UNAVAILABLE,
+                "The server is warming up (loading the model, compiling); retry shortly.",
+            )
+        if self.state is State.FAILED and self.engine is not None:
+            error = self.engine.error
+            raise EngineDeadError(
+                f"The engine has failed: {error!r}" if error else "The engine was shut down."
+            )
+        if self.state is State.FAILED:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"Warm-up failed: {self.warmup_error}")
+        raise Refused(
+            grpc.StatusCode.UNAVAILABLE,
+            "The server is shutting down (draining); send new requests to another replica.",
+        )
+
+    @contextlib.contextmanager
+    def in_flight(self):
+        """Counts a call as in flight while the block runs: the drain waits for it."""
+        self.active += 1
+        self.idle.clear()
+        self._in_flight.inc()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            self._in_flight.dec()
+            if not self.active:
+                self.idle.set()
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on the tokenizer threads: tokenizer work never runs on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    async def engine_failed(self) -> None:
+        """A front end saw the engine die (EngineDeadError): the server stops serving."""
+        await self._on_engine_failed()
+
+    def close(self) -> None:
+        """Stops the tokenizer threads (a tokenization under way finishes, unread)."""
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
