@@ -121,6 +121,17 @@ def calibrate(
     return cost_model.fit(samples, cost_key(engine))
 
 
+def check_single_host() -> None:
+    """Refuses to calibrate on a multi-host mesh: every host times its own steps, so each would
+    fit another model and plan other steps, while the hosts must plan the same ones."""
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"The step-cost model cannot be measured at warm-up on a multi-host mesh "
+            f"({jax.process_count()} processes would each fit their own): measure it once with "
+            f"`jaxserve bench --profile steps` and give every host the same --cost-model file."
+        )
+
+
 def forget(engine) -> None:
     """Restarts the engine's counters after a calibration at warm-up, so its stats and
     Prometheus series count served requests only (the calibration's pages stay cached, free)."""

@@ -256,10 +256,11 @@ def attach_to_engine(engine) -> SloPolicy | None:
         try:
             cost = CostModel.load(config.cost_model, expect=calibration.cost_key(engine))
         except CostModelError as e:
-            if calibrate is False or not (config.slo_scheduling or calibrate):
-                raise
+            if calibrate is False or not config.slo_scheduling:
+                raise  # told not to measure one, or nothing needs one
             logger.warning("%s Measuring a cost model at warm-up instead.", e)
     if cost is None:
+        calibration.check_single_host()
         cost, source = calibration.calibrate(engine, log=logger.info), "calibrated"
         calibration.forget(engine)  # the stats count served requests only
         if config.cost_model:

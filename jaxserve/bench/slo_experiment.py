@@ -1,8 +1,14 @@
 """Issue 12's measurement in one process: scheduling for goodput, real runs beside the simulator.
 
-    python -m jaxserve.bench.slo_experiment --out DIR --quick   # ~2 min: a smoke run
-    python -m jaxserve.bench.slo_experiment --out DIR --full    # <= 12 min on an idle machine
+    python -m jaxserve.bench.slo_experiment --out DIR --quick   # a smoke run: 30 requests
+    python -m jaxserve.bench.slo_experiment --out DIR --full    # 200 requests, full calibration
     python -m jaxserve.bench.slo_experiment --out DIR --full --tune   # and the tuner's pick
+
+Time: on the shared 2-core machine at load average 7-8, --quick took 9.5 min building seven
+engines (before the SLO-aware runs shared today's engine) and 16 min with --tune building four
+(one build took 6 min there): precompiling dominates; an idle machine should need a few
+minutes. --full adds the full calibration and 200-request runs (about 4 min more by the runs in
+docs/benchmarks.md): under 12 minutes idle, estimated, not timed.
 
 One process, one model (`--model`, default the peers' `tiny`), one seeded workload (the bench's
 mixed profile at a saturating `--rate`, prompts 16-512 and outputs 8-256 tokens, 30% long),
