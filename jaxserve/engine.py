@@ -23,42 +23,26 @@ import gc
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from jaxserve.builder import build_runner
-from jaxserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from jaxserve.engine_config import EngineConfig
 from jaxserve.input_batch import InputBatch
 from jaxserve.metrics import EngineMetrics, PhaseClock
 from jaxserve.model_runner import ModelRunner
 from jaxserve.models.loaded import LoadedModel
-from jaxserve.outputs import RequestMetrics, RequestOutput, TokenLogprob
-from jaxserve.request import FinishReason, Request
+from jaxserve.output_processor import OutputProcessor
+from jaxserve.outputs import RequestOutput, TokenLogprob
+from jaxserve.request import Request
 from jaxserve.sampling import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput, StepResult
 from jaxserve.slo_policy import attach_to_engine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Tracked:
-    """Engine-side state of one request: its text pipeline."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
-    stops: StopStringMatcher
-    emitted_tokens: int = 0
-    # (slot, preemptions) when its penalty row was last filled: a new pair means a new slot.
-    penalty_row: tuple[int, int] | None = None
-    # SamplingParams.prompt_logprobs: filled chunk by chunk as the prompt is computed (entry p
-    # is prompt token p's), until delivered with the first output.
-    prompt_logprobs: list | None = None
-    prompt_logprobs_sent: bool = False
 
 
 @dataclasses.dataclass
@@ -112,7 +96,7 @@ class Engine:
             seq_bucket_for=rc.seq_bucket_for,
         )
         self.metrics = EngineMetrics(config.ttft_slo_s, config.tpot_slo_s)
-        self._tracked: dict[str, _Tracked] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.metrics)
         # Dispatched plans awaiting their update, oldest first: at most two (the one being
         # taken in and the one just dispatched ahead of it).
         self._inflight: collections.deque[_InFlight] = collections.deque()
@@ -171,7 +155,7 @@ class Engine:
             raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
-        if request_id in self._tracked:
+        if request_id in self.outputs.tracked:
             raise ValueError(f"A request with id {request_id!r} is already running.")
         if params.has_penalties and jax.process_count() > 1:
             raise ValueError(
@@ -187,17 +171,16 @@ class Engine:
             eos_token_ids=self.model.config.eos_token_ids,
         )
         self.scheduler.add_request(request)  # raises when it can never fit or the queue is full
-        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
-        self._tracked[request_id] = _Tracked(request, detok, StopStringMatcher(params.stop))
+        self.outputs.add(request)
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Ends a request at the next iteration boundary, freeing its slot and pages."""
-        if request_id in self._tracked:
+        if request_id in self.outputs.tracked:
             self.scheduler.abort_request(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._tracked) or bool(self._inflight)
+        return bool(self.outputs.tracked) or bool(self._inflight)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -224,7 +207,7 @@ class Engine:
             # The last plan was empty: nothing is in flight for want of work, so the time until
             # the next dispatch is not the device waiting on the host.
             self.metrics.device.no_work(time.perf_counter())
-        outputs = self._outputs(updates)  # overlaps with the step in flight
+        outputs = self.outputs.process(updates)  # overlaps with the step in flight
         self._refresh_gauges()
         self._probe_done()
         self._clock.lap("outputs")
@@ -283,7 +266,7 @@ class Engine:
         if p.logit_bias or p.min_tokens:
             _fill_bias(sb, row, request, int(sb.positions[row]))
         if p.has_penalties:
-            tracked = self._tracked[seq.request_id]
+            tracked = self.outputs.tracked[seq.request_id]
             here = (seq.slot, request.num_preemptions)
             if tracked.penalty_row != here:
                 # Everything known so far (nothing is pending when a request takes a slot): the
@@ -351,7 +334,7 @@ class Engine:
             for i, s in enumerate(seqs)
             if s.request.sampling_params.prompt_logprobs is not None
             and s.start_pos < s.request.num_prompt_tokens - 1
-            and (tracked := self._tracked.get(s.request_id)) is not None
+            and (tracked := self.outputs.tracked.get(s.request_id)) is not None
             and tracked.request is s.request
             and not tracked.prompt_logprobs_sent  # a recomputed prompt after a preemption
         ]
@@ -376,96 +359,6 @@ class Engine:
                 )
 
     # ---- outputs --------------------------------------------------------------------------
-
-    # Tests only: called with each request id before its output is processed, to inject a fault.
-    _output_fault_hook: Callable[[str], None] | None = None
-
-    def _outputs(self, updates) -> list[RequestOutput]:
-        """Each request's output; a failure while making one ends that request alone.
-
-        Detokenizing, stop strings and logprobs are per-request host work: a bug or an odd
-        token there is that request's problem, not a reason to stop serving the others. Only a
-        failure of the device step itself (`_dispatch`, `_collect`) leaves `step()`.
-        """
-        outputs = []
-        for update in updates:
-            tracked = self._tracked.get(update.request.request_id)
-            if tracked is None:
-                continue
-            try:
-                if self._output_fault_hook is not None:
-                    self._output_fault_hook(tracked.request.request_id)
-                outputs.append(self._output(tracked, update))
-            except Exception as e:
-                outputs.append(self._failed_output(tracked, e))
-        return outputs
-
-    def _failed_output(self, tracked: _Tracked, error: Exception) -> RequestOutput:
-        """Ends a request whose output processing raised: finish reason `error`, its slot and
-        pages freed now, the error's text in the output."""
-        request = tracked.request
-        rid = request.request_id
-        logger.exception("processing the output of request %r failed; it ends with 'error'", rid)
-        self.scheduler.finish_request(rid, FinishReason.ERROR)  # False if it had just finished
-        self._tracked.pop(rid, None)
-        metrics = _metrics_of(request)
-        self.metrics.on_finished(str(FinishReason.ERROR), metrics, request.num_output_tokens)
-        return RequestOutput(
-            request_id=rid,
-            new_token_ids=[],  # their text was never made: the client gets neither
-            text_delta="",
-            finished=True,
-            finish_reason=str(FinishReason.ERROR),
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            metrics=metrics,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            error=f"The server failed while processing this request's output: {error!r}",
-        )
-
-    def _output(self, tracked: _Tracked, update) -> RequestOutput:
-        request = tracked.request
-        new_ids = list(update.new_token_ids)
-        visible = [t for t in new_ids if not request.is_stop_token(t)]  # no text for stop ids
-        if tracked.detokenizer is not None:
-            tracked.stops.add(tracked.detokenizer.add(visible))
-        if tracked.stops.matched is not None and not request.is_finished:
-            self.scheduler.finish_request(request.request_id, FinishReason.STOP)
-        finished = request.is_finished
-        text = tracked.stops.take(final=finished)
-        logprobs = None
-        if request.sampling_params.logprobs is not None:
-            logprobs = [lp for lp in (update.logprobs or []) if lp is not None]
-        prompt_logprobs = None
-        if (
-            request.sampling_params.prompt_logprobs is not None
-            and new_ids
-            and not tracked.prompt_logprobs_sent
-        ):
-            # The first token came from the prompt's last chunk: every chunk was taken in.
-            prompt_logprobs = tracked.prompt_logprobs or [None]  # a 1-token prompt has no chunk
-            tracked.prompt_logprobs, tracked.prompt_logprobs_sent = None, True
-        metrics = _metrics_of(request)
-        reason = str(request.finish_reason) if finished else None
-        # A refusal says why (the SLO policy's predicted TTFT against the target).
-        error = request.status_message if reason == FinishReason.REFUSED else None
-        if finished:
-            del self._tracked[request.request_id]
-            self.metrics.on_finished(reason, metrics, request.num_output_tokens)
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_ids,
-            text_delta=text,
-            finished=finished,
-            finish_reason=reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            metrics=metrics,
-            logprobs=logprobs,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            prompt_logprobs=prompt_logprobs,
-            error=error,
-        )
 
     def _refresh_gauges(self) -> None:
         s = self.scheduler
@@ -531,14 +424,3 @@ def _fill_bias(sb: SamplingBatch, row: int, request: Request, position: int) -> 
         ids, values = zip(*bias, strict=True)
         sb.bias_ids[row, : len(ids)] = ids
         sb.bias_values[row, : len(values)] = values
-
-
-def _metrics_of(request: Request) -> RequestMetrics:
-    """The request's timings as its outputs report them (finished or failed alike)."""
-    return RequestMetrics(
-        arrival_time=request.arrival_time,
-        first_scheduled_time=request.first_scheduled_time,
-        first_token_time=request.first_token_time,
-        finished_time=request.finished_time,
-        num_preemptions=request.num_preemptions,
-    )

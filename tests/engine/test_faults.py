@@ -14,7 +14,7 @@ OTHERS = [(f"ok-{i}", PROMPTS[i % 4], 10 + i) for i in range(8)]  # (id, prompt,
 
 def _run(engine, requests, hook=None) -> dict[str, list]:
     """Runs (id, prompt, max_tokens) greedy requests together; returns each one's outputs."""
-    engine._output_fault_hook = hook
+    engine.outputs.fault_hook = hook
     try:
         for rid, prompt, n in requests:
             params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -23,7 +23,7 @@ def _run(engine, requests, hook=None) -> dict[str, list]:
         for out in drain(engine):
             outputs[out.request_id].append(out)
     finally:
-        del engine._output_fault_hook
+        engine.outputs.fault_hook = None
     engine.scheduler.check_invariants()
     assert engine.scheduler.num_pages_used == 0 and engine.scheduler.num_slots_used == 0
     return outputs

@@ -1,0 +1,157 @@
+"""The last stage of `Engine.step`: the scheduler's updates become what callers receive.
+
+Per request: text deltas safe to stream (detokenizer.py), stop strings, logprobs, the prompt's
+logprobs once, timings, and the finish. A failure while making one request's output ends that
+request alone (finish reason `error`). The processor owns each request's `Tracked` state from
+`add_request` until its last output; the engine's collect stage adds to it (prompt logprobs, the
+penalty row) through `tracked`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from jaxserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from jaxserve.metrics import EngineMetrics
+from jaxserve.outputs import RequestMetrics, RequestOutput
+from jaxserve.request import FinishReason, Request
+from jaxserve.scheduler import Scheduler
+from jaxserve.scheduler_types import RequestUpdate
+
+logger = logging.getLogger("jaxserve.engine")
+
+
+@dataclasses.dataclass
+class Tracked:
+    """One request from add_request until its last output: its text pipeline and what the
+    engine gathers for it on the way (penalty row, prompt logprobs)."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    stops: StopStringMatcher
+    # (slot, preemptions) when its penalty row was last filled: a new pair means a new slot.
+    penalty_row: tuple[int, int] | None = None
+    # SamplingParams.prompt_logprobs: filled chunk by chunk as the prompt is computed (entry p
+    # is prompt token p's), until delivered with the first output.
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
+
+
+class OutputProcessor:
+    """Makes every request's outputs; ends a request whose output cannot be made."""
+
+    def __init__(self, tokenizer, scheduler: Scheduler, metrics: EngineMetrics):
+        self.tokenizer = tokenizer  # None for a model without one: token ids, no text
+        self.scheduler = scheduler  # to finish a request on its stop string or a failure
+        self.metrics = metrics
+        self.tracked: dict[str, Tracked] = {}  # every request not yet given its last output
+        # Tests only: called with each request id before its output is made, to inject a fault.
+        self.fault_hook: Callable[[str], None] | None = None
+
+    def add(self, request: Request) -> None:
+        """Starts tracking a request the scheduler has just accepted."""
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        stops = StopStringMatcher(request.sampling_params.stop)
+        self.tracked[request.request_id] = Tracked(request, detok, stops)
+
+    def process(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
+        """Each request's output; a failure while making one ends that request alone.
+
+        Detokenizing, stop strings and logprobs are per-request host work: a bug or an odd
+        token there is that request's problem, not a reason to stop serving the others. Only a
+        failure of the device step itself (`_dispatch`, `_collect`) leaves `step()`.
+        """
+        outputs = []
+        for update in updates:
+            tracked = self.tracked.get(update.request.request_id)
+            if tracked is None:
+                continue
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(tracked.request.request_id)
+                outputs.append(self._output(tracked, update))
+            except Exception as e:
+                outputs.append(self._failed(tracked, e))
+        return outputs
+
+    def _failed(self, tracked: Tracked, error: Exception) -> RequestOutput:
+        """Ends a request whose output processing raised: finish reason `error`, its slot and
+        pages freed now, the error's text in the output."""
+        request = tracked.request
+        rid = request.request_id
+        logger.exception("processing the output of request %r failed; it ends with 'error'", rid)
+        self.scheduler.finish_request(rid, FinishReason.ERROR)  # False if it had just finished
+        self.tracked.pop(rid, None)
+        metrics = _metrics_of(request)
+        self.metrics.on_finished(str(FinishReason.ERROR), metrics, request.num_output_tokens)
+        return RequestOutput(
+            request_id=rid,
+            new_token_ids=[],  # their text was never made: the client gets neither
+            text_delta="",
+            finished=True,
+            finish_reason=str(FinishReason.ERROR),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            metrics=metrics,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            error=f"The server failed while processing this request's output: {error!r}",
+        )
+
+    def _output(self, tracked: Tracked, update: RequestUpdate) -> RequestOutput:
+        request = tracked.request
+        new_ids = list(update.new_token_ids)
+        visible = [t for t in new_ids if not request.is_stop_token(t)]  # no text for stop ids
+        if tracked.detokenizer is not None:
+            tracked.stops.add(tracked.detokenizer.add(visible))
+        if tracked.stops.matched is not None and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, FinishReason.STOP)
+        finished = request.is_finished
+        text = tracked.stops.take(final=finished)
+        logprobs = None
+        if request.sampling_params.logprobs is not None:
+            logprobs = [lp for lp in (update.logprobs or []) if lp is not None]
+        prompt_logprobs = None
+        if (
+            request.sampling_params.prompt_logprobs is not None
+            and new_ids
+            and not tracked.prompt_logprobs_sent
+        ):
+            # The first token came from the prompt's last chunk: every chunk was taken in.
+            prompt_logprobs = tracked.prompt_logprobs or [None]  # a 1-token prompt has no chunk
+            tracked.prompt_logprobs, tracked.prompt_logprobs_sent = None, True
+        metrics = _metrics_of(request)
+        reason = str(request.finish_reason) if finished else None
+        # A refusal says why (the SLO policy's predicted TTFT against the target).
+        error = request.status_message if reason == FinishReason.REFUSED else None
+        if finished:
+            del self.tracked[request.request_id]
+            self.metrics.on_finished(reason, metrics, request.num_output_tokens)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            text_delta=text,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            metrics=metrics,
+            logprobs=logprobs,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            prompt_logprobs=prompt_logprobs,
+            error=error,
+        )
+
+
+def _metrics_of(request: Request) -> RequestMetrics:
+    """The request's timings as its outputs report them (finished or failed alike)."""
+    return RequestMetrics(
+        arrival_time=request.arrival_time,
+        first_scheduled_time=request.first_scheduled_time,
+        first_token_time=request.first_token_time,
+        finished_time=request.finished_time,
+        num_preemptions=request.num_preemptions,
+    )
