@@ -111,6 +111,7 @@ class Engine:
         self.slo_policy = attach_to_engine(self)
         self._warm_compiles = self.runner.num_compiles
         self._refresh_gauges()
+        _freeze_heap_once()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -391,12 +392,25 @@ def freeze_heap() -> None:
     They live as long as the process serves, so freezing them loses nothing; objects made
     later are collected as before, and what dies is still freed by reference counting.
 
-    Collected first, so no garbage is frozen. Not for processes that build and drop many
-    engines (tests): a dropped engine's reference cycles (its runner's) were frozen too, and
-    would never be freed.
+    Collected first, so no garbage is frozen. The first engine of a process calls it when
+    built; call it again once everything a server needs exists (several engines, the service).
+    Not after every engine of a process that builds and drops many (tests, notebooks): a dropped
+    engine's reference cycles (its runner's) would be frozen too, and never freed.
     """
     gc.collect()
     gc.freeze()
+
+
+_heap_frozen = False
+
+
+def _freeze_heap_once() -> None:
+    """`freeze_heap` for the first engine of a process only, so that a process that builds and
+    drops engines keeps at most the first one's reference cycles for good."""
+    global _heap_frozen
+    if not _heap_frozen:
+        _heap_frozen = True
+        freeze_heap()
 
 
 # What the generated tokens' logprobs do not need of a step's SampleOutput: left on the device.

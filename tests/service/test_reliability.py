@@ -168,7 +168,7 @@ def test_output_fault_ends_one_call_with_finish_reason_error_and_8_others_comple
                 if outputs["bad"] == 4:
                     raise RuntimeError("injected stop-string failure")
 
-        engine._output_fault_hook = hook
+        engine.outputs.fault_hook = hook
         try:
             with concurrent.futures.ThreadPoolExecutor(9) as pool:
                 bad = pool.submit(
@@ -179,7 +179,7 @@ def test_output_fault_ends_one_call_with_finish_reason_error_and_8_others_comple
                 got = list(pool.map(lambda case: c.generate_unary(case[0], **case[1]), cases))
                 bad = bad.result()
         finally:
-            del engine._output_fault_hook
+            engine.outputs.fault_hook = None
         last = bad[-1]
         assert last.finish_reason == pb.FINISH_REASON_ERROR
         assert "injected stop-string failure" in last.error

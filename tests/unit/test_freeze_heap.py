@@ -35,3 +35,33 @@ def test_freeze_heap_collects_garbage_then_freezes_what_lives():
         [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+_FIRST_ENGINE = """
+import gc
+from jaxserve.engine import Engine
+from jaxserve.engine_config import EngineConfig
+
+class Node:
+    pass
+
+def walked(obj):
+    return any(o is obj for o in gc.get_objects())
+
+before = Node()
+before.me = before
+Engine(EngineConfig(show_progress=False, precompile=False))
+assert not walked(before), "the first engine must freeze what it finds"
+between = Node()
+between.me = between
+Engine(EngineConfig(show_progress=False, precompile=False))
+assert walked(between), "a later engine must not freeze again"
+print("ok")
+"""
+
+
+def test_the_first_engine_of_a_process_freezes_the_heap_and_later_ones_do_not():
+    run = subprocess.run(
+        [sys.executable, "-c", _FIRST_ENGINE], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
