@@ -238,7 +238,8 @@ class AsyncEngine:
     def _publish(self) -> None:
         s = self.engine.scheduler
         if self._ids_stale:
-            self._live_ids = frozenset(_user_id(r) for r in self._live if s.get_request(r) is not None)
+            live = (r for r in self._live if s.get_request(r) is not None)
+            self._live_ids = frozenset(_user_id(r) for r in live)
             self._ids_stale = False
         self._snapshot = EngineSnapshot(
             iteration=self._iteration,
