@@ -393,7 +393,7 @@ def freeze_heap() -> None:
     later are collected as before, and what dies is still freed by reference counting.
 
     Collected first, so no garbage is frozen. The first engine of a process calls it when
-    built; call it again once everything a server needs exists (several engines, the service).
+    built (what `serve` and `batch` rely on); call it again after building several (the bench).
     Not after every engine of a process that builds and drops many (tests, notebooks): a dropped
     engine's reference cycles (its runner's) would be frozen too, and never freed.
     """

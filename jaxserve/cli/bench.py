@@ -260,7 +260,7 @@ def _batch_defaults(args: argparse.Namespace):
 def _batch_here(args: argparse.Namespace, src, dst):
     """One engine in this process (one mesh, maybe over several hosts)."""
     from jaxserve.batch_job import BatchInputError, OutputCorrupt, run_batch
-    from jaxserve.engine import Engine, freeze_heap
+    from jaxserve.engine import Engine
 
     defaults = _batch_defaults(args)
     parallel = _parallel(args)  # before the model loads: a cluster must be joined first
@@ -269,7 +269,6 @@ def _batch_here(args: argparse.Namespace, src, dst):
 
     model = _load(args, mesh=make_mesh(parallel["tensor_parallel"], parallel["mesh_shape"]))
     engine = Engine(_batch_config(args, **parallel), model=model)
-    freeze_heap()  # no full garbage collection walks the warm heap during the job
     if engine.runner.lockstep is not None and not multihost.is_leader():
         engine.runner.follow()  # multi-host: the other processes run process 0's steps
         return None

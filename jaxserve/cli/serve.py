@@ -209,11 +209,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     def build_engine():  # runs during warm-up, while the port already answers health checks
         from jaxserve.async_engine import AsyncEngine
-        from jaxserve.engine import freeze_heap
 
-        engine = AsyncEngine(config)  # releases the followers when it shuts down
-        freeze_heap()  # no full garbage collection walks the warm heap while serving
-        return engine
+        return AsyncEngine(config)  # releases the followers when it shuts down
 
     try:
         return asyncio.run(serve(build_engine, options))
@@ -225,13 +222,12 @@ def _follow(config) -> int:
     """Multi-host, processes other than 0: the same engine as process 0's, running its steps
     until its engine thread releases them."""
     from checkpoints import ModelLoadError
-    from jaxserve.engine import Engine, freeze_heap
+    from jaxserve.engine import Engine
 
     try:
         engine = Engine(config)
     except ModelLoadError as e:
         raise UserError(str(e)) from e
-    freeze_heap()
     engine.runner.follow()
     return 0
 
