@@ -4,6 +4,10 @@
 configures it, the way `bench.runner.run_offline` drives an engine: requests join at their
 arrival times, each step is planned by the scheduler, and instead of running on a device the
 clock advances by the step's time predicted by a measured cost model (jaxserve/cost_model.py).
+The loop is `Engine.step`'s: with asynchronous scheduling (the default) step t+1 is planned
+while step t runs, before step t's tokens are applied and before the requests that arrive
+during step t are admitted, so a request arriving mid-step starts one step later than a
+synchronous loop would start it, and a finished request's slot is taken one step later.
 Sampled tokens are fakes; every request ignores EOS and runs to its workload's `max_tokens`, as
 in the bench. The result is a `bench.runner.RunResult`, so `bench.metrics.summarize` reports the
 same TTFT, TPOT, queue wait, goodput, KV use and preemptions as `jaxserve bench`.
@@ -25,7 +29,7 @@ from jaxserve.bench.workload import Workload
 from jaxserve.cost_model import CostModel
 from jaxserve.engine_config import EngineConfig
 from jaxserve.request import Request
-from jaxserve.scheduler import Scheduler, SchedulerConfig, StepResult
+from jaxserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
 
 FAKE_TOKEN = 3  # any id: outputs ignore EOS, so their values never matter
 DEFAULT_VOCAB = 32000  # prompt ids only matter to the prefix cache, which sees equal ones equal
@@ -91,26 +95,38 @@ def simulate(
             )
             outstanding += 1
 
-    while pending or sched.has_unfinished():
+    # The engine's loop, as Engine.step runs it: plan and dispatch the next step, then take in
+    # the steps before it (with asynchronous scheduling, all but the newest, unless that one is
+    # empty: step t+1 is planned while step t runs, so its tokens are applied one step late).
+    lag = 1 if config.async_scheduling else 0
+    inflight: collections.deque[tuple[SchedulerOutput, float]] = collections.deque()
+    device_free = 0.0  # when the device finishes the last step dispatched
+    while pending or sched.has_unfinished() or inflight:
         admit()
-        if not sched.has_unfinished():
+        if not sched.has_unfinished() and not inflight:
             clock = max(clock, pending[0].arrival_s)
             continue
         plan = sched.schedule(now=clock)
         if plan.seqs:
-            clock += cost.predict_plan(plan)
+            # Queued behind the step in flight: the device runs steps back to back, and the
+            # cost model timed each as the loop waits for it, host work included.
+            device_free = max(clock, device_free) + cost.predict_plan(plan)
             steps += 1
             real += plan.num_batched_tokens
             padded += next((b for b in buckets if b >= plan.num_batched_tokens), buckets[-1])
-        sampled = [FAKE_TOKEN if s.sample else None for s in plan.seqs]
-        updates = sched.update(plan, StepResult(sampled_token_ids=sampled), now=clock)
-        if plan.seqs:
-            timeline.add(clock, sched.num_slots_used, sched.num_waiting, sched.num_pages_used)
+        inflight.append((plan, device_free if plan.seqs else clock))
+        updates = []
+        while inflight and (len(inflight) > lag or not inflight[-1][0].seqs):
+            done, end = inflight.popleft()
+            clock = max(clock, end)
+            sampled = [FAKE_TOKEN if s.sample else None for s in done.seqs]
+            updates += sched.update(done, StepResult(sampled_token_ids=sampled), now=clock)
+        timeline.add(clock, sched.num_slots_used, sched.num_waiting, sched.num_pages_used)
         for u in updates:
             if u.finished:
                 outstanding -= 1
                 records.append(_record(u.request))
-        if not plan.seqs and not updates:
+        if sched.num_running == 0 and not updates:
             # Nothing runs (a dynamic batch waits to fill): time passes as the runner polls.
             next_at = pending[0].arrival_s if pending and not closed else math.inf
             clock = max(clock, min(next_at, clock + _IDLE_POLL_S))

@@ -59,6 +59,33 @@ def test_one_request_timed_step_by_step():
     assert result.engine["steps"] == 3
 
 
+def test_asynchronous_scheduling_plans_one_step_ahead():
+    # As the engine runs it: step t+1 is planned while step t runs, from the requests admitted
+    # before step t started. "b" arrives during "a"'s prefill (0 to 1.8 ms), after a's next
+    # step (its first decode, 1.1 ms) was planned, so it starts one such step later than it
+    # would if every plan waited for the last step's tokens. Synchronously: steps of 8 tokens
+    # (a's decode + 7 of b's prompt, 1.8 ms) and 2 tokens (1.2 ms) give b its first token at
+    # 1.8 + 1.8 + 1.2 = 4.8 ms, 4.3 ms after its arrival.
+    w = Workload(
+        name="two",
+        load=1.0,
+        load_kind="rate",
+        requests=(
+            RequestSpec(request_id="a", arrival_s=0.0, prompt_len=8, max_tokens=20),
+            RequestSpec(request_id="b", arrival_s=5e-4, prompt_len=8, max_tokens=4),
+        ),
+    )
+
+    def ttfts(async_scheduling: bool) -> dict[str, float]:
+        config = CONFIG.replace(async_scheduling=async_scheduling)
+        return {r.request_id: r.ttft for r in simulate(w, config, fake_cost()).records}
+
+    sync, ahead = ttfts(False), ttfts(True)
+    assert sync["b"] == pytest.approx(4.3e-3)
+    assert ahead["b"] == pytest.approx(sync["b"] + 1.1e-3)
+    assert ahead["a"] == sync["a"] == pytest.approx(1.8e-3)  # nothing was in flight for "a"
+
+
 def test_same_seed_same_result_and_other_seed_differs():
     def run(seed):
         result = simulate(_mixed(seed=seed), CONFIG, fake_cost(), seed=seed)

@@ -12,8 +12,10 @@ BASE = EngineConfig(max_model_len=128, cost_model="cost.json", ttft_slo_s=0.5, t
 
 
 def _workload():
-    mix = LengthMix(prompt_range=(8, 64), output_range=(4, 32))
-    return mixed_workloads([200.0], num_requests=40, mix=mix, seed=0)
+    # Prompts of 32-64 tokens arriving faster than they are served: a 512-token budget puts
+    # several whole prompts into the steps that running requests decode in.
+    mix = LengthMix(prompt_range=(32, 64), output_range=(4, 32))
+    return mixed_workloads([100.0], num_requests=40, mix=mix, seed=0)
 
 
 def test_grid_skips_invalid_combinations():
@@ -72,8 +74,8 @@ def test_simulate_and_tune_commands(tmp_path):
     import sys
 
     cost = fake_cost(fixed=1e-3, per_token=3e-4).save(tmp_path / "cost.json")
-    traffic = ["--cost-model", str(cost), "--rate", "200", "--num-requests", "30",
-               "--prompt-range", "8:64", "--output-range", "4:32", "--ttft-slo", "0.5",
+    traffic = ["--cost-model", str(cost), "--rate", "100", "--num-requests", "40",
+               "--prompt-range", "32:64", "--output-range", "4:32", "--ttft-slo", "0.5",
                "--tpot-slo", "0.02"]  # fmt: skip
     out = tmp_path / "sim.json"
     sim = subprocess.run(
@@ -81,9 +83,9 @@ def test_simulate_and_tune_commands(tmp_path):
          "--max-num-batched-tokens", "64", "--out", str(out)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    assert "(simulated)" in sim.stdout and "mixed@200/s" in sim.stdout
+    assert "(simulated)" in sim.stdout and "mixed@100/s" in sim.stdout
     (summary,) = json.loads(out.read_text())["summaries"]
-    assert summary["num_finished"] == 30
+    assert summary["num_finished"] == 40
     tune = subprocess.run(
         [sys.executable, "-m", "jaxserve.cli", "tune", *traffic, "--budgets", "64,512",
          "--seqs", "16", "--chunked", "on", "--policies", "fcfs", "--slo-aware", "off"],
