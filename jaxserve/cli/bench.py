@@ -101,7 +101,16 @@ def _cmd_steps(args: argparse.Namespace) -> int:
             f"--profile steps runs one step budget: --max-num-batched-tokens="
             f"{args.max_num_batched_tokens} lists {len(budgets)} values."
         )
+    # A shorter list of points measures less (a quick look, or CI); the defaults are the spec's.
+    points = {}
+    if args.steps_prompt_lens is not None:
+        points["prompt_lens"] = tuple(parse_list(args.steps_prompt_lens, int))
+    if args.steps_batches is not None:
+        points["batches"] = tuple(parse_list(args.steps_batches, int))
+    if min((*points.get("prompt_lens", [1]), *points.get("batches", [1]))) < 1:
+        raise UserError(f"--steps-prompt-lens and --steps-batches must be >= 1: {points}.")
     spec = StepsSpec(
+        **points,
         model=args.model,
         dtype=args.dtype,
         seed=args.seed,
@@ -350,6 +359,18 @@ def _add_bench_parser(sub) -> None:
         "microseconds per step by phase over a device call that costs nothing, at --running "
         "decode requests of --prompt-len context, --output-len steps timed (host.json in --out) "
         "(default: mixed)",
+    )
+    t.add_argument(
+        "--steps-prompt-lens",
+        default=None,
+        metavar="N,N,...",
+        help="steps: the prefill points' prompt tokens (default: 128,512,2048)",
+    )
+    t.add_argument(
+        "--steps-batches",
+        default=None,
+        metavar="B,B,...",
+        help="steps: the decode points' batch sizes (default: 1,16,64,256)",
     )
     t.add_argument(
         "--trace",

@@ -11,17 +11,32 @@ import pytest
 
 from jaxserve.bench.steps import BATCHES, PROMPT_LENS
 from jaxserve.cost_model import CostModel
+from jaxserve.engine_config import default_compilation_cache_dir
+
+# Two prefill points (one capped by the context) and two decode batches, on a 16-token budget:
+# every code path of the full run (chunked prefill, the cap, filling a batch, the cost model's
+# decode and mixed steps) at a fraction of its compiles (each costs seconds: the bench compiles
+# without a cache unless given one). The defaults are checked below.
+PROMPT_POINTS = (16, 2048)
+BATCH_POINTS = (1, 4)
+BUDGET = 16
 
 
-@pytest.mark.slow  # ~2 CPU-minutes: it compiles every bucket the points use
+@pytest.mark.slow  # it compiles every bucket the points use
 def test_steps_profile_prints_and_writes_every_point(tmp_path):
     out = tmp_path / "steps"
-    # Short decode contexts and few timed steps keep the fill of batch 256 to a few buckets.
+    # The suite's compilation cache (as the engines of other tests use): a rerun loads its steps.
+    cache = default_compilation_cache_dir()
+    cache_flag = ["--compile-cache", cache] if cache else []
+    # Short decode contexts and few timed steps keep the fill of each batch to a few buckets.
     proc = subprocess.run(
         [
             sys.executable, "-m", "jaxserve.cli", "bench", "--profile", "steps",
             "--model", "llama-tiny", "--dtype", "float32", "--prompt-len", "4",
-            "--output-len", "3", "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
+            "--output-len", "3", "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "8",
+            "--steps-prompt-lens", ",".join(map(str, PROMPT_POINTS)),
+            "--steps-batches", ",".join(map(str, BATCH_POINTS)),
+            *cache_flag,
             "--out", str(out),
         ],
         capture_output=True,
@@ -31,9 +46,10 @@ def test_steps_profile_prints_and_writes_every_point(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "steps.json").read_text())
     # llama-tiny's context is 2048 tokens: the 2048-token prompt is capped to 2047.
-    assert [p["tokens"] for p in report["prefill"]] == [min(p, 2047) for p in PROMPT_LENS]
-    assert [d["batch"] for d in report["decode"]] == list(BATCHES)
+    assert [p["tokens"] for p in report["prefill"]] == [min(p, 2047) for p in PROMPT_POINTS]
+    assert [d["batch"] for d in report["decode"]] == list(BATCH_POINTS)
     budget = report["max_num_batched_tokens"]
+    assert budget == BUDGET
     for p in report["prefill"]:
         assert p["steps"] == math.ceil(p["tokens"] / budget)
         assert p["tok_per_s"] == pytest.approx(p["tokens"] / p["seconds"])
@@ -45,16 +61,36 @@ def test_steps_profile_prints_and_writes_every_point(tmp_path):
     c = report["ceilings"]
     assert c["matmul_gflop_per_s"] > 0 and c["gemv_gb_per_s"] > 0
     assert c["gemv_bytes"] >= 500e6
-    for p in (*PROMPT_LENS[:2], 2047):
+    for p in (*PROMPT_POINTS[:-1], 2047):
         assert f"| {p} |" in proc.stdout
-    for b in BATCHES:
+    for b in BATCH_POINTS:
         assert f"| {b} |" in proc.stdout
     assert "GFLOP/s" in proc.stdout and "GB/s" in proc.stdout
     # The step-cost model of an engine of 8 rows and this budget, beside steps.json.
     cost = CostModel.load(out / "cost_model.json")
     assert cost.key.token_buckets[-1] == budget and cost.key.device_kind
-    assert all(cost.fits[b].samples > 0 for b in (1, 2, 4, 8, 512))  # decodes, full prefills
+    assert all(cost.fits[b].samples > 0 for b in (1, 2, 4, 8, BUDGET))  # decodes, full prefills
     assert cost.fit_error["samples"] > 100 and cost.fit_error["rel_rms"] is not None
     # A full prefill step over long contexts costs more than a one-token decode.
-    assert cost.predict(512, 512 * 300) > cost.predict(1, 32)
+    assert cost.predict(BUDGET, BUDGET * 300) > cost.predict(1, 32)
     assert "rel RMS" in proc.stderr
+
+
+def test_steps_profile_defaults_to_llama_batched_bench_points(monkeypatch):
+    # The test above asks for fewer points; without the flags the spec gets the full lists.
+    import jaxserve.bench.steps as steps
+    from jaxserve.cli import main
+
+    seen = []
+
+    def fake_run_steps(spec, log):
+        seen.append(spec)
+        raise SystemExit(0)  # stop before anything is built
+
+    monkeypatch.setattr(steps, "run_steps", fake_run_steps)
+    with pytest.raises(SystemExit):
+        main(["bench", "--profile", "steps", "--model", "llama-tiny"])
+    assert (seen[0].prompt_lens, seen[0].batches) == (PROMPT_LENS, BATCHES)
+    with pytest.raises(SystemExit):
+        main(["bench", "--profile", "steps", "--steps-prompt-lens", "8", "--steps-batches", "2,3"])
+    assert (seen[1].prompt_lens, seen[1].batches) == ((8,), (2, 3))
