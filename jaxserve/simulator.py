@@ -62,8 +62,14 @@ def simulate(
     max_model_len: int | None = None,
     vocab_size: int = DEFAULT_VOCAB,
     seed: int = 0,
+    step_cost: CostModel | None = None,
 ) -> RunResult:
-    """Serves `workload` on a virtual clock (module docstring); times are seconds from 0."""
+    """Serves `workload` on a virtual clock (module docstring); times are seconds from 0.
+
+    Steps take `step_cost`'s time when given, else `cost`'s; the SLO policy plans with `cost`
+    either way, as an engine plans with the model it loaded whatever pace the machine runs at
+    (e.g. `step_cost` fitted to a real run's own steps replays that run's pace).
+    """
     max_model_len = max_model_len or config.max_model_len
     if max_model_len is None:
         raise ValueError("simulate needs max_model_len (or EngineConfig.max_model_len).")
@@ -110,7 +116,7 @@ def simulate(
         if plan.seqs:
             # Queued behind the step in flight: the device runs steps back to back, and the
             # cost model timed each as the loop waits for it, host work included.
-            device_free = max(clock, device_free) + cost.predict_plan(plan)
+            device_free = max(clock, device_free) + (step_cost or cost).predict_plan(plan)
             steps += 1
             real += plan.num_batched_tokens
             padded += next((b for b in buckets if b >= plan.num_batched_tokens), buckets[-1])

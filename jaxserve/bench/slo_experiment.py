@@ -62,6 +62,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from jaxserve import cost_model
 from jaxserve.bench.metrics import SLO, summarize
 from jaxserve.bench.workload import LengthMix, Workload, mixed_workloads
 from jaxserve.cost_model import CostModel
@@ -84,6 +85,9 @@ class Plan:
     slo: SLO
     loose: SLO
     tune: bool
+    # Scores the configurations that do not depend on the SLO once more, under targets most of
+    # their requests meet, so that their goodput counts many requests (module docstring).
+    compare: SLO | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     seed: int = 0
@@ -104,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loose-ttft", type=float, default=1.0, help="when the SLO cannot be met")
     p.add_argument("--loose-tpot", type=float, default=0.1, help="when the SLO cannot be met")
     p.add_argument("--tune", action="store_true", help="also measure the tuner's pick for real")
+    p.add_argument(
+        "--compare-slo",
+        default="10:0.1",
+        help="TTFT:TPOT seconds to also score today's, static and dynamic batching under "
+        "('none': not)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     plan = Plan(
@@ -116,10 +126,22 @@ def main(argv: list[str] | None = None) -> int:
         loose=SLO(args.loose_ttft, args.loose_tpot),
         tune=args.tune,
         seed=args.seed,
+        compare=_parse_slo(args.compare_slo),
     )
     table = run(plan)
     print(table)
     return 0
+
+
+def _parse_slo(text: str) -> SLO | None:
+    if text == "none":
+        return None
+    try:
+        ttft, tpot = (float(x) for x in text.split(":"))
+    except ValueError:
+        why = f"--compare-slo {text!r} must be TTFT:TPOT in seconds, or 'none'."
+        raise SystemExit(why) from None
+    return SLO(ttft, tpot)
 
 
 def _log(line: str) -> None:
@@ -200,21 +222,32 @@ def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
             engines[label] = build(config)
         elif label.startswith("tuner"):
             engines[label] = build(config.replace(calibrate_cost_model=False))
-    rows = []
+    rows, checks = [], []
+    scored_slos = slos + ([plan.compare] if plan.compare and plan.compare not in slos else [])
     for label, slo, config in configs:
         engine = engines.get(label, today)
         if engine is today:
             slo_policy.attach(today.scheduler, config, cost)  # None unless SLO-aware
         t = time.perf_counter()
-        real = run_offline(engine, workload, label=label, seed=plan.seed)
+        with calibration.recording_steps(engine) as steps:
+            real = run_offline(engine, workload, label=label, seed=plan.seed)
         today.scheduler.step_budget = None
         log(f"real {label} ({_slo_name(slo)}): {time.perf_counter() - t:.1f}s")
-        # 3. The simulator on the same workload, configuration and cost model.
+        # 3. The simulator on the same workload, configuration and cost model; and once more
+        # with each step as long as this run's own steps were (a model fitted to them), which
+        # tells the simulator's error from the cost model's.
         sim = _simulate(workload, config, cost, label, max_model_len, model, plan.seed)
-        for scored in [slo] if slo else slos:
+        own = cost_model.fit(steps, cost.key) if steps else None
+        replay = _simulate(workload, config, cost, label, max_model_len, model, plan.seed, own)
+        for scored in [slo] if slo else scored_slos:
             rows.append((label, scored, summarize(real, scored), summarize(sim, scored)))
-    rows.sort(key=lambda row: slos.index(row[1]))  # by SLO, configurations in order (stable)
+        checks.append(
+            (label, slo or slos[0], step_error(cost, steps), summarize(real, slo or slos[0]),
+             summarize(replay, slo or slos[0]))
+        )  # fmt: skip
+    rows.sort(key=lambda row: scored_slos.index(row[1]))  # by SLO, then configurations in order
     table = format_table(rows, plan, why, time.perf_counter() - started)
+    table += "\n\n" + format_checks(checks)
     (plan.out / "slo_experiment.md").write_text(table + "\n")
     (plan.out / "slo_experiment.json").write_text(
         json.dumps(
@@ -224,6 +257,10 @@ def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
                 "rows": [
                     {"label": lb, "slo": dataclasses.asdict(s), "real": r, "simulated": m}
                     for lb, s, r, m in rows
+                ],
+                "checks": [
+                    {"label": lb, "slo": dataclasses.asdict(s), "steps": e, "replayed": m}
+                    for lb, s, e, _, m in checks
                 ],
             },
             indent=1,
@@ -249,7 +286,7 @@ def slo_feasible(cost: CostModel, slo: SLO, rows: int, mix: LengthMix) -> tuple[
     )
 
 
-def _simulate(workload: Workload, config, cost, label, max_model_len, model, seed):
+def _simulate(workload: Workload, config, cost, label, max_model_len, model, seed, steps=None):
     from jaxserve.simulator import simulate
 
     return simulate(
@@ -260,7 +297,22 @@ def _simulate(workload: Workload, config, cost, label, max_model_len, model, see
         max_model_len=max_model_len,
         vocab_size=model.config.vocab_size,
         seed=seed,
+        step_cost=steps,
     )
+
+
+def step_error(cost: CostModel, steps) -> dict:
+    """How the cost model predicted the steps of one real run (cost_model.StepSample list):
+    their measured over predicted total time, and the median step's ratio."""
+    if not steps:
+        return {"steps": 0, "total_ratio": math.nan, "median_ratio": math.nan}
+    predicted = [cost.predict(s.tokens, s.attended) for s in steps]
+    ratios = sorted(s.seconds / p for s, p in zip(steps, predicted, strict=True))
+    return {
+        "steps": len(steps),
+        "total_ratio": sum(s.seconds for s in steps) / sum(predicted),
+        "median_ratio": ratios[len(ratios) // 2],
+    }
 
 
 def _tuned(workload, base, cost, cost_path, slo, max_model_len, plan, log):
@@ -302,11 +354,47 @@ def format_table(rows, plan: Plan, why: str, wall_s: float) -> str:
             f"{_num(real['output_token_throughput'], '.0f')} | "
             f"{_pair(real['ttft']['p50'], sim['ttft']['p50'], 1, '.2f')} | "
             f"{_pair(real['tpot']['p50'], sim['tpot']['p50'], 1e3, '.0f')} | "
-            f"{_pair(real['goodput'], sim['goodput'], 1, '.2f')} | "
+            f"{_goodput_pair(real, sim)} | "
             f"{real['num_refused']} / {sim['num_refused']} |"
         )
     lines += ["", *_ratios(rows)]
     return "\n".join(lines)
+
+
+def format_checks(checks) -> str:
+    """Per real run: the cost model's error on its steps, and the simulator replaying it with
+    those steps' own times (a model fitted to them): what is left there is the simulator's."""
+    lines = [
+        "Per real run: measured over predicted time of its steps (total; median step), and the "
+        "simulator again with steps as long as this run's own (a cost model fitted to them):",
+        "",
+        "| config | SLO | steps | measured / predicted | TTFT p50 real / replayed (s) | TPOT p50 "
+        "real / replayed (ms) | good real / replayed |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, slo, err, real, replay in checks:
+        lines.append(
+            f"| {label} | {slo.ttft_s:g} s / {slo.tpot_s * 1e3:g} ms | {err['steps']} | "
+            f"{err['total_ratio']:.2f}; {err['median_ratio']:.2f} | "
+            f"{_pair(real['ttft']['p50'], replay['ttft']['p50'], 1, '.2f')} | "
+            f"{_pair(real['tpot']['p50'], replay['tpot']['p50'], 1e3, '.0f')} | "
+            f"{real['good_requests']} / {replay['good_requests']} |"
+        )
+    return "\n".join(lines)
+
+
+# Fewer requests than this met the SLO in the real run: goodput is a count of a handful of
+# requests, and its relative error says little (a request more or less moves it by 5-50%).
+FEW_GOOD = 20
+
+
+def _goodput_pair(real: dict, sim: dict) -> str:
+    """'real / sim (+e%; n / m requests)', the error left out when few requests were good."""
+    counts = f"{real['good_requests']} / {sim['good_requests']} req"
+    pair = _pair(real["goodput"], sim["goodput"], 1, ".2f")
+    if real["good_requests"] >= FEW_GOOD:
+        return f"{pair[:-1]}; {counts})" if pair.endswith(")") else f"{pair} ({counts})"
+    return f"{pair.split(' (')[0]} (few: {counts})"
 
 
 def _ratios(rows) -> list[str]:
@@ -318,6 +406,8 @@ def _ratios(rows) -> list[str]:
         aware = max(
             (v for k, v in good.items() if k.startswith(("SLO-aware", "tuner"))), default=math.nan
         )
+        if math.isnan(aware):
+            continue  # an SLO the others are only scored under (--compare-slo)
         batch = max(good.get("static", math.nan), good.get("dynamic", math.nan))
         out.append(
             f"SLO {slo.ttft_s:g} s / {slo.tpot_s:g} s: best SLO-aware goodput {aware:.2f} req/s "

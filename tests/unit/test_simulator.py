@@ -116,6 +116,23 @@ def test_slower_steps_slow_every_latency():
     assert slow["tpot"]["p50"] > 3 * fast["tpot"]["p50"]
 
 
+def test_step_cost_times_the_steps_and_cost_plans_them():
+    # Steps take step_cost's time: without an SLO policy (nothing plans with `cost`) the run is
+    # the one simulated with that model alone.
+    w = _mixed()
+    fast, slow = fake_cost(fixed=1e-3), fake_cost(fixed=5e-3)
+
+    def times(result):
+        return sorted((r.request_id, r.first_token, r.finished) for r in result.records)
+
+    assert times(simulate(w, CONFIG, fast, step_cost=slow)) == times(simulate(w, CONFIG, slow))
+    # With one, the policy plans by `cost` while the steps run slower: its budget then differs
+    # from a policy that knew the slow steps (it learns their pace only step by step).
+    aware = CONFIG.replace(slo_scheduling=True, ttft_slo_s=0.05, tpot_slo_s=0.008)
+    planned_fast = simulate(w, aware, fast, step_cost=slow)
+    assert times(planned_fast) != times(simulate(w, aware, slow))
+
+
 def test_static_batching_waits_for_the_whole_group():
     w = _mixed(rate=1000.0, n=16)
     cont = summarize(simulate(w, CONFIG, fake_cost()), SLO(1.0, 0.1))

@@ -69,3 +69,28 @@ def test_table_sets_each_run_beside_the_simulator_with_its_error():
 def test_quick_or_full_is_required():
     with pytest.raises(SystemExit):
         slo_experiment.main(["--out", "x"])
+
+
+def test_goodput_error_is_left_out_when_few_requests_were_good():
+    def summary(good: int, seconds: float) -> dict:
+        return {"good_requests": good, "goodput": good / seconds}
+
+    # 3 good requests against 2: -33% by the ratio, one request by the count.
+    assert slo_experiment._goodput_pair(summary(3, 10), summary(2, 10)) == (
+        "0.30 / 0.20 (few: 3 / 2 req)"
+    )
+    many = slo_experiment.FEW_GOOD * 2
+    assert slo_experiment._goodput_pair(summary(many, 10), summary(many, 8)) == (
+        f"{many / 10:.2f} / {many / 8:.2f} (+25%; {many} / {many} req)"
+    )
+
+
+def test_step_error_compares_measured_with_predicted_steps():
+    from jaxserve.cost_model import StepSample
+
+    # COST predicts 2 ms + 0.1 ms per token: 2.1 ms for 1 token, 8.4 ms for 64.
+    steps = [StepSample(1, 10, 4.2e-3), StepSample(64, 640, 8.4e-3), StepSample(64, 640, 4.2e-3)]
+    err = slo_experiment.step_error(COST, steps)
+    assert err["steps"] == 3
+    assert err["total_ratio"] == pytest.approx(16.8 / 18.9)
+    assert err["median_ratio"] == pytest.approx(1.0)
