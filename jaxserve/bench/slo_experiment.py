@@ -24,14 +24,25 @@ the prefix cache off, since one engine serves the same prompts several times):
    batching as today, static and dynamic batching, SLO-aware scheduling and SLO-aware + shed
    late (`--shed-late`: requests refused with finish reason "refused", counted apart).
 3. The simulator (jaxserve/simulator.py) on the same workload and configurations with that cost
-   model; the error of its TTFT p50, TPOT p50 and goodput against each real run.
+   model; the error of its TTFT p50, TPOT p50 and goodput against each real run. Goodput shows
+   the good requests' count too, and no error where fewer than FEW_GOOD were good in the real
+   run (then one request more or less moves it by tens of percent: a count, not a rate).
+   Each real run's steps are timed as calibration times them; a second table sets the cost
+   model's error on them (measured over predicted) beside the simulator replaying the run with
+   a model fitted to those very steps: the error left there is the simulator's own (its loop,
+   the scheduler's decisions), the rest the cost model's (the machine changed pace since the
+   calibration, or the fit misses the contexts the run saw).
 4. With --tune: `jaxserve tune`'s search in the simulator, and its pick measured for real.
 
 The SLO is the issue's (TTFT <= 0.25 s, TPOT <= 0.02 s). When the cost model says the step alone
 cannot meet it on this machine (a decode step of every row already slower than the TPOT target,
 or the longest prompt's prefill slower than the TTFT target), the script says so and also runs
 the SLO-aware configurations under `--loose-ttft` / `--loose-tpot` (default 1 s / 0.1 s, the
-bench's defaults); the other configurations do not depend on the SLO and are scored under both.
+bench's defaults); the other configurations do not depend on the SLO and are scored under both,
+and once more under `--compare-slo` (default 10 s / 0.1 s): at a saturating rate today's, static
+and dynamic batching meet the tighter targets with a handful of requests (a few of 200), so
+their goodput only becomes a rate worth comparing with the simulator's under targets that most
+of their requests meet (on the idle machine their TTFT p50 was 5-12 s, TPOT p50 45-71 ms).
 The output is one markdown table for docs/benchmarks.md (also DIR/slo_experiment.md, and every
 summary in DIR/slo_experiment.json). Ratios inside this run are what to quote, never absolutes
 across runs: the development machine is shared.
