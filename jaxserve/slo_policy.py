@@ -57,6 +57,7 @@ class SloPolicy:
         max_num_batched_tokens: int,
         headroom: float = 0.9,
         shed: Callable[[Request, str], object] | None = None,
+        lag: int = 0,
     ):
         if not tpot_s > 0 or not math.isfinite(tpot_s):
             raise ValueError(f"The TPOT target tpot_s={tpot_s!r} must be > 0 seconds.")
@@ -78,6 +79,13 @@ class SloPolicy:
         # How much slower than the cost model the machine runs now (a busier neighbour, another
         # clock speed): an average of measured over predicted step time, see _learn_scale.
         self.scale = 1.0
+        # Plans between a step's planning and the interval between calls that it fills: 0 when
+        # every plan waits for the last step's tokens, 1 with asynchronous scheduling (the
+        # interval after plan k+1 is step k's: plan k+1 was made while step k ran).
+        if lag not in (0, 1):
+            raise ValueError(f"lag={lag} must be 0 (synchronous) or 1 (asynchronous scheduling).")
+        self.lag = lag
+        self._predicted: list[float | None] = [None] * (lag + 1)  # the last plans', oldest first
         self._computed: dict[str, int] = {}  # num_computed_tokens of each running request
         self._last_call: float | None = None  # `now` of the last call that had work
 
@@ -123,11 +131,14 @@ class SloPolicy:
     def _learn_scale(self, running: Sequence[Request], waiting, now: float) -> None:
         """Moves `scale` towards the measured over the predicted time of the last step.
 
-        The last step is the interval since the last call (the scheduler plans once per step),
-        and what it ran is how far each running request advanced since then, so no hook in the
-        engine is needed. A ratio beyond [0.1, 10] is an idle gap or a stall, not the machine's
-        pace, and is ignored; the average moves by a tenth per step, so one slow step does not
-        swing the budget.
+        The scheduler plans once per step, so the interval since the last call is one step's
+        time, and what a plan ran is how far each running request advanced between the calls
+        around it, so no hook in the engine is needed. Which plan the interval timed: the last
+        one, or with asynchronous scheduling (`lag` 1) the one before it, whose step ran while
+        the last was planned (pairing the interval with the last plan instead set a small step's
+        time against a large step's prediction after every prefill). A ratio beyond [0.1, 10] is
+        an idle gap or a stall, not the machine's pace, and is ignored; the average moves by a
+        tenth per step, so one slow step does not swing the budget.
         """
         tokens = pairs = 0
         computed = {}
@@ -141,9 +152,18 @@ class SloPolicy:
             computed[req.request_id] = c
         self._computed = computed
         last, self._last_call = self._last_call, now if (running or waiting) else None
-        if last is None or tokens == 0 or now <= last:
+        if last is None:
+            self._predicted = [None] * (self.lag + 1)  # idle: what ran before says nothing
+        # The first call after idling has no plan before it to measure from: no prediction.
+        known = tokens and last is not None
+        self._predicted = [
+            *self._predicted[1:],
+            self.cost.predict(tokens, pairs) if known else None,
+        ]
+        predicted = self._predicted[0]
+        if last is None or predicted is None or now <= last:
             return
-        ratio = (now - last) / self.cost.predict(tokens, pairs)
+        ratio = (now - last) / predicted
         if 0.1 <= ratio <= 10:
             self.scale = min(8.0, max(0.25, 0.9 * self.scale + 0.1 * ratio))
 
@@ -228,6 +248,7 @@ def attach(scheduler, config, cost: CostModel | None) -> SloPolicy | None:
         token_buckets=scheduler.config.token_buckets or (scheduler.config.max_num_batched_tokens,),
         max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
         shed=refuser(scheduler) if config.shed_late else None,
+        lag=1 if getattr(config, "async_scheduling", False) else 0,
     )
     scheduler.step_budget = policy
     return policy

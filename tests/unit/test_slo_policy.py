@@ -165,6 +165,50 @@ def test_policy_learns_that_the_machine_runs_slower_than_measured():
     assert policy.scale == pytest.approx(3.0, rel=0.05)
 
 
+def _alternating_steps(policy: SloPolicy, read_lag: int) -> float:
+    """Plans that alternate the 4 decodes alone (2.4 ms by the model) with the 4 decodes and 60
+    tokens of a prompt (8.4 ms), each step taking what the model says; the interval before each
+    call is the step `read_lag` plans before the last (1: planned asynchronously, the last plan
+    was made while the step before it ran). Returns the pace the policy learned."""
+    decodes = _running_decodes(4, 20)
+    prompt = Request(
+        request_id="p",
+        prompt_token_ids=[5] * 4000,
+        sampling_params=SamplingParams(max_tokens=5),
+        arrival_time=0.0,
+    )
+    prompt.num_computed_tokens = 100
+    running = [*decodes, prompt]
+    seconds = [2.4e-3 if k % 2 == 0 else 8.4e-3 for k in range(41)]
+    now = 0.0
+    policy(running, [], now=now)  # plans step 0
+    for k in range(1, 41):
+        for r in decodes:  # step k - 1 was planned: its tokens count as computed
+            r.output_token_ids.append(7)
+            r.num_computed_tokens += 1
+        prompt.num_computed_tokens += 60 if (k - 1) % 2 else 0
+        timed = k - 1 - read_lag
+        now += seconds[timed] if timed >= 0 else 1e-4  # nothing to wait for yet
+        policy(running, [], now=now)
+    return policy.scale
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_pace_is_measured_against_the_step_that_filled_the_interval(lag):
+    assert _alternating_steps(_policy(lag=lag), read_lag=lag) == pytest.approx(1.0)
+
+
+def test_pace_paired_with_the_wrong_step_drifts():
+    # Asynchronous steps read as synchronous ones: each 2.4 ms step is set against an 8.4 ms
+    # prediction and the other way round, and the average of those ratios (0.29 and 3.5) is
+    # far from the machine's pace of 1. So attach() passes the engine's lag.
+    assert _alternating_steps(_policy(lag=0), read_lag=1) > 1.5
+    config = BASE.replace(slo_scheduling=True)
+    for asynchronous in (False, True):
+        sched = build_scheduler(config.replace(async_scheduling=asynchronous), COST, 256)
+        assert sched.step_budget.lag == int(asynchronous)
+
+
 def test_a_request_that_cannot_meet_its_ttft_is_refused_with_the_reason():
     config = BASE.replace(slo_scheduling=True, shed_late=True, ttft_slo_s=0.05)
     sched = build_scheduler(config, COST, 256)
