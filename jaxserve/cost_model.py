@@ -9,9 +9,13 @@ by least squares over measured steps,
 where `tokens` are the step's real tokens and `attended` the (query token, cached token) pairs
 its attention reads: a decode at context c attends c, a prefill chunk of n tokens after s cached
 ones n * s + n * (n + 1) / 2. Steps are timed as the engine loop sees them (host work included),
-which is what a request waits for. Buckets with too few samples share slopes fitted over all
-buckets and keep an intercept of their own; buckets never measured interpolate the intercepts of
-their neighbours.
+which is what a request waits for. The fit is one least-squares problem: each bucket has its own
+intercept (its matmuls run the padded shape) and, with 30 steps or more, its own per-token slope
+(fewer: one shared by such buckets); the per-pair slope is one for all buckets, since an attended
+pair costs the same attention in any. (Per-bucket pair slopes, fitted to a few dozen noisy steps
+at the calibration's contexts, predicted at the longer contexts of a static batch's tail a
+32-row decode 20-40% slower than a 64-row one.) Buckets never measured interpolate the
+intercepts of their neighbours.
 
 A model is saved as JSON keyed by model, dtype, device kind and token buckets (`CostKey`), so a
 file measured on one machine is never silently applied to another. Pure Python and numpy: the
@@ -30,10 +34,10 @@ from pathlib import Path
 import numpy as np
 
 FEATURES = ("fixed", "tokens", "attended")
-MIN_SAMPLES_OWN_FIT = 30  # fewer samples in a bucket: shared slopes, own intercept
 # A step this many times slower than predicted was not the step's doing (a compile, a swap):
 # refit without it. Milder slowdowns (a busy neighbour) stay in: serving meets them too.
 _OUTLIER_FACTOR = 4.0
+MIN_SAMPLES_OWN_FIT = 30  # fewer steps in a bucket: the per-token slope shared by such buckets
 
 
 class CostModelError(ValueError):
@@ -229,41 +233,51 @@ def _fit_once(samples: Sequence[StepSample], buckets: list[int], key: CostKey) -
         i = min(bisect.bisect_left(buckets, s.tokens), len(buckets) - 1)
         by_bucket[buckets[i]].append(s)
     measured = [b for b in buckets if by_bucket[b]]
-    # Shared slopes: one intercept per measured bucket, one slope per feature for all.
-    rows = np.zeros((len(samples), len(measured) + 2), np.float64)  # f64[n, buckets + 2]
+    # One least-squares fit for all buckets: each measured bucket has its own intercept (its
+    # matmuls run the padded shape) and, with the steps to tell, its own per-token slope (within
+    # a bucket tokens range over a factor of 2 at most); the others share one. The per-pair
+    # slope is one for all: an attended pair costs the same attention in any bucket, while
+    # per-bucket pair slopes from a few dozen noisy steps, extrapolated to the longer contexts a
+    # run reaches, predicted a 32-row decode slower than a 64-row one (docs/bench-slo).
+    own = [
+        b for b in measured if len(by_bucket[b]) >= MIN_SAMPLES_OWN_FIT and _varies(by_bucket[b])
+    ]
+    token_col = {b: len(measured) + k for k, b in enumerate(own)}
+    shared_token = len(measured) + len(own)
+    pair = shared_token + 1
+    rows = np.zeros((len(samples), pair + 1), np.float64)  # f64[n, columns]
     times = np.zeros(len(samples), np.float64)  # f64[n]
     r = 0
     for j, b in enumerate(measured):
         for s in by_bucket[b]:
-            rows[r, j], rows[r, -2], rows[r, -1], times[r] = 1.0, s.tokens, s.attended, s.seconds
+            rows[r, j] = 1.0
+            rows[r, token_col.get(b, shared_token)] = s.tokens
+            rows[r, pair], times[r] = s.attended, s.seconds
             r += 1
-    shared = _nonneg_lstsq(rows, times)
-    slopes = (float(shared[-2]), float(shared[-1]))
-    intercepts = {b: float(shared[j]) for j, b in enumerate(measured)}
-    fits = []
+    coef = _nonneg_lstsq(rows, times)
+    per_pair = float(coef[pair])
+    fixed = {b: float(coef[j]) for j, b in enumerate(measured)}
+    fits = [
+        BucketFit(
+            bucket=b,
+            coef=(fixed[b], float(coef[token_col.get(b, shared_token)]), per_pair),
+            samples=len(by_bucket[b]),
+            shared_slopes=b not in token_col,
+            rel_rms=None,
+        )
+        for b in measured
+    ]
     for b in buckets:
-        pts = by_bucket[b]
-        if len(pts) >= MIN_SAMPLES_OWN_FIT and _varies(pts):
-            x = np.asarray([[1.0, s.tokens, s.attended] for s in pts], np.float64)  # f64[n, 3]
-            y = np.asarray([s.seconds for s in pts], np.float64)  # f64[n]
-            coef = tuple(float(c) for c in _nonneg_lstsq(x, y))
-            fits.append(BucketFit(bucket=b, coef=coef, samples=len(pts), shared_slopes=False,
-                                  rel_rms=None))  # fmt: skip
-        elif pts:
-            fits.append(BucketFit(bucket=b, coef=(intercepts[b], *slopes), samples=len(pts),
-                                  shared_slopes=True, rel_rms=None))  # fmt: skip
-    have = {f.bucket: f.coef[0] for f in fits}
-    for b in buckets:
-        if b not in have:  # never measured: between its neighbours' intercepts
-            fixed = float(np.interp(b, list(have), list(have.values())))
-            fits.append(BucketFit(bucket=b, coef=(fixed, *slopes), samples=0, shared_slopes=True,
-                                  rel_rms=None))  # fmt: skip
+        if b not in fixed:  # never measured: between its neighbours' intercepts
+            between = float(np.interp(b, measured, [fixed[m] for m in measured]))
+            fits.append(BucketFit(bucket=b, coef=(between, float(coef[shared_token]), per_pair),
+                                  samples=0, shared_slopes=True, rel_rms=None))  # fmt: skip
     return CostModel(key, fits)
 
 
 def _varies(pts: Sequence[StepSample]) -> bool:
-    """Whether both features take more than one value: else their slopes are not identifiable."""
-    return len({s.tokens for s in pts}) > 1 and len({s.attended for s in pts}) > 1
+    """Whether the tokens take more than one value: else their slope is not identifiable."""
+    return len({s.tokens for s in pts}) > 1
 
 
 def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:

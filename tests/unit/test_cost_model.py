@@ -87,6 +87,23 @@ def test_unmeasured_bucket_interpolates_between_neighbours():
     assert model.predict(8, 0) < low < high < model.predict(64, 0)
 
 
+def test_one_pair_slope_for_all_buckets_so_long_contexts_stay_ordered():
+    # Bucket 32's steps met a busy neighbour whenever their contexts were long: fitted alone,
+    # its pair slope would be 6x the true one, and at contexts 4x the measured ones a 32-token
+    # step would be predicted slower than a 64-token one. An attended pair costs the same in
+    # every bucket, so the slope is fitted over all of them.
+    def disturbed(s):
+        if 16 < s.tokens <= 32:
+            return StepSample(s.tokens, s.attended, s.seconds + 5 * TRUE[32][2] * s.attended)
+        return s
+
+    model = fit([disturbed(s) for s in _samples(noise=0.0)], KEY)
+    assert len({f.coef[2] for f in model.fits.values()}) == 1
+    for per_token_pairs in (600, 2400):
+        times = [model.predict(t, t * per_token_pairs) for t in (8, 16, 32, 64)]
+        assert times == sorted(times), times
+
+
 def test_slopes_never_negative():
     # Times that fall with more work (noise on a flat cost) must not give a negative slope.
     samples = [StepSample(t, t * 10, 1e-3 - 1e-7 * t) for t in range(1, 9)] * 3
