@@ -15,7 +15,6 @@ step takes each from `feed_slots` (the slot whose last sampled token it is) on t
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -98,16 +97,19 @@ class InputBatch:
         (`special`); the caller fills those rows of the SamplingBatch.
         """
         n = len(seqs)
-        for seq in seqs:  # the deltas: new owners, grown page tables
+        owner, table_of, table_len = self._owner, self._table_of, self._table_len
+        slot_list, start_list, len_list, sample_list = [], [], [], []
+        tokens_list: list[int] = []
+        for seq in seqs:  # the deltas (new owners, grown page tables), and the rows' numbers
             slot = seq.slot
-            if self._owner[slot] is not seq.request:
+            if owner[slot] is not seq.request:
                 self._claim(slot, seq.request)
             table = seq.page_table
-            if self._table_of[slot] is not table:  # a new table: nothing of the old one stays
-                self._table_of[slot] = table
+            if table_of[slot] is not table:  # a new table: nothing of the old one stays
+                table_of[slot] = table
                 self.tables[slot] = 0
-                self._table_len[slot] = 0
-            have = self._table_len[slot]
+                table_len[slot] = 0
+            have = table_len[slot]
             if len(table) != have:
                 if len(table) < have:
                     raise ValueError(
@@ -115,19 +117,23 @@ class InputBatch:
                         f"{len(table)} pages while it held slot {slot}."
                     )
                 self.tables[slot, have : len(table)] = table[have:]
-                self._table_len[slot] = len(table)
-        lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, n)
-        total = int(lens.sum())
+                table_len[slot] = len(table)
+            ids = seq.token_ids
+            slot_list.append(slot)
+            start_list.append(seq.start_pos)
+            len_list.append(len(ids))
+            sample_list.append(seq.sample)
+            tokens_list += ids
+        lens = np.array(len_list, np.int32)
+        total = len(tokens_list)
         num_tokens = pick_bucket(self.token_buckets, max(total, 1))
         num_seqs = self.seq_bucket_for(num_tokens)
         if n > num_seqs:
             raise ValueError(f"{n} sequences do not fit the bucket ({num_tokens=}, {num_seqs=}).")
-        slots = np.fromiter((s.slot for s in seqs), np.int32, n)
-        starts = np.fromiter((s.start_pos for s in seqs), np.int32, n)
-        sample = np.fromiter((s.sample for s in seqs), np.bool_, n)
-        tokens = np.fromiter(
-            itertools.chain.from_iterable(s.token_ids for s in seqs), np.int32, total
-        )
+        slots = np.array(slot_list, np.int32)
+        starts = np.array(start_list, np.int32)
+        sample = np.array(sample_list, np.bool_)
+        tokens = np.array(tokens_list, np.int32)
         ends = np.cumsum(lens, dtype=np.int32)
         row_of = np.repeat(np.arange(n, dtype=np.int32), lens)  # i32[total] row of each token
         positions = starts[row_of] + (np.arange(total, dtype=np.int32) - (ends - lens)[row_of])

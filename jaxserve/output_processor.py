@@ -37,6 +37,8 @@ class Tracked:
     # is prompt token p's), until delivered with the first output.
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False
+    # The timings its last output carried, shared by outputs until one of them changes.
+    metrics: RequestMetrics | None = None
 
 
 class OutputProcessor:
@@ -102,42 +104,54 @@ class OutputProcessor:
         )
 
     def _output(self, tracked: Tracked, update: RequestUpdate) -> RequestOutput:
+        """One request's output of this step (the hot path: a row per running request)."""
         request = tracked.request
-        new_ids = list(update.new_token_ids)
-        visible = [t for t in new_ids if not request.is_stop_token(t)]  # no text for stop ids
+        new_ids = update.new_token_ids  # the scheduler's own list for this output
+        text = ""
         if tracked.detokenizer is not None:
-            tracked.stops.add(tracked.detokenizer.add(visible))
-        if tracked.stops.matched is not None and not request.is_finished:
-            self.scheduler.finish_request(request.request_id, FinishReason.STOP)
+            stop_ids = request.stop_ids
+            visible = [t for t in new_ids if t not in stop_ids] if stop_ids else new_ids
+            stops = tracked.stops
+            stops.add(tracked.detokenizer.add(visible))  # no text for stop ids
+            if stops.matched is not None and not request.is_finished:
+                self.scheduler.finish_request(request.request_id, FinishReason.STOP)
+            text = stops.take(final=request.is_finished)
         finished = request.is_finished
-        text = tracked.stops.take(final=finished)
+        params = request.sampling_params
         logprobs = None
-        if request.sampling_params.logprobs is not None:
+        if params.logprobs is not None:
             logprobs = [lp for lp in (update.logprobs or []) if lp is not None]
         prompt_logprobs = None
-        if (
-            request.sampling_params.prompt_logprobs is not None
-            and new_ids
-            and not tracked.prompt_logprobs_sent
-        ):
+        if params.prompt_logprobs is not None and new_ids and not tracked.prompt_logprobs_sent:
             # The first token came from the prompt's last chunk: every chunk was taken in.
             prompt_logprobs = tracked.prompt_logprobs or [None]  # a 1-token prompt has no chunk
             tracked.prompt_logprobs, tracked.prompt_logprobs_sent = None, True
-        metrics = _metrics_of(request)
-        reason = str(request.finish_reason) if finished else None
-        # A refusal says why (the SLO policy's predicted TTFT against the target).
-        error = request.status_message if reason == FinishReason.REFUSED else None
+        # Timings change at the first token, a preemption and the finish: between those the
+        # outputs share one (never mutated) RequestMetrics instead of building one per token.
+        metrics = tracked.metrics
+        if (
+            metrics is None
+            or finished
+            or metrics.first_token_time != request.first_token_time
+            or metrics.num_preemptions != request.num_preemptions
+        ):
+            metrics = tracked.metrics = _metrics_of(request)
+        reason = error = None
         if finished:
+            reason = str(request.finish_reason)
+            # A refusal says why (the SLO policy's predicted TTFT against the target).
+            if reason == FinishReason.REFUSED:
+                error = request.status_message
             del self.tracked[request.request_id]
-            self.metrics.on_finished(reason, metrics, request.num_output_tokens)
+            self.metrics.on_finished(reason, metrics, len(request.output_token_ids))
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,
             text_delta=text,
             finished=finished,
             finish_reason=reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_output_tokens=len(request.output_token_ids),
             metrics=metrics,
             logprobs=logprobs,
             num_cached_tokens=request.num_cached_tokens or 0,

@@ -14,7 +14,7 @@ class TokenLogprob:
     top: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestMetrics:
     """Per-request timings in seconds (time.monotonic clock) and derived latencies."""
 
@@ -49,9 +49,12 @@ class RequestMetrics:
         return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestOutput:
-    """New tokens and text of one request since its previous output (a streaming delta)."""
+    """New tokens and text of one request since its previous output (a streaming delta).
+
+    Slotted: one is built per running request per step, and a slotted init is the cheaper one.
+    """
 
     request_id: str
     new_token_ids: list[int]

@@ -114,7 +114,8 @@ class Request:
         self.eos_token_ids = tuple(self.eos_token_ids)
         params = self.sampling_params
         eos = () if params.ignore_eos else self.eos_token_ids
-        self._stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
+        # The ids that end it: EOS (unless ignore_eos) and its stop_token_ids. Read-only.
+        self.stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -169,4 +170,4 @@ class Request:
 
     def is_stop_token(self, token_id: int) -> bool:
         """EOS (unless ignore_eos) or one of the request's stop_token_ids."""
-        return token_id in self._stop_ids
+        return token_id in self.stop_ids

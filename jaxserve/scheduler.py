@@ -53,7 +53,6 @@ import heapq
 import itertools
 import numbers
 import time
-from typing import Any
 
 from jaxserve.kv_cache_manager import KVCacheManager, PageHasher
 from jaxserve.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
@@ -345,15 +344,20 @@ class Scheduler:
     def _schedule_running(self, plan: _Plan) -> None:
         # Decodes first: one token each always fits (max_num_batched_tokens >= max_num_seqs),
         # so a long prompt being prefilled never stalls the streams of the others.
+        # The hot path: every running request, every step. Request's properties are spelled out
+        # (num_tokens = prompt + outputs + pending): a property call per row is a measurable
+        # share of a 256-row step's host time.
         decoding, prefilling = [], []
         max_len = self.config.max_model_len
         for req in self._running:
-            todo = req.num_tokens - req.num_computed_tokens
+            outputs = len(req.output_token_ids)
+            pending = req.num_pending
+            total = len(req.prompt_token_ids) + outputs + pending
+            todo = total - req.num_computed_tokens
             if todo == 1:
                 # A pending token that will end the request by length: nothing more to run.
-                if req.num_pending and (
-                    req.num_output_tokens + req.num_pending >= req.sampling_params.max_tokens
-                    or req.num_tokens >= max_len
+                if pending and (
+                    outputs + pending >= req.sampling_params.max_tokens or total >= max_len
                 ):
                     continue
                 decoding.append(req)
@@ -361,11 +365,14 @@ class Scheduler:
                 prefilling.append(req)
         prefilling.sort(key=lambda r: self._keys[r.request_id])
         ps = self.config.page_size
-        for req in decoding:  # the hot path: every running request, every step
-            if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
+        table_of, seqs = self.kv.table_of, plan.seqs
+        running = RequestStatus.RUNNING
+        for req in decoding:
+            if req.status != running:  # preempted for an earlier one
                 continue
+            rid = req.request_id
             start = req.num_computed_tokens
-            table = self.kv.table_of(req.request_id)
+            table = table_of(rid)
             # Most decodes fit the pages they hold: allocate only when a page fills up.
             if start >= len(table) * ps and not self._allocate_or_preempt(req, start + 1, plan):
                 continue
@@ -375,17 +382,16 @@ class Scheduler:
                 token = req.output_token_ids[-1]
             else:
                 token = req.prompt_token_ids[-1]
-            plan.add(
-                ScheduledSeq(
-                    request=req,
-                    request_id=req.request_id,
-                    slot=req.slot,
-                    token_ids=[token],
-                    start_pos=start,
-                    page_table=table,
-                    sample=True,
-                )
+            seqs[rid] = ScheduledSeq(
+                request=req,
+                request_id=rid,
+                slot=req.slot,
+                token_ids=[token],
+                start_pos=start,
+                page_table=table,
+                sample=True,
             )
+            plan.budget -= 1  # plan.add, inlined
         for req in prefilling:
             if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
                 continue
@@ -592,23 +598,50 @@ class Scheduler:
         updates, self._reports = self._reports, []
         logprobs = result.logprobs or [None] * len(plan.seqs)
         ps = self.config.page_size
+        hashing = self._hasher is not None
+        preempted, running = RequestStatus.PREEMPTED, RequestStatus.RUNNING
+        # The hot path: a row per running request, every step.
         for seq, token, row_logprobs in zip(
             plan.seqs, result.sampled_token_ids, logprobs, strict=True
         ):
             req = seq.request
-            if req.status > RequestStatus.PREEMPTED:  # finished: same as req.is_finished
+            if req.status > preempted:  # finished: same as req.is_finished
                 continue
             # Only a step that fills a page has anything to publish: most decodes skip this.
             # Before the token is taken: a token that ends the request frees its pages.
+            start = seq.start_pos
             if (
-                self._hasher is not None
-                and seq.end_pos // ps != seq.start_pos // ps
-                and req.status == RequestStatus.RUNNING
+                hashing
+                and (start + len(seq.token_ids)) // ps != start // ps
+                and req.status == running
             ):
                 self._publish(req)
-            if seq.sample:
-                req.num_pending -= 1
-                updates.append(self._append_token(req, token, row_logprobs, now))
+            if not seq.sample:
+                continue
+            req.num_pending -= 1
+            token = int(token)  # numpy ints from a runner's array become plain ints
+            out = req.output_token_ids
+            out.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = None
+            if token in req.stop_ids:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+            elif (
+                len(out) >= req.sampling_params.max_tokens
+                or len(req.prompt_token_ids) + len(out) >= self.config.max_model_len
+            ):  # (the second: redundant after add_request)
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                self._finish(req, status, now)
+            updates.append(
+                RequestUpdate(
+                    request=req,
+                    new_token_ids=[token],
+                    finished=status is not None,
+                    logprobs=None if row_logprobs is None else [row_logprobs],
+                )
+            )
         return updates
 
     def _publish(self, req: Request) -> None:
@@ -632,32 +665,11 @@ class Scheduler:
         ):
             raise ValueError(f"StepResult rows do not match the plan's {rows} sequences.")
         for seq, token in zip(plan.seqs, result.sampled_token_ids, strict=True):
-            if seq.sample and not isinstance(token, numbers.Integral):
+            # `type(...) is int` first: the ABC check alone costs a fraction of a microsecond a row.
+            if seq.sample and type(token) is not int and not isinstance(token, numbers.Integral):
                 raise ValueError(
                     f"Request {seq.request_id!r} needed a sampled token, got {token!r}."
                 )
-
-    def _append_token(self, req: Request, token: int, logprobs: Any, now: float) -> RequestUpdate:
-        token = int(token)  # numpy ints from the runner's array become plain ints
-        req.output_token_ids.append(token)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        status = None
-        if req.is_stop_token(token):
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif (
-            req.num_output_tokens >= req.sampling_params.max_tokens
-            or req.num_known_tokens >= self.config.max_model_len  # redundant after add_request
-        ):
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            self._finish(req, status, now)
-        return RequestUpdate(
-            request=req,
-            new_token_ids=[token],
-            finished=status is not None,
-            logprobs=None if logprobs is None else [logprobs],
-        )
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
         if req.status == RequestStatus.RUNNING:
