@@ -31,8 +31,12 @@ from jaxserve.sampling_params import SamplingParams
 class Calibration:
     """Which steps a calibration times."""
 
-    contexts: tuple[int, ...] = (32, 128, 512)  # prompt tokens of the decode-only batches
-    decode_tokens: int = 8  # tokens each decode-only request generates
+    # Prompt tokens of the decode-only batches (clipped to the engine's context), and the tokens
+    # each generates. Static and dynamic batches end in decode steps of a few rows at long
+    # contexts, and the next group waits for them: their simulated TTFT moved 10% for 15% on
+    # those steps' cost, so the full calibration times many of them, up to long contexts.
+    contexts: tuple[int, ...] = (32, 128, 512, 768)
+    decode_tokens: int = 24
     mixed_per_row: float = 3.0  # prompts of the mixed stream, per row of the engine
     max_mixed_output: int = 32  # outputs of the mixed stream's requests: 2 to this many
     seed: int = 0
