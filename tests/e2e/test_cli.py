@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from checkpoints import DEFAULT_MODEL_DIR
+from jaxserve.cli import main
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -28,6 +29,15 @@ def test_generate_prints_the_story():
         "Once upon a time, there was a little girl named Lily. She loved to play outside"
     )
     assert "Traceback" not in proc.stderr
+
+
+def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`jaxserve ARGS` in this process: for errors found after the real processes above showed
+    that starting JAX and loading a model print nothing else (each process costs seconds)."""
+    capsys.readouterr()
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
 
 def _assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -66,11 +76,11 @@ def test_prompt_longer_than_context_is_one_line_error():
 
 
 @pytest.mark.parametrize("args", [["--max-tokens", "0"], ["--temperature", "-1"]])
-def test_bad_sampling_flags_are_one_line_errors(args):
-    _assert_one_line_error(run_cli("generate", "hi", *args))
+def test_bad_sampling_flags_are_one_line_errors(args, capsys):
+    _assert_one_line_error(run_main(capsys, "generate", "hi", *args))
 
 
-def test_convert_then_generate_from_the_orbax_folder(tmp_path):
+def test_convert_then_generate_from_the_orbax_folder(tmp_path, capsys):
     out = tmp_path / "converted"
     proc = run_cli("convert", str(DEFAULT_MODEL_DIR), str(out))
     assert proc.returncode == 0, proc.stderr
@@ -78,5 +88,5 @@ def test_convert_then_generate_from_the_orbax_folder(tmp_path):
     proc = run_cli("generate", "Once upon a time", "--max-tokens", "12", "--model", str(out))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Once upon a time, there was a little girl named Lily")
-    again = run_cli("convert", str(DEFAULT_MODEL_DIR), str(out))
+    again = run_main(capsys, "convert", str(DEFAULT_MODEL_DIR), str(out))
     _assert_one_line_error(again, "already holds a checkpoint")
