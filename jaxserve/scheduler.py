@@ -147,7 +147,8 @@ class Scheduler:
         # of them waits for it instead of computing it a second time (the n samples of one
         # prompt, a burst of requests with one system prompt).
         self._computing: dict[bytes, Request] = {}
-        self._registered: dict[str, list[bytes]] = {}
+        # (page index, hash) in page order; an entry goes once all its pages are published.
+        self._registered: dict[str, list[tuple[int, bytes]]] = {}
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._keys: dict[str, tuple] = {}  # admission order; the largest key is preempted first
         self._counter = itertools.count()
@@ -495,12 +496,17 @@ class Scheduler:
 
     def _register_computing(self, req: Request, num_hit: int) -> None:
         """Marks the full pages `req` computes from page `num_hit` on as being computed by it."""
-        mine = [h for h in req.page_hashes[num_hit:] if self._computing.setdefault(h, req) is req]
+        mine = [
+            (i, h)
+            for i, h in enumerate(req.page_hashes[num_hit:], num_hit)
+            if self._computing.setdefault(h, req) is req
+        ]
         if mine:
             self._registered[req.request_id] = mine
 
-    def _unregister_computing(self, req: Request, hashes) -> None:
-        for h in hashes:
+    def _unregister_computing(self, req: Request, registered) -> None:
+        """Ends `req`'s claim on the (page index, hash) pairs `registered`."""
+        for _, h in registered:
             if self._computing.get(h) is req:
                 del self._computing[h]
 
@@ -654,8 +660,17 @@ class Scheduler:
             start = len(hashes) * ps
             self._hasher.extend(hashes, req.token_ids(start, full * ps), req.cache_salt)
         self.kv.publish(req.request_id, hashes, full * ps)
-        if req.request_id in self._registered:  # published now: others take them from the cache
-            self._unregister_computing(req, hashes[:full])
+        # Published now: others take them from the cache. Pages publish in order, so the claims
+        # to end are the first ones; the rest of a long request's life costs nothing here.
+        mine = self._registered.get(req.request_id)
+        if mine:
+            n = 0
+            while n < len(mine) and mine[n][0] < full:
+                n += 1
+            self._unregister_computing(req, mine[:n])
+            del mine[:n]
+            if not mine:
+                del self._registered[req.request_id]
 
     def _check_result(self, plan: SchedulerOutput, result: StepResult) -> None:
         # Checked before anything changes, so a runner bug cannot leave half an update behind.
@@ -715,9 +730,9 @@ class Scheduler:
             ):
                 raise AssertionError(f"Queued request {req.request_id!r} holds a slot or pages.")
         for h, owner in self._computing.items():
-            if owner.status != RequestStatus.RUNNING or h not in self._registered.get(
-                owner.request_id, ()
-            ):
+            if owner.status != RequestStatus.RUNNING or h not in {
+                claim for _, claim in self._registered.get(owner.request_id, ())
+            }:
                 raise AssertionError(
                     f"Request {owner.request_id!r} computes a page but is not running."
                 )
