@@ -12,6 +12,7 @@ import time
 import pytest
 
 from jaxserve.batch_job import BatchInputError, run_batch
+from jaxserve.engine_config import default_compilation_cache_dir
 
 TINY_FLAGS = [
     "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--min-token-bucket", "8",
@@ -36,7 +37,10 @@ def _write_input(path, n, bad_line_at):
     path.write_text("\n".join(lines) + "\n")
 
 
-def _batch(inp, out, cache):
+def _batch(inp, out):
+    # The suite's compilation cache: these flags are the `tiny_engine` fixture's shapes, so one
+    # compile serves both runs here and that fixture (or loads what it compiled).
+    cache = default_compilation_cache_dir()
     return [
         sys.executable,
         "-m",
@@ -45,8 +49,7 @@ def _batch(inp, out, cache):
         str(inp),
         str(out),
         *TINY_FLAGS,
-        "--compile-cache",
-        str(cache),
+        *(["--compile-cache", cache] if cache else []),
     ]
 
 
@@ -56,11 +59,9 @@ def _output_lines(path) -> list[bytes]:
 
 def test_sigkill_mid_run_then_rerun_leaves_exactly_one_line_per_id(tmp_path):
     n = 40
-    inp, out, cache = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "cc"
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_input(inp, n, bad_line_at=12)
-    first = subprocess.Popen(
-        _batch(inp, out, cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    first = subprocess.Popen(_batch(inp, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
     while len(_output_lines(out)) < 4 and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -73,7 +74,7 @@ def test_sigkill_mid_run_then_rerun_leaves_exactly_one_line_per_id(tmp_path):
     with open(out, "ab") as f:
         f.write(b'{"id": "p39", "text": "Once')
 
-    second = subprocess.run(_batch(inp, out, cache), capture_output=True, text=True, timeout=300)
+    second = subprocess.run(_batch(inp, out), capture_output=True, text=True, timeout=300)
     assert second.returncode == 1, second.stderr[-2000:]  # 1: a bad line was skipped
     assert "torn last line" in second.stderr and "resuming" in second.stderr
     assert "in.jsonl:12: not valid JSON" in second.stderr
