@@ -47,7 +47,7 @@ def test_device_step_failure_ends_streams_with_internal_and_serve_exits_nonzero(
         str(trigger),
         "--port=0",
         "--no-metrics",
-        "--grace-period=2",
+        "--grace-period=1",  # short: the waits below are multiples of it
         *SMALL_FLAGS,
         *(["--stay-up-on-engine-failure"] if stay_up else []),
     ]
@@ -76,13 +76,13 @@ def test_device_step_failure_ends_streams_with_internal_and_serve_exits_nonzero(
             assert _health(c) in ("NOT_SERVING", "UNAVAILABLE")
             if stay_up:
                 with pytest.raises(subprocess.TimeoutExpired):
-                    proc.wait(4)  # twice the grace period
+                    proc.wait(2)  # twice the grace period
                 assert _health(c) == "NOT_SERVING"
                 with pytest.raises(grpc.RpcError) as err:
                     c.generate_unary("Once upon a time", max_tokens=2, timeout=10)
                 assert err.value.code() == grpc.StatusCode.INTERNAL
                 proc.send_signal(signal.SIGTERM)
-        status = proc.wait(30)  # grace period 2 s, then out
+        status = proc.wait(30)  # grace period 1 s, then out
         if stay_up:
             assert status == 0
         else:
