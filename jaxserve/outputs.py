@@ -63,6 +63,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length", "abort", "error", "refused" once finished
     num_prompt_tokens: int
     num_output_tokens: int  # all generated so far
+    # Shared by a request's outputs while its timings do not change: read it, never change it.
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
     # With finish_reason "error": what went wrong; "refused": why (predicted TTFT vs target).
