@@ -62,12 +62,18 @@ class StopStringMatcher:
     def __init__(self, stop: Sequence[str]):
         self.stop = tuple(stop)
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        # The output text up to a stop string, of which `sent` characters were taken; without
+        # stop strings only the part not yet taken.
         self.text = ""
         self.sent = 0
         self.matched: str | None = None
 
     def add(self, delta: str) -> None:
         """Appends text; on a stop string, truncates the text just before it."""
+        if not self.stop:  # nothing to find or hold back: the text need not be kept whole
+            self.text = self.text[self.sent :] + delta
+            self.sent = 0
+            return
         if self.matched is not None:
             return
         start = max(0, len(self.text) - self.holdback)
