@@ -5,6 +5,14 @@ tokens are flattened into one row of `T` tokens (a bucket size), sequence `s` ow
 `token_ids[query_start[s]:query_start[s + 1]]`; sequences are padded to `S` rows (another bucket).
 Padding tokens write nowhere and padding sequences have no tokens, so the jitted step sees the same
 shapes for every plan that fits the bucket and never retraces.
+
+Three indices, not to be confused:
+- a KV slot (`slot_mapping`, vLLM's name): one token's place in the KV pool, page * page_size +
+  offset;
+- a batch slot (`Request.slot`, `feed_slots`, `sample_slots`, the input batch's and the sampler's
+  per-slot arrays): the place a running request holds from admission to finish, 0..max_num_seqs;
+- a row, or sequence `s`: its place in this step's batch, 0..S, in plan order; the host's
+  per-row work (engine.py) and the sampling batch count in rows.
 """
 
 from __future__ import annotations
