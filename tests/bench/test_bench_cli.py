@@ -11,6 +11,7 @@ import time
 import pytest
 
 from jaxserve.cli import main
+from jaxserve.engine_config import default_compilation_cache_dir
 from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 
@@ -32,8 +33,11 @@ PLOTS = ("throughput_latency.png", "latency_distributions.png", "timeline.png")
 
 def test_bench_compares_batching_modes_and_writes_json_and_plots(tmp_path, capsys):
     out = tmp_path / "bench"
+    # The suite's compilation cache, not the bench's temporary one: a rerun loads its buckets.
+    cache = default_compilation_cache_dir()
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxserve.cli", "bench", *TINY_BENCH, "--out", str(out)],
+        [sys.executable, "-m", "jaxserve.cli", "bench", *TINY_BENCH, "--out", str(out)]
+        + (["--compile-cache", cache] if cache else []),
         capture_output=True,
         text=True,
         timeout=300,
