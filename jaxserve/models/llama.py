@@ -13,10 +13,11 @@ fusion per weight), so a step streams the weights about three times. "unrolled" 
 params "layers_0" ... "layers_{n-1}", each its own array) feeds the dots the arrays themselves,
 at the price of num_layers copies of the layer to compile. Either way the KV pool rides in the
 carry, so each layer writes its pages in place. "auto" (`resolve_layer_loop`) unrolls on the
-CPU when the decoder weights exceed 64 MiB (past the caches, where the copies cost bandwidth)
-and scans everywhere else. Measured on smollm2-135m (random weights, f32) through the engine,
-both layouts in one process, in CPU-seconds (the 2-core machine was shared, load 4-12, so wall
-times meant little; XLA uses both cores either way):
+CPU when the decoder weights exceed 64 MiB (past the caches, where the copies cost bandwidth) or
+the model has at most 8 layers (few copies of the layer to compile), and scans everywhere else.
+Measured on smollm2-135m (random weights, f32) through the engine, both layouts in one process,
+in CPU-seconds (the 2-core machine was shared, load 4-12, so wall times meant little; XLA uses
+both cores either way):
 
                                   scan        unrolled
     decode step, batch 1          105 ms      59 ms      0.56x
@@ -26,8 +27,13 @@ times meant little; XLA uses both cores either way):
     compile, 512-token bucket     14 s        31 s       2.2x
 
 (An earlier measurement under heavier load had unrolled prefill 1.8x slower; in one process,
-interleaved, it is not.) Small models keep the scan: their weights stay in cache, so the copies
-cost little, and compile time is most of their start-up.
+interleaved, it is not.) A shallow model unrolls too: on the 4-layer `tiny` of ../shared/peers
+(5M params, f32) the scan's copies are a quarter of its batch-1 decode step, while unrolling
+compiles only 4 layer bodies. Both layouts in one process, interleaved, 25 rounds of 20 steps
+on device-resident inputs, on the shared 2-core machine (load ~11): best round 2.19 vs 3.70 ms
+(0.59x), median CPU time 2.91 vs 4.02 ms (0.72x); all ten buckets' precompile 154 vs 135
+CPU-seconds (1.14x). Deep models with small weights keep the scan, where compile time is most
+of their start-up.
 """
 
 from __future__ import annotations
@@ -164,6 +170,9 @@ LAYER_LOOPS = ("auto", "scan", "unrolled")
 # Decoder weights above which the CPU unrolls the layer loop: past the caches, the scan's copy of
 # each weight slice streams the weights from memory twice more per step (see the docstring).
 UNROLL_MIN_LAYER_BYTES = 64 * 2**20
+# Layers up to which the CPU unrolls whatever the weights: the copies still cost a small model's
+# step a quarter of its time, and so few layer bodies compile in about the time of the scan.
+UNROLL_MAX_SHALLOW_LAYERS = 8
 
 
 def layer_weight_bytes(config: ModelConfig, dtype) -> int:
@@ -184,14 +193,18 @@ def resolve_layer_loop(
 
     "auto" is $JAXSERVE_LAYER_LOOP when set; else "unrolled" on the CPU for a model whose decoder
     weights exceed UNROLL_MIN_LAYER_BYTES (there the scan's weight-slice copies cost a decode
-    step up to half its time), and the scan everywhere else: on accelerators and for small
-    models, where compile time (one layer body instead of num_layers) matters more. Without a
-    `config` "auto" means the scan. Loaders and `LlamaForCausalLM` resolve it the same way, so
-    the params' layout and the module agree.
+    step up to half its time) or that has at most UNROLL_MAX_SHALLOW_LAYERS layers (a quarter
+    of a small model's step, for little more compile time), and the scan everywhere else: on
+    accelerators and for deep models with small weights, where compile time (one layer body
+    instead of num_layers) matters more. Without a `config` "auto" means the scan. Loaders and
+    `LlamaForCausalLM` resolve it the same way, so the params' layout and the module agree.
     """
     if layer_loop == "auto":
-        big = config is not None and layer_weight_bytes(config, dtype) > UNROLL_MIN_LAYER_BYTES
-        by_size = "unrolled" if big and jax.default_backend() == "cpu" else "scan"
+        unroll = config is not None and (
+            layer_weight_bytes(config, dtype) > UNROLL_MIN_LAYER_BYTES
+            or config.num_layers <= UNROLL_MAX_SHALLOW_LAYERS
+        )
+        by_size = "unrolled" if unroll and jax.default_backend() == "cpu" else "scan"
         layer_loop = os.environ.get("JAXSERVE_LAYER_LOOP") or by_size
     if layer_loop not in LAYER_LOOPS[1:]:
         raise ValueError(

@@ -1,6 +1,9 @@
-"""Which layer loop `auto` builds: unrolled only for big models on the CPU, env var first."""
+"""Which layer loop `auto` builds: unrolled only on the CPU, for big or shallow models; env var
+first."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +13,7 @@ from checkpoints import load_model
 from checkpoints.loaded import abstract_params, layer_loop_of
 from checkpoints.random_weights import NAMED_SHAPES
 from jaxserve.models.llama import (
+    UNROLL_MAX_SHALLOW_LAYERS,
     UNROLL_MIN_LAYER_BYTES,
     layer_weight_bytes,
     resolve_layer_loop,
@@ -44,7 +48,22 @@ def test_small_models_and_the_env_var(monkeypatch):
     monkeypatch.setenv("JAXSERVE_LAYER_LOOP", "scan")
     assert resolve_layer_loop("auto", NAMED_SHAPES["smollm2-135m"], jnp.float32) == "scan"
     monkeypatch.delenv("JAXSERVE_LAYER_LOOP")
-    assert resolve_layer_loop("auto", embedded.config, jnp.float32) == "scan"  # 1 MB of weights
+    # 1 MB of weights in 5 layers: shallow, so unrolled (see test_auto_by_depth_for_small_weights).
+    assert resolve_layer_loop("auto", embedded.config, jnp.float32) == "unrolled"
     monkeypatch.setenv("JAXSERVE_LAYER_LOOP", "sideways")
     with pytest.raises(ValueError, match="sideways"):
         resolve_layer_loop("auto")
+
+
+def test_auto_by_depth_for_small_weights(monkeypatch):
+    """Small weights: the CPU unrolls a shallow model and scans a deep one; accelerators scan."""
+    monkeypatch.delenv("JAXSERVE_LAYER_LOOP", raising=False)
+    shallow = dataclasses.replace(NAMED_SHAPES["llama-tiny"], num_layers=UNROLL_MAX_SHALLOW_LAYERS)
+    deep = dataclasses.replace(shallow, num_layers=UNROLL_MAX_SHALLOW_LAYERS + 1)
+    assert layer_weight_bytes(deep, jnp.float32) < UNROLL_MIN_LAYER_BYTES
+    assert resolve_layer_loop("auto", shallow, jnp.float32) == "unrolled"
+    assert resolve_layer_loop("auto", deep, jnp.float32) == "scan"
+    load = load_model("llama-tiny", dtype=jnp.float32)  # the loader lays params out the same way
+    assert layer_loop_of(load.params) == "unrolled"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert resolve_layer_loop("auto", shallow, jnp.float32) == "scan"

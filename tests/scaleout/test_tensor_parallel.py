@@ -63,7 +63,8 @@ def host_params(config: ModelConfig, layer_loop: str = "auto") -> dict:
         return rng.normal(0.0, std, leaf.shape).astype(np.float32)
 
     stacked = jax.tree_util.tree_map_with_path(draw, abstract_params(config, jnp.float32))
-    return stacked if resolve_layer_loop(layer_loop) == "scan" else unstack_layers(stacked)
+    loop = resolve_layer_loop(layer_loop, config, jnp.float32)  # as model_for's module decides
+    return stacked if loop == "scan" else unstack_layers(stacked)
 
 
 def _jitted_step(config, plan, backend, shardings, layer_loop="auto"):
