@@ -94,3 +94,5 @@ def test_steps_profile_defaults_to_llama_batched_bench_points(monkeypatch):
     with pytest.raises(SystemExit):
         main(["bench", "--profile", "steps", "--steps-prompt-lens", "8", "--steps-batches", "2,3"])
     assert (seen[1].prompt_lens, seen[1].batches) == ((8,), (2, 3))
+    assert main(["bench", "--profile", "steps", "--steps-batches", "4,0"]) == 2  # a batch of 0
+    assert len(seen) == 2
