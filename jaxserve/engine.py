@@ -234,6 +234,9 @@ class Engine:
         before it.
         """
         now = self._clock.lap("schedule")  # the plan was made just before this call
+        # A step that finished while this one was planned (or packed, below) starts the device's
+        # wait there, not at the next look, which would come after this dispatch and miss it.
+        self._probe_done()
         if not plan.seqs:
             if not self._inflight:
                 # Idle for want of work, not waiting on the host: not device idle time.
@@ -244,6 +247,7 @@ class Engine:
         for row in special.tolist():  # logit bias, min_tokens, penalties: rare rows
             self._fill_special_row(sampling, row, plan.seqs[row])
         self._clock.lap("pack")
+        self._probe_done()
         out = self.runner.execute(batch, sampling)
         # In flight only once the dispatch (and its copy to the device) has returned.
         self.metrics.device.dispatched(self._clock.lap("dispatch"))

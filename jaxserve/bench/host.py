@@ -14,6 +14,9 @@ For each number of running decode requests (1/16/64/256/1024 by default) the eng
 every request taken past its prefill, then `steps` steady decode steps are timed: the step's wall
 time and the engine's own per-phase host clock (`Engine.step`'s `PhaseClock`, the same one behind
 the `jaxserve_host_step_seconds` histogram), and the device-idle time of its `DeviceTimeline`.
+With `step_time_s`, the fake device also keeps its own clock of the time its queue sat empty
+before a dispatch ("fake device idle"): the engine sees a step done only when it next looks, so
+the timeline's reading is a lower bound, and the fake's is the time the device really waited.
 No model weights are compiled; the model's config (and only its vocabulary and EOS ids matter)
 comes from `--model`, the embedded stories260k by default. Numbers are of one run on one machine:
 compare them within a run.
@@ -104,6 +107,9 @@ class HostOnlyRunner(ModelRunner):
         # Each slot's last sampled token, as the real runner keeps it to feed pending tokens.
         self.last_tokens = np.zeros(config.seq_buckets[-1], np.int32)
         self._busy_until = 0.0  # perf_counter when the fake device finishes its queued steps
+        # Seconds the fake device sat with its queue empty before a dispatch: its own clock of
+        # the time it waited on the host (DeviceTimeline's reading is a lower bound of this).
+        self.device_idle_s = 0.0
         self._echo = jax.jit(
             functools.partial(self._echo_impl, vocab_size=model.config.vocab_size),
             keep_unused=True,  # every input crosses to the device, as for the real step
@@ -132,7 +138,10 @@ class HostOnlyRunner(ModelRunner):
             out = _sample_output(tokens, np)
         if self.step_time_s > 0:
             # One step at a time, as on a device: a step queued behind another starts after it.
-            ready_at = max(time.perf_counter(), self._busy_until) + self.step_time_s
+            now = time.perf_counter()
+            if self._busy_until:
+                self.device_idle_s += max(0.0, now - self._busy_until)
+            ready_at = max(now, self._busy_until) + self.step_time_s
             self._busy_until = ready_at
             out = dataclasses.replace(out, token_ids=_Delayed(out.token_ids, ready_at))
         return out
@@ -257,12 +266,14 @@ def _time_point(spec: HostSpec, model: LoadedModel, running: int) -> dict[str, A
         engine.step()
     stats = engine.metrics.stats
     before = _snapshot(stats)
+    fake_idle = engine.runner.device_idle_s
     walls = np.empty(spec.steps)
     for i in range(spec.steps):
         start = time.perf_counter()
         engine.step()
         walls[i] = time.perf_counter() - start
     after = _snapshot(stats)
+    fake_idle = engine.runner.device_idle_s - fake_idle
     if after["generation_tokens"] - before["generation_tokens"] != running * spec.steps or (
         after["prompt_tokens"] != before["prompt_tokens"]
     ):
@@ -286,6 +297,8 @@ def _time_point(spec: HostSpec, model: LoadedModel, running: int) -> dict[str, A
         "host_us": sum(v for p, v in phases_us.items() if p != "wait"),
         "critical_us": sum(phases_us[p] for p in CRITICAL_PHASES),
         "device_idle_us": idle / spec.steps * 1e6,
+        # With a step time: the fake device's own idle time per step (None without one).
+        "fake_device_idle_us": fake_idle / spec.steps * 1e6 if spec.step_time_s > 0 else None,
         "device_idle_share": idle / (idle + busy) if idle + busy else 0.0,
     }
 
@@ -310,13 +323,15 @@ def format_host(report: dict[str, Any]) -> str:
         f"load {report['load_avg_1m']:.1f} on {report['cpus']} CPUs",
         "",
         "| running | context | step us | " + " | ".join(HOST_PHASES) + " | host us | "
-        "device waits us | idle share |",
-        "|" + "---:|" * (len(HOST_PHASES) + 6),
+        "device waits us | idle share | fake device idle us |",
+        "|" + "---:|" * (len(HOST_PHASES) + 7),
     ]
     for p in report["points"]:
         phases = " | ".join(f"{p['phases_us'][name]:.0f}" for name in HOST_PHASES)
         lines.append(
             f"| {p['running']} | {p['context']:.0f} | {p['step_us']:.0f} | {phases} | "
-            f"{p['host_us']:.0f} | {p['device_idle_us']:.0f} | {p['device_idle_share']:.2f} |"
+            f"{p['host_us']:.0f} | {p['device_idle_us']:.0f} | {p['device_idle_share']:.2f} | "
+            + ("-" if p.get("fake_device_idle_us") is None else f"{p['fake_device_idle_us']:.0f}")
+            + " |"
         )
     return "\n".join(lines)

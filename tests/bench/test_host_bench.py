@@ -100,6 +100,27 @@ def test_phases_sum_to_at_most_the_step_and_each_step_is_timed(tiny_engine):
     assert stats.num_steps > 0 and stats.generation_tokens == 30
 
 
+def test_the_fake_device_clocks_the_time_it_waits_on_the_host(tiny_engine):
+    """A 10 ms device behind a host that spends 30 ms between steps waits ~20 ms a step: its own
+    clock says so, and the engine's timeline (a lower bound: it sees a step done only when it
+    looks) sees part of it."""
+    config = EngineConfig(max_model_len=128, num_pages=64, **TINY)
+    engine = host_engine(config, tiny_engine.model, step_time_s=0.01)
+    for i in range(2):
+        engine.add_request([3 + i] * 6, SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(4):  # past the prefill, the echo compiled
+        engine.step()
+    fake, timeline = engine.runner.device_idle_s, engine.metrics.stats.device_idle_s
+    steps = 5
+    for _ in range(steps):
+        engine.step()
+        time.sleep(0.03)  # the caller's time: the device has nothing queued
+    fake = (engine.runner.device_idle_s - fake) / steps
+    timeline = (engine.metrics.stats.device_idle_s - timeline) / steps
+    assert fake >= 0.015, f"the fake device waited {fake * 1e3:.1f} ms a step, not ~20"
+    assert timeline > 0
+
+
 def test_run_host_reports_every_point_with_a_slow_fake_device():
     """A fake device of 20 ms a step: no step is shorter, and the host's share sums up."""
     report = run_host(HostSpec(running=(1, 3), context=20, steps=3, warmup=1, step_time_s=0.02))
@@ -110,6 +131,7 @@ def test_run_host_reports_every_point_with_a_slow_fake_device():
         assert set(p["phases_us"]) == set(HOST_PHASES)
         assert p["critical_us"] <= p["host_us"] <= p["step_us"]
         assert 0 <= p["device_idle_share"] < 1
+        assert p["fake_device_idle_us"] >= 0
         assert p["context"] > 20
 
 
