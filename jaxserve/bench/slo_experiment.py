@@ -4,11 +4,10 @@
     python -m jaxserve.bench.slo_experiment --out DIR --full    # 200 requests, full calibration
     python -m jaxserve.bench.slo_experiment --out DIR --full --tune   # and the tuner's pick
 
-Time: on the shared 2-core machine at load average 7-8, --quick took 9.5 min building seven
-engines (before the SLO-aware runs shared today's engine) and 16 min with --tune building four
-(one build took 6 min there): precompiling dominates; an idle machine should need a few
-minutes. --full adds the full calibration and 200-request runs (about 4 min more by the runs in
-docs/benchmarks.md): under 12 minutes idle, estimated, not timed.
+Time: on the idle 2-core development machine `--full` took 375 s and `--full --tune` 457 s
+(2026-11-30, before the full calibration grew to 24 decode tokens a request) and then 422 s
+(`--full --tune`, after); on the same machine shared with other jobs (load 7-11) `--full` took
+17 minutes and `--quick` 9.5: precompiling and the calibration dominate.
 
 One process, one model (`--model`, default the peers' `tiny`), one seeded workload (the bench's
 mixed profile at a saturating `--rate`, prompts 16-512 and outputs 8-256 tokens, 30% long),

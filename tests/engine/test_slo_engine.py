@@ -99,7 +99,8 @@ def test_request_that_cannot_meet_its_ttft_is_refused_with_the_reason(stories_en
     assert engine.slo_policy.num_shed == 1
     # A looser target admits the same request: the refusal was the prediction's doing.
     engine.slo_policy.ttft_s = 5.0
-    engine.add_request([5] * 40, SamplingParams(max_tokens=4))
+    # (ignore_eos: the request is sampled with a fresh seed, and an early EOS is no refusal.)
+    engine.add_request([5] * 40, SamplingParams(max_tokens=4, ignore_eos=True))
     assert drain(engine)[-1].finish_reason == "length"
 
 
