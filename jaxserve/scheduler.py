@@ -366,7 +366,7 @@ class Scheduler:
                 prefilling.append(req)
         prefilling.sort(key=lambda r: self._keys[r.request_id])
         ps = self.config.page_size
-        table_of, seqs = self.kv.table_of, plan.seqs
+        table_of = self.kv.table_of
         running = RequestStatus.RUNNING
         for req in decoding:
             if req.status != running:  # preempted for an earlier one
@@ -383,16 +383,17 @@ class Scheduler:
                 token = req.output_token_ids[-1]
             else:
                 token = req.prompt_token_ids[-1]
-            seqs[rid] = ScheduledSeq(
-                request=req,
-                request_id=rid,
-                slot=req.slot,
-                token_ids=[token],
-                start_pos=start,
-                page_table=table,
-                sample=True,
+            plan.add(
+                ScheduledSeq(
+                    request=req,
+                    request_id=rid,
+                    slot=req.slot,
+                    token_ids=[token],
+                    start_pos=start,
+                    page_table=table,
+                    sample=True,
+                )
             )
-            plan.budget -= 1  # plan.add, inlined
         for req in prefilling:
             if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
                 continue
