@@ -17,6 +17,21 @@ SMALL = dict(
 )
 
 
+# 4 rows and a 16-token budget: a handful of long requests queue, chunk and contend for pages.
+TINY = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    min_token_bucket=8,
+    seq_bucket_factor=4,
+    show_progress=False,
+)
+
+
+def short_of_pages(model) -> Engine:
+    """An engine of `model` with pages for ~2.5 of 4 long requests: preemptions happen."""
+    return Engine(EngineConfig(num_pages=10, page_size=16, **TINY), model=model)
+
+
 @pytest.fixture(scope="session")
 def stories_engine() -> Engine:
     """The embedded stories260k model behind a small-bucket engine (compiled once per session)."""

@@ -6,25 +6,13 @@ preemption or its finish changes them (output_processor.py); these tests catch a
 
 from __future__ import annotations
 
-from jaxserve.engine import Engine
-from jaxserve.engine_config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
+from tests.engine.conftest import short_of_pages
 
 
 def test_outputs_report_first_token_preemptions_and_finish_as_they_happen(stories_engine):
     """Pages for ~2.5 of 4 long requests, so requests are preempted mid-output."""
-    engine = Engine(
-        EngineConfig(
-            num_pages=10,
-            page_size=16,
-            max_num_seqs=4,
-            max_num_batched_tokens=16,
-            min_token_bucket=8,
-            seq_bucket_factor=4,
-            show_progress=False,
-        ),
-        model=stories_engine.model,
-    )
+    engine = short_of_pages(stories_engine.model)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     for prompt in ["Once upon a time", "Tom had a red ball", "The little dog", "A cat"]:
         engine.add_request(prompt, params)

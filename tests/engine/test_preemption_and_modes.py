@@ -6,26 +6,17 @@ from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
-
-TINY = dict(
-    max_num_seqs=4,
-    max_num_batched_tokens=16,
-    min_token_bucket=8,
-    seq_bucket_factor=4,
-    show_progress=False,
-)
+from tests.engine.conftest import TINY, short_of_pages
 
 
 def test_preempted_requests_finish_with_the_tokens_they_would_have_had(stories_engine):
     """Pages for ~2.5 of 4 long requests: preemptions happen, outputs do not change."""
-    short_of_pages = Engine(
-        EngineConfig(num_pages=10, page_size=16, **TINY), model=stories_engine.model
-    )
+    engine = short_of_pages(stories_engine.model)
     prompts = ["Once upon a time", "Tom had a red ball", "The little dog", "A cat"]
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    preempted = LLM(engine=short_of_pages).generate(prompts, params)
-    assert short_of_pages.metrics.stats.num_preemptions > 0
-    assert short_of_pages.scheduler.num_pages_used == 0
+    preempted = LLM(engine=engine).generate(prompts, params)
+    assert engine.metrics.stats.num_preemptions > 0
+    assert engine.scheduler.num_pages_used == 0
     reference = LLM(engine=stories_engine).generate(prompts, params)
     for a, b in zip(preempted, reference, strict=True):
         assert a.token_ids == b.token_ids
