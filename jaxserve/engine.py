@@ -243,19 +243,20 @@ class Engine:
                 self.metrics.device.no_work(now)
             self._inflight.append(_InFlight(plan, None, 0, seen_done=True))
             return
-        batch, sampling, special = self.input_batch.pack(plan.seqs)
-        for row in special.tolist():  # logit bias, min_tokens, penalties: rare rows
+        step = self.input_batch.pack(plan.seqs)
+        sampling = step.sampling
+        for row in step.special_rows.tolist():  # logit bias, min_tokens, penalties: rare rows
             self._fill_special_row(sampling, row, plan.seqs[row])
         self._clock.lap("pack")
         self._probe_done()
-        out = self.runner.execute(batch, sampling)
+        out = self.runner.execute(step.batch, sampling, step.words)
         # In flight only once the dispatch (and its copy to the device) has returned.
         self.metrics.device.dispatched(self._clock.lap("dispatch"))
         self._inflight.append(
             _InFlight(
                 plan,
                 out,
-                len(batch.token_ids),
+                len(step.batch.token_ids),
                 want_logprobs=bool(sampling.want_logprobs),
                 want_prompt_logprobs=bool(sampling.want_prompt_logprobs),
             )

@@ -6,7 +6,9 @@ sampling parameters. They live here in arrays indexed by slot and change only by
 that gets a new owner is filled once; a page table grows by the pages the scheduler added since
 the last step (a page per `page_size` tokens). Packing a plan is then a handful of vectorised
 numpy operations over its rows, with no per-row Python beyond reading the plan itself, so the
-host cost of a 256-row decode step stays far below the step.
+host cost of a 256-row decode step stays far below the step. Each token bucket keeps one
+buffer, the int32 words the runner ships (batch.StepWords), and packing writes the fields in
+place through views into it: no arrays are allocated per step.
 
 Pending tokens (asynchronous scheduling, see scheduler.py) are PENDING_TOKEN in the plan: the
 step takes each from `feed_slots` (the slot whose last sampled token it is) on the device.
@@ -19,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxserve.batch import NO_SLOT, StepBatch
+from jaxserve.batch import NO_SLOT, StepBatch, StepWords, pack_chunks, to_words, words_views
 from jaxserve.buckets import pick_bucket
 from jaxserve.request import PENDING_TOKEN, Request
 from jaxserve.sampling import SamplingBatch
@@ -64,6 +66,7 @@ class InputBatch:
         # Rows that need per-row work on the host every step (logit bias, min_tokens,
         # penalties): rare, so the common row costs nothing for them.
         self.special = np.zeros(max_seqs, np.bool_)
+        self._buffers: dict[int, _Buffer] = {}  # by token bucket: one packed step's memory
 
     def owner(self, slot: int) -> Request | None:
         """The request whose parameters slot `slot` holds (None before its first claim)."""
@@ -90,11 +93,11 @@ class InputBatch:
         self.prompt_logprobs[slot] = p.prompt_logprobs is not None
         self.prompt_len[slot] = req.num_prompt_tokens
 
-    def pack(self, seqs: Sequence[ScheduledSeq]) -> tuple[StepBatch, SamplingBatch, np.ndarray]:
+    def pack(self, seqs: Sequence[ScheduledSeq]) -> PackedStep:
         """The step batch and sampling rows of a plan's `seqs`, padded to their bucket.
 
-        Returns also the rows (i64[k], into `seqs`) whose requests need per-row host work
-        (`special`); the caller fills those rows of the SamplingBatch.
+        Written in place into the bucket's one int32 buffer (`PackedStep`); the caller fills the
+        rows whose requests need per-row host work (`special_rows`) before dispatching it.
         """
         n = len(seqs)
         owner, table_of, table_len = self._owner, self._table_of, self._table_len
@@ -124,79 +127,110 @@ class InputBatch:
             len_list.append(len(ids))
             sample_list.append(seq.sample)
             tokens_list += ids
-        lens = np.array(len_list, np.int32)
         total = len(tokens_list)
         num_tokens = pick_bucket(self.token_buckets, max(total, 1))
         num_seqs = self.seq_bucket_for(num_tokens)
         if n > num_seqs:
             raise ValueError(f"{n} sequences do not fit the bucket ({num_tokens=}, {num_seqs=}).")
+        buf = self._buffers.get(num_tokens)
+        if buf is None:
+            buf = self._buffers[num_tokens] = _Buffer(self, num_tokens, num_seqs)
+        buf.reset()
+        b, sb = buf.batch, buf.sampling
         slots = np.array(slot_list, np.int32)
         starts = np.array(start_list, np.int32)
         sample = np.array(sample_list, np.bool_)
-        tokens = np.array(tokens_list, np.int32)
-        ends = np.cumsum(lens, dtype=np.int32)
-        row_of = np.repeat(np.arange(n, dtype=np.int32), lens)  # i32[total] row of each token
-        positions = starts[row_of] + (np.arange(total, dtype=np.int32) - (ends - lens)[row_of])
-        token_slots = slots[row_of]
         ps = self.page_size
-
-        token_ids = np.zeros(num_tokens, np.int32)
+        tokens = np.array(tokens_list, np.int32)
+        if total == n:  # decodes only (the common step): a token per row, no repeat needed
+            ends = np.arange(1, n + 1, dtype=np.int32)
+            kv_lens = starts + 1
+            positions, token_slots = starts, slots
+        else:
+            lens = np.array(len_list, np.int32)
+            ends = np.cumsum(lens, dtype=np.int32)
+            kv_lens = starts + lens
+            row_of = np.repeat(np.arange(n, dtype=np.int32), lens)  # i32[total] token's row
+            positions = starts[row_of] + (np.arange(total, dtype=np.int32) - (ends - lens)[row_of])
+            token_slots = slots[row_of]
         pending = tokens == PENDING_TOKEN
-        token_ids[:total] = np.where(pending, 0, tokens)
-        feed_slots = np.full(num_tokens, -1, np.int32)
-        feed_slots[:total] = np.where(pending, token_slots, -1)
-        pos = np.zeros(num_tokens, np.int32)
-        pos[:total] = positions
-        # Padding tokens write to slot num_pages * page_size: out of range, dropped.
-        slot_mapping = np.full(num_tokens, self.num_pages * ps, np.int32)
-        slot_mapping[:total] = self.tables[token_slots, positions // ps] * ps + positions % ps
-        query_start = np.full(num_seqs + 1, total, np.int32)
-        query_start[0] = 0
-        query_start[1 : n + 1] = ends
-        kv_lens = np.zeros(num_seqs, np.int32)
-        kv_lens[:n] = starts + lens
-        page_tables = np.zeros((num_seqs, self.tables.shape[1]), np.int32)
-        page_tables[:n] = self.tables[slots]
-        logits_indices = np.zeros(num_seqs, np.int32)
-        logits_indices[:n] = ends - 1
-        sample_slots = np.full(num_seqs, NO_SLOT, np.int32)
-        sample_slots[:n] = np.where(sample, slots, NO_SLOT)
-        batch = StepBatch(
-            token_ids=token_ids,
-            positions=pos,
-            slot_mapping=slot_mapping,
-            query_start=query_start,
-            kv_lens=kv_lens,
-            page_tables=page_tables,
-            logits_indices=logits_indices,
-            num_seqs=np.int32(n),
-            feed_slots=feed_slots,
-            sample_slots=sample_slots,
-        )
+        b.token_ids[:total] = np.where(pending, 0, tokens)
+        b.feed_slots[:total] = np.where(pending, token_slots, -1)
+        b.positions[:total] = positions
+        b.slot_mapping[:total] = self.tables[token_slots, positions // ps] * ps + positions % ps
+        b.query_start[1 : n + 1] = ends
+        b.query_start[n + 1 :] = total
+        b.kv_lens[:n] = kv_lens
+        b.page_tables[:n] = self.tables[slots]
+        b.logits_indices[:n] = ends - 1
+        b.num_seqs[...] = n
+        b.sample_slots[:n] = np.where(sample, slots, NO_SLOT)
 
-        sb = SamplingBatch.empty(num_seqs)
         sb.temperature[:n] = self.temperature[slots]
         sb.top_k[:n] = self.top_k[slots]
         sb.top_p[:n] = self.top_p[slots]
         sb.min_p[:n] = self.min_p[slots]
         sb.seeds[:n] = self.seeds[slots]
-        sb.positions[:n] = starts + lens
+        sb.positions[:n] = kv_lens
         sb.slots[:n] = slots
         asked = self.logprobs[slots]
         # Rows whose chunk holds a prompt token with a next prompt token: rare, so a loop.
-        prompt_rows = np.flatnonzero(
+        prompt_rows = (
             self.prompt_logprobs[slots] & (starts < self.prompt_len[slots] - 1)
-        )
+        ).nonzero()[0]
         for row in prompt_rows.tolist():
             seq = seqs[row]
             prompt = seq.request.prompt_token_ids
             if seq.end_pos < len(prompt):  # the next chunk's first token follows this one's last
                 sb.next_prompt_token[row] = prompt[seq.end_pos]
-        sb = dataclasses.replace(
-            sb,
-            want_top_logprobs=np.bool_(np.any(sample & (asked > 0))),
-            want_logprobs=np.bool_(np.any(sample & (asked >= 0))),
-            want_prompt_logprobs=np.bool_(prompt_rows.size > 0),
+        # Array methods, not np.any / np.flatnonzero: their Python wrappers cost more than the
+        # work on a few rows.
+        sb.want_top_logprobs[...] = (sample & (asked > 0)).any()
+        sb.want_logprobs[...] = (sample & (asked >= 0)).any()
+        sb.want_prompt_logprobs[...] = prompt_rows.size > 0
+        return PackedStep(b, sb, self.special[slots].nonzero()[0], buf)
+
+
+class _Buffer:
+    """One token bucket's step inputs: a padding template and the words a pack writes into.
+
+    Every field of the StepBatch and SamplingBatch is a numpy view into `words`, so packing
+    writes the int32 array the runner ships (batch.StepWords) directly: no arrays allocated, no
+    concatenation. The buffer is reused by the next pack of its bucket: the runner is handed a
+    copy (`PackedStep.words`), since XLA:CPU may read a large host array in place while the step
+    runs.
+    """
+
+    def __init__(self, inputs: InputBatch, num_tokens: int, num_seqs: int):
+        padding = pack_chunks(
+            [],
+            page_size=inputs.page_size,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            pages_per_seq=inputs.tables.shape[1],
+            num_pages=inputs.num_pages,
         )
-        special_rows = np.flatnonzero(self.special[slots])
-        return batch, sb, special_rows
+        packed = to_words((padding, SamplingBatch.empty(num_seqs)))
+        self.template, self.layout = packed.words, packed.layout  # i32[N] an all-padding step
+        self.words = self.template.copy()  # i32[N] what the fields below view
+        self.batch, self.sampling = words_views(self.words, self.layout)
+
+    def reset(self) -> None:
+        """Every field back to padding (one copy of the template)."""
+        np.copyto(self.words, self.template)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedStep:
+    """A packed plan: host views of its step inputs, and the words behind them."""
+
+    batch: StepBatch  # numpy views into the bucket's words
+    sampling: SamplingBatch  # likewise; its bool fields are i32 views holding 0 or 1
+    special_rows: np.ndarray  # i64[k] rows whose requests need per-row host work (`special`)
+    _buffer: _Buffer
+
+    @property
+    def words(self) -> StepWords:
+        """What crosses to the device: a copy, taken once every row is filled, that the next
+        pack cannot change."""
+        return StepWords(self._buffer.words.copy(), self._buffer.layout)

@@ -7,6 +7,7 @@ collide; the service exposes `registry` on its metrics port.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -96,7 +97,9 @@ class EngineMetrics:
                 ("cost_model_fit_rel_rms", "Step-cost model's relative RMS error; -1: none."),
             ]
         }
-        self._gauges["cost_model_fit_rel_rms"].set(self.stats.cost_model_fit_rel_rms)
+        # Read from the stats when scraped, not set every step (each set takes a lock).
+        for name, gauge in self._gauges.items():
+            gauge.set_function(functools.partial(getattr, self.stats, name))
         self._preemptions = Counter("jaxserve_preemptions", "Preemptions.", registry=r)
         self._compiles = Counter("jaxserve_compiles", "Step compilations.", registry=r)
         self._prefix = {
@@ -160,28 +163,34 @@ class EngineMetrics:
         self.last_host_phases = phases
 
     def set_gauges(self, **values: int) -> None:
+        """The engine's gauges now (Prometheus reads them from the stats when scraped)."""
+        stats = self.stats
         for name, value in values.items():
-            setattr(self.stats, name, value)
-            self._gauges[name].set(value)
-        self._gauges["padding_efficiency"].set(self.stats.padding_efficiency)
-        self._gauges["device_idle_share"].set(self.stats.device_idle_share)
+            setattr(stats, name, value)
 
     def on_compiles(self, total: int, after_warmup: int) -> None:
-        self._compiles.inc(max(0, total - self.stats.num_compiles))
+        if total > self.stats.num_compiles:
+            self._compiles.inc(total - self.stats.num_compiles)
         self.stats.num_compiles, self.stats.compiles_after_warmup = total, after_warmup
 
     def on_preemptions(self, total: int) -> None:
-        self._preemptions.inc(max(0, total - self.stats.num_preemptions))
+        if total > self.stats.num_preemptions:
+            self._preemptions.inc(total - self.stats.num_preemptions)
         self.stats.num_preemptions = total
 
     def on_prefix_cache(self, *, queries: int, hits: int, evictions: int) -> None:
         """Takes the KV manager's totals since start; Prometheus gets the increments."""
         s = self.stats
+        if (queries, hits, evictions) == (
+            s.prefix_cache_queries,
+            s.prefix_cache_hits,
+            s.prefix_cache_evictions,
+        ):
+            return  # most steps: nothing new (this runs every step)
         for name, total in (("queries", queries), ("hits", hits), ("evictions", evictions)):
             attr = f"prefix_cache_{name}"
             self._prefix[name].inc(max(0, total - getattr(s, attr)))
             setattr(s, attr, total)
-        self._gauges["prefix_cache_hit_rate"].set(s.prefix_cache_hit_rate)
 
     def on_finished(self, reason: str, m: RequestMetrics, num_output_tokens: int) -> None:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

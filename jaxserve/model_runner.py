@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import SeqChunk, StepBatch, pack_chunks
+from jaxserve.batch import SeqChunk, StepBatch, StepWords, from_words, pack_chunks, to_words
 from jaxserve.buckets import bucket_ladder, pick_bucket  # noqa: F401 - re-exported
 from jaxserve.kv_pages import KVPages, init_kv_pages
 from jaxserve.models.attention import warm_up_batches
@@ -122,7 +122,7 @@ class ModelRunner:
         # Shardings are pinned, so the pool keeps its split from step to step (no recompiles) and
         # the sampled tokens come back replicated (one small copy to the host).
         rep, kv = self.sharding.replicated, self.sharding.kv_pages
-        # The step's host inputs cross as ONE int32 array (`_to_words`): on the CPU each array
+        # The step's host inputs cross as ONE int32 array (`batch.to_words`): on the CPU each array
         # passed to a jitted call costs a transfer of its own, ~1.5 ms a step for the ~30 arrays
         # of a StepBatch and SamplingBatch (a 2.5 ms decode step of `tiny` took 4 ms).
         self._step = jax.jit(
@@ -178,8 +178,8 @@ class ModelRunner:
         return out, kv, pen, last
 
     def _step_words(self, params, kv: KVPages, words: jax.Array, pen, last, layout):
-        """`_step_impl` over the words `_to_words` packed (words: i32[N]; layout: static)."""
-        batch, sampling = _from_words(words, layout)
+        """`_step_impl` over the words `batch.to_words` packed (words: i32[N]; layout: static)."""
+        batch, sampling = from_words(words, layout)
         return self._step_impl(params, kv, batch, sampling, pen, last)
 
     def set_penalty_row(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
@@ -197,16 +197,25 @@ class ModelRunner:
             self.penalties, np.int32(slot), ids, np.int32(num_prompt), np.int32(len(token_ids))
         )
 
-    def execute(self, batch: StepBatch, sampling: SamplingBatch) -> SampleOutput:
-        """Dispatches one step; returns device arrays without waiting for them."""
+    def execute(
+        self, batch: StepBatch, sampling: SamplingBatch, words: StepWords | None = None
+    ) -> SampleOutput:
+        """Dispatches one step; returns device arrays without waiting for them.
+
+        `words`, when given, is the same step already packed as one int32 array (the input
+        batch packs into one; batch.StepWords), which then crosses as is.
+        """
         if self.lockstep is not None:  # the other hosts must run this same step
             self.lockstep.send(batch, sampling)
-        return self._dispatch(batch, sampling)
+        return self._dispatch(batch, sampling, words)
 
-    def _dispatch(self, batch: StepBatch, sampling: SamplingBatch) -> SampleOutput:
-        words, layout = _to_words((batch, sampling))
+    def _dispatch(
+        self, batch: StepBatch, sampling: SamplingBatch, words: StepWords | None = None
+    ) -> SampleOutput:
+        if words is None:
+            words = to_words((batch, sampling))
         out, self.kv, self.penalties, self.last_tokens = self._step(
-            self.params, self.kv, words, self.penalties, self.last_tokens, layout
+            self.params, self.kv, words.words, self.penalties, self.last_tokens, words.layout
         )
         if jax.process_count() > 1:  # this host's copy of the replicated result, readable here
             out = jax.tree.map(lambda a: a.addressable_data(0), out)
@@ -269,44 +278,6 @@ class ModelRunner:
         if self.lockstep is not None:
             self.lockstep.warm_up()
         return time.perf_counter() - start
-
-
-def _to_words(tree) -> tuple[np.ndarray, tuple]:
-    """Every leaf of `tree` (host arrays of 4-byte dtypes or bool) in one i32[N] array, and the
-    static layout `_from_words` rebuilds them from: (treedef, ((shape, dtype), ...))."""
-    leaves, treedef = jax.tree.flatten(tree)
-    parts, specs = [], []
-    for leaf in leaves:
-        a = np.asarray(leaf)  # not ascontiguousarray: it turns a 0-d array into 1-d
-        if not a.flags.c_contiguous:
-            a = a.copy()
-        if a.dtype == np.bool_:
-            words = a.astype(np.int32)
-        elif a.dtype.itemsize == 4:
-            words = a.view(np.int32)
-        else:
-            raise ValueError(f"A step input of dtype {a.dtype} cannot travel as int32 words.")
-        parts.append(words.reshape(-1))
-        specs.append((a.shape, a.dtype.str))
-    return np.concatenate(parts), (treedef, tuple(specs))
-
-
-def _from_words(words: jax.Array, layout: tuple):
-    """The tree `_to_words` packed, sliced back out of words (i32[N]) inside the jitted step."""
-    treedef, specs = layout
-    leaves, offset = [], 0
-    for shape, dtype in specs:
-        size = math.prod(shape)
-        part = words[offset : offset + size].reshape(shape)
-        offset += size
-        dtype = np.dtype(dtype)
-        if dtype == np.bool_:
-            leaves.append(part != 0)
-        elif dtype == np.int32:
-            leaves.append(part)
-        else:
-            leaves.append(jax.lax.bitcast_convert_type(part, dtype))
-    return jax.tree.unflatten(treedef, leaves)
 
 
 @functools.cache

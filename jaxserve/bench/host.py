@@ -6,8 +6,9 @@ time the device waits. On the CPU the two cannot be told apart by timing whole s
 profile runs the real `Engine` (scheduler, KV pages, packing, sampling batch, outputs) over a
 runner whose device call costs nothing: `HostOnlyRunner` keeps `ModelRunner`'s `pack` and
 `execute` and replaces only `_dispatch`, the device call. By default that call is a trivial jitted
-function of the very same inputs (every array still crosses to the device and the tokens come
-back as a device array, so dispatch and transfers are measured); it returns next = last + 1 for
+function of the very same inputs (the step's one int32 array crosses to the device and is
+unpacked there, and the tokens come back as a device array, so dispatch and transfers are
+measured as for the real step); it returns next = last + 1 for
 each row at once, or `step_time_s` later to stand in for a device of that speed.
 
 For each number of running decode requests (1/16/64/256/1024 by default) the engine is filled,
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import StepBatch
+from jaxserve.batch import StepBatch, StepWords, from_words, to_words
 from jaxserve.builder import build_runner
 from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
@@ -112,21 +113,24 @@ class HostOnlyRunner(ModelRunner):
         self.device_idle_s = 0.0
         self._echo = jax.jit(
             functools.partial(self._echo_impl, vocab_size=model.config.vocab_size),
+            static_argnums=(2,),
             keep_unused=True,  # every input crosses to the device, as for the real step
-            donate_argnums=(2,),
+            donate_argnums=(1,),
         )
 
-    def _echo_impl(
-        self, batch: StepBatch, sampling: SamplingBatch, last: jax.Array, *, vocab_size: int
-    ):
+    def _echo_impl(self, words: jax.Array, last: jax.Array, layout: tuple, *, vocab_size: int):
         self.num_compiles += 1  # runs only while tracing
+        batch, _ = from_words(words, layout)  # unpacked as the real step does it
         tokens = jnp.where(batch.feed_slots >= 0, last[batch.feed_slots], batch.token_ids)
         nxt = (tokens[batch.logits_indices] + 1) % vocab_size  # i32[S] each row's last token + 1
         return _sample_output(nxt, jnp), last.at[batch.sample_slots].set(nxt, mode="drop")
 
-    def _dispatch(self, batch: StepBatch, sampling: SamplingBatch) -> SampleOutput:
+    def _dispatch(
+        self, batch: StepBatch, sampling: SamplingBatch, words: StepWords | None = None
+    ) -> SampleOutput:
         if self.next_tokens is None:
-            out, self.last_tokens = self._echo(batch, sampling, self.last_tokens)
+            words = words or to_words((batch, sampling))  # one array crosses, as for the real step
+            out, self.last_tokens = self._echo(words.words, self.last_tokens, words.layout)
         else:
             last = np.asarray(self.last_tokens)
             fed = np.where(batch.feed_slots >= 0, last[batch.feed_slots], batch.token_ids)

@@ -17,7 +17,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.batch import NO_SLOT, SeqChunk, pack_chunks
+from jaxserve.batch import NO_SLOT, SeqChunk, pack_chunks, to_words
 from jaxserve.input_batch import InputBatch
 from jaxserve.model_runner import bucket_ladder, pick_bucket
 from jaxserve.request import PENDING_TOKEN, FinishReason, Request
@@ -77,7 +77,8 @@ def _fresh(plan: SchedulerOutput, batch_of: InputBatch):
 
 
 def _check_pack(plan: SchedulerOutput, inputs: InputBatch) -> None:
-    batch, sb, special = inputs.pack(plan.seqs)
+    step = inputs.pack(plan.seqs)
+    batch, sb, special = step.batch, step.sampling, step.special_rows
     ref, ref_sb = _fresh(plan, inputs)
     pending = ref.token_ids == PENDING_TOKEN  # pack_chunks copies the placeholder as is
     for field in ("positions", "slot_mapping", "query_start", "kv_lens", "page_tables"):
@@ -102,6 +103,22 @@ def _check_pack(plan: SchedulerOutput, inputs: InputBatch) -> None:
             getattr(sb, field.name), getattr(ref_sb, field.name), err_msg=field.name
         )
     assert special.size == 0
+    # What crosses to the device is the words of exactly these fields, bucket's layout included
+    # (a field left over from an earlier pack of the bucket would show here).
+    expected = to_words(
+        (
+            dataclasses.replace(
+                ref,
+                token_ids=np.where(pending, 0, ref.token_ids).astype(np.int32),
+                feed_slots=expected_feed.astype(np.int32),
+                sample_slots=expected_keep,
+            ),
+            ref_sb,
+        )
+    )
+    shipped = step.words
+    assert shipped.layout == expected.layout
+    np.testing.assert_array_equal(shipped.words, expected.words)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
