@@ -9,21 +9,38 @@ and returns the step's token budget:
 - no decodes running, or no TPOT target: the whole budget (no one's TPOT to protect);
 - otherwise the largest token bucket whose predicted step time (jaxserve/cost_model.py), with
   one token per decode and the rest prefill, stays within `headroom * tpot_s`; at least the
-  decodes themselves, plus the padding of their bucket, which runs anyway;
+  decodes themselves, plus the padding of their bucket, which runs anyway. When the decodes
+  alone already take longer than the target, no prefill at all: a prompt let in now would be
+  one more decode row in every later step, and every running request's TPOT would grow for the
+  rest of its life (the padding is free for this step only);
 - when the next request to start (a partial prefill, else the head of the queue) would miss
   its TTFT target at that rate but can still meet it at a larger budget, the smallest budget
   that meets it: a short, bounded slowdown of the decodes buys a request's whole goodput. A
   request that cannot meet its target at any budget gets no boost: it is served at the capped
   rate rather than making everyone late;
-- with `EngineConfig.shed_late`, a waiting request that would miss its TTFT target even if its
-  prefill started now with the whole budget is refused (finish reason "refused", its
-  `status_message` giving the predicted TTFT against the target) before it takes any of the
-  capacity the requests that can still be good need. Clients see a refusal, not a failure:
-  gRPC RESOURCE_EXHAUSTED, HTTP 429, as for a full queue.
+- with `EngineConfig.shed_late`, a waiting request that would miss its TTFT target even with
+  the whole budget, behind only the prompts ahead of it in the queue, is refused (finish reason
+  "refused", its `status_message` giving the predicted TTFT against the target) before it takes
+  any of the capacity the requests that can still be good need. Clients see a refusal, not a
+  failure: gRPC RESOURCE_EXHAUSTED, HTTP 429, as for a full queue.
 
-The cost model was measured once; the machine's pace changes (a neighbour takes a core). The
-policy therefore scales every prediction by the running average of the measured over the
-predicted time of the steps it sees (`SloPolicy.scale`).
+Predicted times to first token are a bound the policy decides against (refuse, boost), so they
+leave out nothing that always happens: with asynchronous scheduling a step planned now starts
+only when the step in flight ends (`_inflight_s`), and a waiting request's prefill starts only
+after the prompts ahead of it in the queue (partial prefills, then the waiting ones it is not
+refused behind). Without those two terms every admitted request was predicted one step and a
+queue early, so the shed policy admitted requests that then missed the target by a little.
+
+The pace. The cost model was measured once; the machine's pace changes (a neighbour takes a
+core). The policy therefore scales every prediction by the running average of the measured over
+the predicted time of the steps it sees (`SloPolicy.scale`). An average, not a deliberately
+cautious estimate (a high quantile of recent ratios): under a busy machine per-step ratios
+spread 2-3x, their 90th percentile ran 1.5-2.5x the average, and the policy then refused nearly
+every request (A/B at 0.25 s / 20 ms on tiny, 2026-12-01: 0-5 good requests of 200 for the
+quantiles against 1-8 for the average with the terms above). The caution the old pairing of
+steps gave (b050def) was making up for the two missing terms, not for the pace: replayed in the
+simulator, where the pace is exact, the same shed policy served 6 good requests without them
+and 29 with them (cost_model_night.json).
 
 Nothing starves: the cap never stops decodes, decodes always finish (max_tokens), and when none
 run the budget is whole, so the queue drains in policy order. With no SLO, or with
@@ -109,14 +126,15 @@ class SloPolicy:
             return self.scale * self.cost.predict(budget, pairs)
 
         if self.shed is not None and self.ttft_s is not None:
-            waiting = self._shed_late(waiting, decodes, step_s, now)
+            waiting = self._shed_late(waiting, decodes, sum(n for _, n in spans), step_s, now)
         if decodes == 0:
             return self.max_budget
         if first is None:
             first = min(waiting, key=lambda r: r.arrival_time, default=None)
         # The decodes' own bucket: its padding runs anyway, so prefill may fill it.
         floor = self.buckets[min(bisect.bisect_left(self.buckets, decodes), len(self.buckets) - 1)]
-        budget = floor
+        # Decodes alone over the target: no prefill (module docstring), not even the padding's.
+        budget = floor if step_s(decodes) <= self.target_s else decodes
         for b in self.buckets:
             if b > floor and step_s(b) <= self.target_s:
                 budget = b
@@ -167,27 +185,37 @@ class SloPolicy:
         if 0.1 <= ratio <= 10:
             self.scale = min(8.0, max(0.25, 0.9 * self.scale + 0.1 * ratio))
 
-    def _shed_late(self, waiting, decodes: int, step_s, now: float) -> list[Request]:
-        """Refuses the waiting requests that would miss the TTFT target even if their prefill
-        started now with the whole budget; returns the others. A preempted request (it had its
-        first token) is never refused."""
+    def _inflight_s(self) -> float:
+        """Seconds before a step planned now starts: with asynchronous scheduling the last
+        plan's step runs first (its prediction at the current pace); synchronously none."""
+        last = self._predicted[-1] if self.lag else None
+        return 0.0 if last is None else self.scale * last
+
+    def _shed_late(self, waiting, decodes: int, ahead: int, step_s, now: float) -> list[Request]:
+        """Refuses the waiting requests that would miss the TTFT target even with the whole
+        budget, after the step in flight and the `ahead` prompt tokens (partial prefills) and
+        the kept requests before them in the queue; returns the others. A preempted request
+        (it had its first token) is never refused."""
         fastest = step_s(self.max_budget)
+        inflight = self._inflight_s()
         room = max(1, self.max_budget - decodes)
         kept = []
         for req in waiting:
-            steps = math.ceil(req.num_tokens / room)
-            ttft = now + steps * fastest - req.arrival_time
+            steps = math.ceil((ahead + req.num_tokens) / room)
+            ttft = now + inflight + steps * fastest - req.arrival_time
             if not req.output_token_ids and ttft > self.ttft_s:
                 self.shed(
                     req,
                     f"Refused under load: its predicted time to first token is {ttft:.3f} s "
-                    f"(waited {now - req.arrival_time:.3f} s, then {steps} step(s) of "
-                    f"{fastest * 1e3:.1f} ms for its {req.num_tokens} tokens), more than the TTFT "
-                    f"target of {self.ttft_s:.3f} s. Retry later or on another replica.",
+                    f"(waited {now - req.arrival_time:.3f} s, then {inflight * 1e3:.1f} ms for "
+                    f"the step running and {steps} step(s) of {fastest * 1e3:.1f} ms for its "
+                    f"{req.num_tokens} tokens and the {ahead} queued before them), more than the "
+                    f"TTFT target of {self.ttft_s:.3f} s. Retry later or on another replica.",
                 )
                 self.num_shed += 1
             else:
                 kept.append(req)
+                ahead += req.num_tokens
         return kept
 
     def _boost(self, budget: int, first: Request | None, decodes: int, step_s, now: float) -> int:
@@ -199,7 +227,7 @@ class SloPolicy:
         deadline = first.arrival_time + self.ttft_s
         for b in [budget, *(x for x in self.buckets if x > budget)]:
             room = max(1, b - decodes)
-            if now + math.ceil(left / room) * step_s(b) <= deadline:
+            if now + self._inflight_s() + math.ceil(left / room) * step_s(b) <= deadline:
                 return b
         return budget  # late at any budget: served without slowing everyone
 

@@ -112,9 +112,12 @@ def _policy(**kw) -> SloPolicy:
 def test_budget_is_the_largest_bucket_within_target():
     assert _policy()(_running_decodes(4, 20), [], now=1.0) == 32
     assert _policy()([], [], now=1.0) == 64  # no decodes: nothing to protect
-    # Decodes alone past the target: their own bucket still runs (padding filled), no less.
+    # Decodes alone past the target: they still run, but no prefill joins them, not even in
+    # their bucket's padding (a prompt let in now would make every later step slower).
     slow = _policy(tpot_s=1e-3)
-    assert slow(_running_decodes(5, 20), [], now=1.0) == 8
+    assert slow(_running_decodes(5, 20), [], now=1.0) == 5
+    # Within the target, the decodes' bucket is the floor and its padding goes to prefill.
+    assert _policy(tpot_s=3.3e-3)(_running_decodes(5, 20), [], now=1.0) == 8
 
 
 def test_ttft_at_risk_gets_the_smallest_budget_that_meets_it():
@@ -238,3 +241,38 @@ def test_refused_requests_are_counted_apart_from_failures_and_goodput():
     assert summary["num_refused"] == len(refused) and summary["num_failed"] == 0
     assert summary["num_finished"] + len(refused) == len(w.requests)
     assert 0 < summary["good_requests"] <= summary["num_finished"]
+
+
+def _prompt(request_id: str, n: int, arrival: float = 0.0) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=[5] * n,
+        sampling_params=SamplingParams(max_tokens=4),
+        arrival_time=arrival,
+    )
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_shedding_counts_the_step_in_flight_when_planning_asynchronously(lag):
+    refused = []
+    policy = _policy(lag=lag, ttft_s=0.019, shed=lambda r, why: refused.append(r.request_id))
+    decodes = _running_decodes(4, 20)
+    policy(decodes, [], now=0.0)
+    for r in decodes:  # the 4 decodes were planned: 2.4 ms by the model, now in flight
+        r.output_token_ids.append(7)
+        r.num_computed_tokens += 1
+    # 120 tokens at 60 a step: 2 steps of 8.4 ms, TTFT 17.8 ms from now; asynchronously the
+    # 2.4 ms step in flight runs first: 20.2 ms, past the 19 ms target.
+    policy(decodes, [_prompt("w", 120)], now=1e-3)
+    assert refused == (["w"] if lag else [])
+
+
+def test_shedding_counts_the_prompts_queued_ahead():
+    refused = []
+    policy = _policy(ttft_s=0.012, shed=lambda r, why: refused.append(r.request_id))
+    # Nothing runs: 64 tokens a step of 8.4 ms. "a" needs one step; "b" comes after a's 60
+    # tokens, so two (16.8 ms, past the 12 ms target); "c" queues behind "a" alone (a refused
+    # request takes nothing), and 60 + 4 tokens fit one step.
+    waiting = [_prompt("a", 60), _prompt("b", 60), _prompt("c", 4)]
+    assert policy([], waiting, now=0.0) == 64
+    assert refused == ["b"]
