@@ -304,8 +304,8 @@ class Engine:
         out = flight.out
         seqs = plan.seqs
         n = len(seqs)
-        tokens = np.asarray(out.token_ids)[:n].tolist()  # the step's one copy to the host
-        sampled = [t if s.sample else None for t, s in zip(tokens, seqs, strict=True)]
+        # The step's one copy to the host; plain ints, and rows that do not sample are ignored.
+        tokens = np.asarray(out.token_ids)[:n].tolist()
         logprobs = None
         if flight.want_logprobs:
             asked = [s.sample and s.request.sampling_params.logprobs is not None for s in seqs]
@@ -317,9 +317,9 @@ class Engine:
         if flight.want_prompt_logprobs:
             self._take_prompt_logprobs(out, seqs)
         updates = self.scheduler.update(
-            plan, StepResult(sampled_token_ids=sampled, logprobs=logprobs), now=time.monotonic()
+            plan, StepResult(sampled_token_ids=tokens, logprobs=logprobs), now=time.monotonic()
         )
-        generated = n - sampled.count(None)
+        generated = plan.num_sampled
         real = plan.num_batched_tokens
         self.metrics.on_step(
             real_tokens=real,

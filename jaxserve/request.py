@@ -146,7 +146,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status > RequestStatus.PREEMPTED  # status.is_finished, one call fewer
 
     @property
     def finish_reason(self) -> FinishReason | None:

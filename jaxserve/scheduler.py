@@ -307,11 +307,14 @@ class Scheduler:
             aborted_ids=aborted,
             step=self._step,
         )
+        num_sampled = 0
         for seq in out.seqs:  # counted as done now: the next plan starts where this one ends
             req = seq.request
             req.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             if seq.sample:
                 req.num_pending += 1
+                num_sampled += 1
+        out.num_sampled = num_sampled
         self._outstanding.append(out)
         return out
 
@@ -348,52 +351,43 @@ class Scheduler:
         # The hot path: every running request, every step. Request's properties are spelled out
         # (num_tokens = prompt + outputs + pending): a property call per row is a measurable
         # share of a 256-row step's host time.
-        decoding, prefilling = [], []
+        # One pass: each decode is planned as it is met, in admission order; prefills after.
+        prefilling = []
         max_len = self.config.max_model_len
-        for req in self._running:
-            outputs = len(req.output_token_ids)
-            pending = req.num_pending
-            total = len(req.prompt_token_ids) + outputs + pending
-            todo = total - req.num_computed_tokens
-            if todo == 1:
-                # A pending token that will end the request by length: nothing more to run.
-                if pending and (
-                    outputs + pending >= req.sampling_params.max_tokens or total >= max_len
-                ):
-                    continue
-                decoding.append(req)
-            elif todo:
-                prefilling.append(req)
-        prefilling.sort(key=lambda r: self._keys[r.request_id])
         ps = self.config.page_size
         table_of = self.kv.table_of
         running = RequestStatus.RUNNING
-        for req in decoding:
+        for req in tuple(self._running):  # a copy: an allocation below may preempt
             if req.status != running:  # preempted for an earlier one
                 continue
-            rid = req.request_id
+            outputs = len(req.output_token_ids)
+            pending = req.num_pending
+            total = len(req.prompt_token_ids) + outputs + pending
             start = req.num_computed_tokens
+            if total - start != 1:
+                if total != start:
+                    prefilling.append(req)
+                continue
+            # A pending token that will end the request by length: nothing more to run.
+            if pending and (
+                outputs + pending >= req.sampling_params.max_tokens or total >= max_len
+            ):
+                continue
+            rid = req.request_id
             table = table_of(rid)
             # Most decodes fit the pages they hold: allocate only when a page fills up.
             if start >= len(table) * ps and not self._allocate_or_preempt(req, start + 1, plan):
                 continue
-            if req.num_pending:
+            if pending:
                 token = PENDING_TOKEN
-            elif req.output_token_ids:
+            elif outputs:
                 token = req.output_token_ids[-1]
             else:
                 token = req.prompt_token_ids[-1]
-            plan.add(
-                ScheduledSeq(
-                    request=req,
-                    request_id=rid,
-                    slot=req.slot,
-                    token_ids=[token],
-                    start_pos=start,
-                    page_table=table,
-                    sample=True,
-                )
-            )
+            # Positional: the fields in order (request, request_id, slot, token_ids, start_pos,
+            # page_table, sample).
+            plan.add(ScheduledSeq(req, rid, req.slot, [token], start, table, True))
+        prefilling.sort(key=lambda r: self._keys[r.request_id])
         for req in prefilling:
             if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
                 continue
@@ -641,12 +635,12 @@ class Scheduler:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self._finish(req, status, now)
-            updates.append(
+            updates.append(  # positional: (request, new_token_ids, finished, logprobs)
                 RequestUpdate(
-                    request=req,
-                    new_token_ids=[token],
-                    finished=status is not None,
-                    logprobs=None if row_logprobs is None else [row_logprobs],
+                    req,
+                    [token],
+                    status is not None,
+                    None if row_logprobs is None else [row_logprobs],
                 )
             )
         return updates
@@ -676,10 +670,11 @@ class Scheduler:
     def _check_result(self, plan: SchedulerOutput, result: StepResult) -> None:
         # Checked before anything changes, so a runner bug cannot leave half an update behind.
         rows = len(plan.seqs)
-        if len(result.sampled_token_ids) != rows or (
-            result.logprobs is not None and len(result.logprobs) != rows
-        ):
+        tokens = result.sampled_token_ids
+        if len(tokens) != rows or (result.logprobs is not None and len(result.logprobs) != rows):
             raise ValueError(f"StepResult rows do not match the plan's {rows} sequences.")
+        if set(map(type, tokens)) <= {int}:  # every row a plain int (the engine's .tolist())
+            return
         for seq, token in zip(plan.seqs, result.sampled_token_ids, strict=True):
             # `type(...) is int` first: the ABC check alone costs a fraction of a microsecond a row.
             if seq.sample and type(token) is not int and not isinstance(token, numbers.Integral):
