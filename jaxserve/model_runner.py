@@ -26,6 +26,7 @@ from jaxserve.batch import SeqChunk, StepBatch, StepWords, from_words, pack_chun
 from jaxserve.buckets import bucket_ladder, pick_bucket  # noqa: F401 - re-exported
 from jaxserve.kv_pages import KVPages, init_kv_pages
 from jaxserve.models.attention import warm_up_batches
+from jaxserve.models.llama import logits_of_rows, step_compiler_options
 from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for
 from jaxserve.multihost import StepLink, is_leader
 from jaxserve.sampling import (
@@ -125,13 +126,18 @@ class ModelRunner:
         # The step's host inputs cross as ONE int32 array (`batch.to_words`): on the CPU each array
         # passed to a jitted call costs a transfer of its own, ~1.5 ms a step for the ~30 arrays
         # of a StepBatch and SamplingBatch (a 2.5 ms decode step of `tiny` took 4 ms).
-        self._step = jax.jit(
+        self._jit_step = functools.partial(
+            jax.jit,
             self._step_words,
             static_argnums=(5,),
             donate_argnums=(1, 3, 4),
             in_shardings=(self.sharding.params(self.params), kv, rep, rep, rep),
             out_shardings=(rep, kv, rep, rep),
         )
+        # Buckets that compile with XLA options of their own (llama.step_compiler_options) get
+        # a jitted step of their own: one per option set, made on first use.
+        self._option_steps = {(): self._jit_step()}
+        self._bucket_steps = {}  # num_tokens -> its jitted step
         # One shape (the context length) for every request: compiled once, on first use.
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,))
         # Multi-host: process 0 sends every step to the others (jaxserve/multihost.py).
@@ -160,8 +166,13 @@ class ModelRunner:
             batch, token_ids=jnp.where(batch.feed_slots >= 0, fed, batch.token_ids)
         )
         hidden, kv = self.module.apply({"params": params}, kv, batch)
-        logits = self.module.apply(
-            {"params": params}, hidden[batch.logits_indices], method=self.module.logits
+        # The head runs for the smallest tier of rows that holds the real ones, not for every
+        # padding row of the bucket (jaxserve/models/llama.py's logits_of_rows).
+        logits = logits_of_rows(
+            lambda h: self.module.apply({"params": params}, h, method=self.module.logits),
+            hidden,
+            batch.logits_indices,
+            batch.num_seqs,
         )
         out, pen = sample_step(logits, sampling, pen)
 
@@ -214,12 +225,24 @@ class ModelRunner:
     ) -> SampleOutput:
         if words is None:
             words = to_words((batch, sampling))
-        out, self.kv, self.penalties, self.last_tokens = self._step(
+        out, self.kv, self.penalties, self.last_tokens = self._step_for(batch)(
             self.params, self.kv, words.words, self.penalties, self.last_tokens, words.layout
         )
         if jax.process_count() > 1:  # this host's copy of the replicated result, readable here
             out = jax.tree.map(lambda a: a.addressable_data(0), out)
         return out
+
+    def _step_for(self, batch: StepBatch):
+        """The jitted step of `batch`'s bucket: with that bucket's XLA options, if it has any."""
+        num_tokens = batch.token_ids.shape[0]
+        step = self._bucket_steps.get(num_tokens)
+        if step is None:  # a bucket's first step: looked up once, then a dict hit per step
+            options = step_compiler_options(num_tokens, jax.default_backend())
+            key = tuple(sorted(options.items()))
+            if key not in self._option_steps:
+                self._option_steps[key] = self._jit_step(compiler_options=options or None)
+            step = self._bucket_steps[num_tokens] = self._option_steps[key]
+        return step
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-host mesh: runs process 0's steps until released."""
