@@ -17,6 +17,7 @@ step takes each from `feed_slots` (the slot whose last sampled token it is) on t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -93,6 +94,24 @@ class InputBatch:
         self.prompt_logprobs[slot] = p.prompt_logprobs is not None
         self.prompt_len[slot] = req.num_prompt_tokens
 
+    def _refresh_slot(self, seq: ScheduledSeq) -> None:
+        """Brings `seq`'s slot up to date: its owner's parameters, and its page table."""
+        slot, table = seq.slot, seq.page_table
+        if self._owner[slot] is not seq.request:
+            self._claim(slot, seq.request)
+        if self._table_of[slot] is not table:  # a new table: nothing of the old one stays
+            self._table_of[slot] = table
+            self.tables[slot] = 0
+            self._table_len[slot] = 0
+        have = self._table_len[slot]
+        if len(table) < have:
+            raise ValueError(
+                f"Request {seq.request_id!r}'s page table shrank from {have} to "
+                f"{len(table)} pages while it held slot {slot}."
+            )
+        self.tables[slot, have : len(table)] = table[have:]
+        self._table_len[slot] = len(table)
+
     def pack(self, seqs: Sequence[ScheduledSeq]) -> PackedStep:
         """The step batch and sampling rows of a plan's `seqs`, padded to their bucket.
 
@@ -100,33 +119,24 @@ class InputBatch:
         rows whose requests need per-row host work (`special_rows`) before dispatching it.
         """
         n = len(seqs)
+        # Field by field at C speed (ScheduledSeq is a named tuple): a Python loop that appends
+        # four numbers per row cost ~1.3 us a row, a third of a 256-row step's packing.
+        requests, _, slot_list, token_lists, start_list, tables, sample_list = (
+            zip(*seqs, strict=True) if n else ((),) * 7
+        )
         owner, table_of, table_len = self._owner, self._table_of, self._table_len
-        slot_list, start_list, len_list, sample_list = [], [], [], []
-        tokens_list: list[int] = []
-        for seq in seqs:  # the deltas (new owners, grown page tables), and the rows' numbers
-            slot = seq.slot
-            if owner[slot] is not seq.request:
-                self._claim(slot, seq.request)
-            table = seq.page_table
-            if table_of[slot] is not table:  # a new table: nothing of the old one stays
-                table_of[slot] = table
-                self.tables[slot] = 0
-                table_len[slot] = 0
-            have = table_len[slot]
-            if len(table) != have:
-                if len(table) < have:
-                    raise ValueError(
-                        f"Request {seq.request_id!r}'s page table shrank from {have} to "
-                        f"{len(table)} pages while it held slot {slot}."
-                    )
-                self.tables[slot, have : len(table)] = table[have:]
-                table_len[slot] = len(table)
-            ids = seq.token_ids
-            slot_list.append(slot)
-            start_list.append(seq.start_pos)
-            len_list.append(len(ids))
-            sample_list.append(seq.sample)
-            tokens_list += ids
+        # The deltas: slots with a new owner, or whose page table is new or grew.
+        stale = [
+            row
+            for row, slot, request, table in zip(range(n), slot_list, requests, tables, strict=True)
+            if owner[slot] is not request
+            or table_of[slot] is not table
+            or len(table) != table_len[slot]
+        ]
+        for row in stale:
+            self._refresh_slot(seqs[row])
+        tokens_list = list(itertools.chain.from_iterable(token_lists))
+        len_list = list(map(len, token_lists))
         total = len(tokens_list)
         num_tokens = pick_bucket(self.token_buckets, max(total, 1))
         num_seqs = self.seq_bucket_for(num_tokens)
