@@ -17,6 +17,11 @@ at the calibration's contexts, predicted at the longer contexts of a static batc
 32-row decode 20-40% slower than a 64-row one.) Buckets never measured interpolate the
 intercepts of their neighbours.
 
+What the features still miss in serving (the machine's pace between calibration and serving, a
+mix of steps calibration did not run) is one factor, `serving_scale`, measured on served steps
+(the function `serving_scale`: their measured over calibrated total) and saved with the model;
+`predict` includes it, so the SLO policy, the simulator and the next start plan served steps.
+
 A model is saved as JSON keyed by model, dtype, device kind and token buckets (`CostKey`), so a
 file measured on one machine is never silently applied to another. Pure Python and numpy: the
 scheduler's SLO policy and the simulator use it without JAX.
@@ -107,9 +112,22 @@ class BucketFit:
 class CostModel:
     """Predicts the seconds of a step from its tokens and attended pairs."""
 
-    def __init__(self, key: CostKey, fits: Sequence[BucketFit], *, fit_error: dict | None = None):
+    def __init__(
+        self,
+        key: CostKey,
+        fits: Sequence[BucketFit],
+        *,
+        fit_error: dict | None = None,
+        serving: dict | None = None,
+    ):
         if not fits:
             raise CostModelError("A cost model needs at least one fitted bucket.")
+        # {"scale": measured over predicted of served steps, "steps": how many}; none: 1.
+        self.serving = dict(serving or {})
+        scale = self.serving.get("scale", 1.0)
+        if not (isinstance(scale, int | float) and 0.1 <= scale <= 10):
+            raise CostModelError(f"The serving scale {scale!r} must be a number in [0.1, 10].")
+        self.serving_scale = float(scale)
         self.key = key
         self.fits = {f.bucket: f for f in sorted(fits, key=lambda f: f.bucket)}
         self._buckets = list(self.fits)
@@ -121,8 +139,22 @@ class CostModel:
         return self.fits[self._buckets[min(i, len(self._buckets) - 1)]]
 
     def predict(self, tokens: int, attended: int) -> float:
-        """Seconds of one step; never below a microsecond (a line may dip near zero)."""
+        """Seconds of one served step: the fit times `serving_scale`; never below a
+        microsecond (a line may dip near zero)."""
+        return self.serving_scale * self.predict_calibrated(tokens, attended)
+
+    def predict_calibrated(self, tokens: int, attended: int) -> float:
+        """Seconds of one step as calibration measured it (no serving scale)."""
         return max(1e-6, self.fit_for(tokens).predict(tokens, attended))
+
+    def with_serving_scale(self, scale: float, steps: int) -> CostModel:
+        """This model with `scale` (served over calibrated step time, from `steps` steps)."""
+        return CostModel(
+            self.key,
+            list(self.fits.values()),
+            fit_error=self.fit_error,
+            serving={"scale": scale, "steps": steps},
+        )
 
     def predict_plan(self, plan) -> float:
         """Seconds of a SchedulerOutput's step (0 for an empty plan: nothing runs)."""
@@ -136,6 +168,7 @@ class CostModel:
             "key": {**dataclasses.asdict(self.key), "token_buckets": list(self.key.token_buckets)},
             "features": list(FEATURES),
             "fit_error": self.fit_error,
+            "serving": self.serving,
             "buckets": [
                 {**dataclasses.asdict(f), "coef": list(f.coef)} for f in self.fits.values()
             ],
@@ -169,7 +202,8 @@ class CostModel:
             ]
         except (KeyError, TypeError, ValueError) as e:
             raise CostModelError(f"Not a jaxserve cost model: missing or bad field {e}.") from None
-        return cls(key, fits, fit_error=obj.get("fit_error") or {})
+        serving = obj.get("serving")  # files before the serving scale: none
+        return cls(key, fits, fit_error=obj.get("fit_error") or {}, serving=serving)
 
     @classmethod
     def load(cls, path: str | Path, expect: CostKey | None = None) -> CostModel:
@@ -193,7 +227,8 @@ class CostModel:
         lines = [
             f"cost model of {self.key.model} ({self.key.dtype}, {self.key.device_kind}): "
             f"relative RMS error {_pct(self.fit_error.get('rel_rms'))} over "
-            f"{self.fit_error.get('samples', 0)} steps",
+            f"{self.fit_error.get('samples', 0)} steps; served steps x{self.serving_scale:.2f} "
+            f"(over {self.serving.get('steps', 0)})",
             "| bucket | steps | fixed ms | us/token | ns/attended pair | rel RMS |",
             "|---:|---:|---:|---:|---:|---:|",
         ]
@@ -205,6 +240,20 @@ class CostModel:
                 f"{per_pair * 1e9:.3f} | {_pct(f.rel_rms)} |"
             )
         return "\n".join(lines)
+
+
+def serving_scale(model: CostModel, samples: Sequence[StepSample]) -> float | None:
+    """Measured over calibrated time of served steps, in total (long steps weigh most, as in a
+    request's latency); steps `_OUTLIER_FACTOR` times slower than predicted are left out, as in
+    the fit. None without steps."""
+    predicted = [model.predict_calibrated(s.tokens, s.attended) for s in samples]
+    kept = [
+        (s.seconds, p) for s, p in zip(samples, predicted, strict=True)
+        if s.seconds <= _OUTLIER_FACTOR * p * model.serving_scale
+    ]  # fmt: skip
+    if not kept:
+        return None
+    return sum(m for m, _ in kept) / sum(p for _, p in kept)
 
 
 def _pct(x: float | None) -> str:
@@ -320,7 +369,7 @@ def _with_errors(
         "rel_rms": _rms(errs),
         "median_abs_rel": float(np.median(np.abs(errs))) if errs else None,
     }
-    return CostModel(model.key, fits, fit_error=fit_error)
+    return CostModel(model.key, fits, fit_error=fit_error, serving=model.serving)
 
 
 def _rms(xs: Sequence[float]) -> float | None:

@@ -105,6 +105,10 @@ class SloPolicy:
         self._predicted: list[float | None] = [None] * (lag + 1)  # the last plans', oldest first
         self._computed: dict[str, int] = {}  # num_computed_tokens of each running request
         self._last_call: float | None = None  # `now` of the last call that had work
+        # Every step's measured and predicted seconds, summed: the served steps' pace over the
+        # whole run, saved with the cost model for the next start (`served_scale`).
+        self.measured_s = self.predicted_s = 0.0
+        self.num_measured = 0
 
     def __call__(self, running: Sequence[Request], waiting: Iterable[Request], now: float) -> int:
         decodes = decode_pairs = 0
@@ -184,6 +188,17 @@ class SloPolicy:
         ratio = (now - last) / predicted
         if 0.1 <= ratio <= 10:
             self.scale = min(8.0, max(0.25, 0.9 * self.scale + 0.1 * ratio))
+            self.measured_s += now - last
+            self.predicted_s += predicted
+            self.num_measured += 1
+
+    def served_scale(self) -> tuple[float, int] | None:
+        """(served over calibrated step time, steps) over every step measured so far, or None
+        before any: the cost model's serving scale as this run measured it."""
+        if not self.num_measured:
+            return None
+        ratio = self.measured_s / self.predicted_s
+        return self.cost.serving_scale * ratio, self.num_measured
 
     def _inflight_s(self) -> float:
         """Seconds before a step planned now starts: with asynchronous scheduling the last
@@ -325,3 +340,27 @@ def attach_to_engine(engine) -> SloPolicy | None:
     rel_rms = cost.fit_error.get("rel_rms")
     engine.metrics.set_gauges(cost_model_fit_rel_rms=-1.0 if rel_rms is None else rel_rms)
     return attach(engine.scheduler, config, cost)
+
+
+# Fewer served steps than this say too little about the machine's pace to replace the scale.
+MIN_SERVED_STEPS = 200
+
+
+def save_served_scale(engine) -> CostModel | None:
+    """Saves, to the engine's `--cost-model` file, its cost model with the serving scale its SLO
+    policy measured on the steps it served (at least MIN_SERVED_STEPS), so that the next start
+    and the simulator plan served steps; returns that model, or None when nothing was saved.
+    Called when the engine stops."""
+    policy = getattr(engine.scheduler, "step_budget", None)
+    path = engine.config.cost_model
+    if not isinstance(policy, SloPolicy) or not path:
+        return None
+    measured = policy.served_scale()
+    if measured is None or measured[1] < MIN_SERVED_STEPS:
+        return None
+    cost = policy.cost.with_serving_scale(*measured)
+    cost.save(path)
+    logger.info(
+        "cost model: served steps ran x%.2f of calibration's; saved to %s", measured[0], path
+    )
+    return cost

@@ -30,7 +30,11 @@ the prefix cache off, since one engine serves the same prompts several times):
    model's error on them (measured over predicted) beside the simulator replaying the run with
    a model fitted to those very steps: the error left there is the simulator's own (its loop,
    the scheduler's decisions), the rest the cost model's (the machine changed pace since the
-   calibration, or the fit misses the contexts the run saw).
+   calibration, or the fit misses the contexts the run saw). The first real run (today's) also
+   measures the cost model's serving scale (cost_model.serving_scale: served steps over
+   calibrated ones, saved as DIR/cost_model_served.json, as an engine saves it when it stops),
+   and that table gives the simulator's p50s once more with steps of the served model: the
+   error left after the serving correction, on runs it was not measured on but the first.
 4. With --tune: `jaxserve tune`'s search in the simulator, and its pick measured for real.
 
 The SLO is the issue's (TTFT <= 0.25 s, TPOT <= 0.02 s). When the cost model says the step alone
@@ -233,6 +237,7 @@ def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
         elif label.startswith("tuner"):
             engines[label] = build(config.replace(calibrate_cost_model=False))
     rows, checks = [], []
+    served = None  # the cost model with the serving scale of the first real run
     scored_slos = slos + ([plan.compare] if plan.compare and plan.compare not in slos else [])
     for label, slo, config in configs:
         engine = engines.get(label, today)
@@ -249,11 +254,17 @@ def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
         sim = _simulate(workload, config, cost, label, max_model_len, model, plan.seed)
         own = cost_model.fit(steps, cost.key) if steps else None
         replay = _simulate(workload, config, cost, label, max_model_len, model, plan.seed, own)
+        if served is None and (scale := cost_model.serving_scale(cost, steps)) is not None:
+            served = cost.with_serving_scale(scale, len(steps))
+            served.save(plan.out / "cost_model_served.json")
+            log(f"served steps ran x{scale:.3f} of calibration's ({label}, {len(steps)} steps)")
+        # The policy plans with the model the real run loaded; steps take the served model's time.
+        after = _simulate(workload, config, cost, label, max_model_len, model, plan.seed, served)
         for scored in [slo] if slo else scored_slos:
             rows.append((label, scored, summarize(real, scored), summarize(sim, scored)))
         checks.append(
             (label, slo or slos[0], step_error(cost, steps), summarize(real, slo or slos[0]),
-             summarize(replay, slo or slos[0]))
+             summarize(replay, slo or slos[0]), summarize(after, slo or slos[0]))
         )  # fmt: skip
     rows.sort(key=lambda row: scored_slos.index(row[1]))  # by SLO, then configurations in order
     table = format_table(rows, plan, why, time.perf_counter() - started)
@@ -269,8 +280,14 @@ def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
                     for lb, s, r, m in rows
                 ],
                 "checks": [
-                    {"label": lb, "slo": dataclasses.asdict(s), "steps": e, "replayed": m}
-                    for lb, s, e, _, m in checks
+                    {
+                        "label": lb,
+                        "slo": dataclasses.asdict(s),
+                        "steps": e,
+                        "replayed": m,
+                        "served_sim": a,
+                    }
+                    for lb, s, e, _, m, a in checks
                 ],
             },
             indent=1,
@@ -376,19 +393,23 @@ def format_checks(checks) -> str:
     those steps' own times (a model fitted to them): what is left there is the simulator's."""
     lines = [
         "Per real run: measured over predicted time of its steps (total; median step), and the "
-        "simulator again with steps as long as this run's own (a cost model fitted to them):",
+        "simulator again with steps as long as this run's own (a cost model fitted to them), "
+        "and with the serving scale the first run measured (served sim):",
         "",
         "| config | SLO | steps | measured / predicted | TTFT p50 real / replayed (s) | TPOT p50 "
-        "real / replayed (ms) | good real / replayed |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "real / replayed (ms) | good real / replayed | TTFT p50 real / served sim (s) | TPOT p50 "
+        "real / served sim (ms) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for label, slo, err, real, replay in checks:
+    for label, slo, err, real, replay, after in checks:
         lines.append(
             f"| {label} | {slo.ttft_s:g} s / {slo.tpot_s * 1e3:g} ms | {err['steps']} | "
             f"{err['total_ratio']:.2f}; {err['median_ratio']:.2f} | "
             f"{_pair(real['ttft']['p50'], replay['ttft']['p50'], 1, '.2f')} | "
             f"{_pair(real['tpot']['p50'], replay['tpot']['p50'], 1e3, '.0f')} | "
-            f"{real['good_requests']} / {replay['good_requests']} |"
+            f"{real['good_requests']} / {replay['good_requests']} | "
+            f"{_pair(real['ttft']['p50'], after['ttft']['p50'], 1, '.2f')} | "
+            f"{_pair(real['tpot']['p50'], after['tpot']['p50'], 1e3, '.0f')} |"
         )
     return "\n".join(lines)
 

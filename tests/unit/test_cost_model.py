@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -14,6 +15,7 @@ from jaxserve.cost_model import (
     attended_pairs,
     fit,
     plan_features,
+    serving_scale,
 )
 from tests.unit.helpers import add_all, make_requests, make_scheduler
 
@@ -134,3 +136,35 @@ def test_load_rejects_other_files(tmp_path):
         CostModel.load(bad)
     with pytest.raises(CostModelError, match="Cannot read"):
         CostModel.load(tmp_path / "missing.json")
+
+
+def test_serving_scale_is_measured_on_served_steps_and_saved(tmp_path):
+    model = fit(_samples(), KEY)
+    assert model.serving_scale == 1.0
+    # Served steps 1.3x slower than calibrated, and one stalled 10x (a compile): left out.
+    served = [StepSample(s.tokens, s.attended, 1.3 * s.seconds) for s in _samples(seed=1)]
+    served.append(StepSample(20, 4000, 10 * model.predict(20, 4000)))
+    scale = serving_scale(model, served)
+    assert scale == pytest.approx(1.3, rel=0.02)
+    scaled = model.with_serving_scale(scale, len(served))
+    assert scaled.predict(20, 4000) == pytest.approx(scale * model.predict(20, 4000))
+    assert scaled.predict_calibrated(20, 4000) == model.predict(20, 4000)
+    # Saved with the model: the next start and the simulator plan served steps.
+    loaded = CostModel.load(scaled.save(tmp_path / "cost.json"), expect=KEY)
+    assert loaded.predict(20, 4000) == pytest.approx(scaled.predict(20, 4000), rel=1e-12)
+    assert loaded.serving == {"scale": scale, "steps": len(served)}
+    # Measured again on the scaled model: still against calibration, not compounded.
+    assert serving_scale(loaded, served) == pytest.approx(scale)
+    assert serving_scale(model, []) is None
+    with pytest.raises(CostModelError, match=r"serving scale 0\.0 must be"):
+        model.with_serving_scale(0.0, 5)
+
+
+def test_a_file_from_before_the_serving_scale_loads_without_it(tmp_path):
+    obj = fit(_samples(), KEY).to_json()
+    del obj["serving"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(obj))
+    model = CostModel.load(path, expect=KEY)
+    assert model.serving_scale == 1.0
+    assert model.predict(20, 4000) == model.predict_calibrated(20, 4000)

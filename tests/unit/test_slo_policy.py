@@ -3,16 +3,19 @@ without an SLO the scheduler plans exactly as before (no JAX)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from jaxserve.bench.metrics import SLO, summarize
 from jaxserve.bench.workload import LengthMix, mixed_workloads
+from jaxserve.cost_model import CostModel
 from jaxserve.engine_config import EngineConfig
 from jaxserve.request import FinishReason, Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import StepResult
 from jaxserve.simulator import build_scheduler, simulate
-from jaxserve.slo_policy import SloPolicy, attach
+from jaxserve.slo_policy import MIN_SERVED_STEPS, SloPolicy, attach, save_served_scale
 from tests.unit.test_simulator import BUCKETS, fake_cost
 
 # A step costs 2 ms + 0.1 ms per token: a full 64-token step 8.4 ms, a 32-token one 5.2 ms.
@@ -276,3 +279,28 @@ def test_shedding_counts_the_prompts_queued_ahead():
     waiting = [_prompt("a", 60), _prompt("b", 60), _prompt("c", 4)]
     assert policy([], waiting, now=0.0) == 64
     assert refused == ["b"]
+
+
+def test_the_served_pace_is_saved_with_the_cost_model(tmp_path):
+    path = tmp_path / "cost.json"
+    config = BASE.replace(slo_scheduling=True, cost_model=str(path), async_scheduling=False)
+    sched = build_scheduler(config, COST, 256)
+    policy = sched.step_budget
+    engine = types.SimpleNamespace(scheduler=sched, config=config)
+    decodes = _running_decodes(4, 20)
+    now = 0.0
+    policy(decodes, [], now=now)
+    for k in range(MIN_SERVED_STEPS):
+        # Too few steps measured: nothing saved, the file stays as it was (here: none).
+        assert save_served_scale(engine) is None and not path.exists()
+        for r in decodes:
+            r.output_token_ids.append(7)
+            r.num_computed_tokens += 1
+        now += (1.5 if k % 2 else 1.1) * 2.4e-3  # 1.3x the model's 2.4 ms on average
+        policy(decodes, [], now=now)
+    assert policy.served_scale() == pytest.approx((1.3, MIN_SERVED_STEPS), rel=0.01)
+    saved = save_served_scale(engine)
+    assert saved.serving_scale == pytest.approx(1.3, rel=0.01)
+    # The next start plans served steps: 1.3x the calibrated time.
+    loaded = CostModel.load(path)
+    assert loaded.predict(4, 84) == pytest.approx(1.3 * COST.predict(4, 84), rel=0.01)
