@@ -25,7 +25,9 @@ best of 5, one layer of smollm2-135m's attention (9 heads, 3 KV heads, head_dim 
   a 448-token chunk at context 1000 + 64 decodes: 1.9-2.5 s -> 68-105 ms (18-36x)
 Tile sizes: 32x128 to 256x512 were within noise of each other on prefill; 128 rows x 256 keys
 keeps loop trips few. Decode blocks: 16 or 32 keys ran 2-6x faster than 128 or 256 (the gathered
-block stays in cache between the gather and its two matmuls), and 32 halves the trips of 16.
+block stays in cache between the gather and its two matmuls), and 32 halves the trips of 16; a
+step with one sequence slot takes 128-key blocks (`_DECODE_KEYS_ONE_SEQ`), fewer trips for
+blocks that stay small.
 
 Most of a decode block's time is the gather of its K and V pages fused with a transpose into the
 matmuls' batch-major layout ([S, kv head, d, keys] for K). Formulations that avoid that transpose
@@ -52,6 +54,13 @@ _TILE_ROWS = 128
 # Keys per block of the prefill loop and of the batched decode loop.
 _TILE_KEYS = 256
 _DECODE_KEYS = 32
+# Keys per block of the decode loop when the step has one sequence slot (a batch-1 decode
+# bucket): there a block is too small for its gather to matter and the loop's fixed cost per
+# trip (~15 small thunks) is most of the attention. Measured in smollm2-135m's batch-1 decode step
+# (compiled in one process, interleaved medians, shared 2-core machine), step time over that with
+# 32-key blocks: context 144 0.99x, 300 0.82x, 600 0.81x, 900 0.75x; 256-key blocks 0.85x and
+# 0.83x at 300 and 900.
+_DECODE_KEYS_ONE_SEQ = 128
 # A finite "minus infinity": a row with no visible key in a block adds exp(0) * (zeroed V) there,
 # which the first block with a visible key rescales away (its max is far above -1e30).
 _MASKED = -1e30
@@ -166,7 +175,8 @@ def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window):
     page_size, num_kv_heads, head_dim = k_pool.shape[2:]
     num_slots = page_tables.shape[0]
     group = q.shape[1] // num_kv_heads
-    pages_per_block = max(1, _DECODE_KEYS // page_size)
+    decode_keys = _DECODE_KEYS_ONE_SEQ if num_slots == 1 else _DECODE_KEYS
+    pages_per_block = max(1, decode_keys // page_size)
     block_keys = pages_per_block * page_size
     is_decode = plan.decode_rows < q.shape[0]
     kv_len = jnp.where(is_decode, kv_lens, 0)

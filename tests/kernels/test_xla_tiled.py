@@ -44,6 +44,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(xla_blocked, "_TILE_ROWS", 4)
     monkeypatch.setattr(xla_blocked, "_TILE_KEYS", 8)
     monkeypatch.setattr(xla_blocked, "_DECODE_KEYS", 8)
+    monkeypatch.setattr(xla_blocked, "_DECODE_KEYS_ONE_SEQ", 12)
 
 
 def _check(case: Case, got: np.ndarray) -> None:
@@ -71,6 +72,28 @@ def test_default_sizes_match_reference():
     """The production tile sizes: every chunk fits one tile and one key block here."""
     case = RAGGED["gqa2"]
     fn = functools.partial(xla_blocked.ragged_paged_attention, sm_scale=case.head_dim**-0.5)
+    _check(case, np.asarray(jax.jit(fn)(*make_inputs(case))))
+
+
+# One sequence slot: the decode loop's larger blocks (_DECODE_KEYS_ONE_SEQ), over a context that
+# ends mid-block, with and without a window that starts past the first blocks.
+ONE_SLOT = {
+    "long": Case(((1, 41),), 4, 4, 2, 16, F32, 1, 1),
+    "window": Case(((1, 41),), 4, 4, 2, 16, F32, 1, 1, 15),
+    "production": Case(((1, 300),), 16, 9, 3, 64, F32, 1, 1),  # default sizes: 3 blocks of 128
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_SLOT), ids=str)
+def test_one_slot_decode_blocks_match_reference(name: str, monkeypatch):
+    case = ONE_SLOT[name]
+    if name != "production":  # 12 keys: three pages of 4 a block, four blocks for 41 keys
+        monkeypatch.setattr(xla_blocked, "_DECODE_KEYS_ONE_SEQ", 12)
+    fn = functools.partial(
+        xla_blocked.ragged_paged_attention,
+        sm_scale=case.head_dim**-0.5,
+        sliding_window=case.sliding_window,
+    )
     _check(case, np.asarray(jax.jit(fn)(*make_inputs(case))))
 
 
