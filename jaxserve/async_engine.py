@@ -40,6 +40,7 @@ from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.slo_policy import save_served_scale
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,10 @@ class AsyncEngine:
             logger.exception("engine thread failed")
             self.error = e
         self._close()
+        try:  # the serving scale the SLO policy measured, for the next start (slo_policy.py)
+            save_served_scale(self.engine)
+        except Exception:
+            logger.exception("saving the cost model's serving scale failed")
         if self._owns_engine:
             self._release_followers()
 

@@ -129,3 +129,31 @@ def test_calibration_at_warm_up_fits_every_bucket_saves_and_reloads(stories_engi
     replaced = Engine(config.replace(cost_model=other), model=stories_engine.model)
     assert replaced.metrics.stats.cost_model["source"] == "calibrated"
     assert CostModel.load(other).key.device_kind == jax.devices()[0].device_kind
+
+
+def test_async_engine_saves_the_serving_scale_it_measured_when_it_stops(stories_engine, tmp_path):
+    """The serving scale the SLO policy measures over served steps reaches the --cost-model
+    file at shutdown (slo_policy.save_served_scale), so the next start plans served steps."""
+    import asyncio
+
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.slo_policy import MIN_SERVED_STEPS
+
+    path = tmp_path / "cost.json"
+    _cost_file(stories_engine, path)  # 2.6 ms for a 16-token step: near, never exactly, served
+    config = EngineConfig(**SMALL, slo_scheduling=True, tpot_slo_s=1.0, cost_model=str(path))
+    engine = Engine(config, model=stories_engine.model)
+    served = AsyncEngine(engine=engine)
+    params = SamplingParams(max_tokens=MIN_SERVED_STEPS + 20, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        async for _ in served.generate([1, 2, 3], params):
+            pass
+
+    asyncio.run(run())
+    scale, steps = engine.slo_policy.served_scale()
+    assert steps >= MIN_SERVED_STEPS
+    assert CostModel.load(path).serving_scale == 1.0  # nothing saved while serving
+    served.shutdown()
+    saved = CostModel.load(path)
+    assert saved.serving_scale == pytest.approx(scale) and saved.serving_scale != 1.0
