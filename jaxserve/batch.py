@@ -159,22 +159,28 @@ def to_words(tree) -> StepWords:
     return StepWords(np.concatenate(parts), (treedef, tuple(specs)))
 
 
-def from_words(words: jax.Array, layout: tuple):
-    """The tree `to_words` packed, sliced back out of words (i32[N]) inside the jitted step."""
+def _fields(words, layout: tuple, convert):
+    """The tree `to_words` packed, each leaf `convert(part, dtype)` of its slice of `words`."""
     treedef, specs = layout
     leaves, offset = [], 0
     for shape, dtype in specs:
         size = math.prod(shape)
-        part = words[offset : offset + size].reshape(shape)
+        leaves.append(convert(words[offset : offset + size].reshape(shape), np.dtype(dtype)))
         offset += size
-        dtype = np.dtype(dtype)
-        if dtype == np.bool_:
-            leaves.append(part != 0)
-        elif dtype == np.int32:
-            leaves.append(part)
-        else:
-            leaves.append(jax.lax.bitcast_convert_type(part, dtype))
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _device_leaf(part: jax.Array, dtype: np.dtype) -> jax.Array:
+    if dtype == np.bool_:
+        return part != 0
+    if dtype == np.int32:
+        return part
+    return jax.lax.bitcast_convert_type(part, dtype)
+
+
+def from_words(words: jax.Array, layout: tuple):
+    """The tree `to_words` packed, sliced back out of words (i32[N]) inside the jitted step."""
+    return _fields(words, layout, _device_leaf)
 
 
 def words_views(words: np.ndarray, layout: tuple):
@@ -184,12 +190,8 @@ def words_views(words: np.ndarray, layout: tuple):
     are. Views of 4-byte dtypes have the field's dtype; a bool field (no 4-byte bool exists) is an
     int32 view holding 0 or 1, which reads as a truth value the same way.
     """
-    treedef, specs = layout
-    leaves, offset = [], 0
-    for shape, dtype in specs:
-        size = math.prod(shape)
-        part = words[offset : offset + size].reshape(shape)
-        offset += size
-        dtype = np.dtype(dtype)
-        leaves.append(part if dtype == np.bool_ else part.view(dtype))
-    return jax.tree.unflatten(treedef, leaves)
+    return _fields(words, layout, _host_view)
+
+
+def _host_view(part: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return part if dtype == np.bool_ else part.view(dtype)

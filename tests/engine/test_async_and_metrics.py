@@ -12,14 +12,7 @@ from jaxserve.engine import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
-
-TINY = dict(
-    max_num_seqs=4,
-    max_num_batched_tokens=16,
-    min_token_bucket=8,
-    seq_bucket_factor=4,
-    show_progress=False,
-)
+from tests.engine.conftest import TINY
 
 
 @pytest.fixture(scope="module")
