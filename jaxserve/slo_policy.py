@@ -18,6 +18,17 @@ and returns the step's token budget:
   that meets it: a short, bounded slowdown of the decodes buys a request's whole goodput. A
   request that cannot meet its target at any budget gets no boost: it is served at the capped
   rate rather than making everyone late;
+- admission (the row cap): a waiting request starts (gets its first prefill chunk) only when
+  the predicted decode step of every row running plus it, each at its final context (prompt +
+  max_tokens), stays within `headroom * tpot_s`. Capping prefill alone is not enough: each
+  admitted request is one more row in every later step, so once the rows themselves make a
+  decode step slower than the target every running request misses TPOT (on `small`, 40 rows
+  of decode on the 2-core CPU take longer than 100 ms). Its prefill then runs in chunks sized
+  by the cap above. With no row running the first waiting request always starts (nothing
+  starves; when one row alone misses the target, one at a time is the best TPOT there is). A
+  held request waits for a row to free, or is refused by `shed_late` below once it can no
+  longer meet its TTFT target. The cap works through the budget: it admits no more than the
+  allowed number of waiting requests (_admission_limit), so the scheduler needs no hook;
 - with `EngineConfig.shed_late`, a waiting request that would miss its TTFT target even with
   the whole budget, behind only the prompts ahead of it in the queue, is refused (finish reason
   "refused", its `status_message` giving the predicted TTFT against the target) before it takes
@@ -76,6 +87,8 @@ class SloPolicy:
         headroom: float = 0.9,
         shed: Callable[[Request, str], object] | None = None,
         lag: int = 0,
+        max_model_len: int | None = None,
+        chunked: bool = True,
     ):
         if not tpot_s > 0 or not math.isfinite(tpot_s):
             raise ValueError(f"The TPOT target tpot_s={tpot_s!r} must be > 0 seconds.")
@@ -110,19 +123,34 @@ class SloPolicy:
         # whole run, saved with the cost model for the next start (`served_scale`).
         self.measured_s = self.predicted_s = 0.0
         self.num_measured = 0
+        # Admission (module docstring): at most as many decode rows as the TPOT target carries.
+        # max_model_len bounds a row's final context; with chunked prefill off a prompt is
+        # admitted whole or not at all, so the budget cannot cut admission short (then only
+        # the first step of each request is bounded, see _admission_limit).
+        self.max_model_len = max_model_len
+        self.chunked = chunked
+        self.num_held = 0  # steps in which waiting requests were held back by the row cap
 
     def __call__(self, running: Sequence[Request], waiting: Iterable[Request], now: float) -> int:
         decodes = decode_pairs = 0
         spans: list[tuple[int, int]] = []  # (cached, left) of partial prefills, in plan order
         first = None  # the next request to get its first token
+        rows = row_pairs = used = 0  # rows decoding after this step, their final contexts, tokens
         self._learn_scale(running, waiting, now)
         for req in running:
             left = req.num_tokens - req.num_computed_tokens
             if left == 1:
                 decodes += 1
                 decode_pairs += req.num_tokens
+                if not _finishing(req):  # its last token is in flight: the scheduler skips it
+                    rows += 1
+                    row_pairs += self._final_context(req)
+                    used += 1
             elif left > 1:
                 spans.append((req.num_computed_tokens, left))
+                rows += 1
+                row_pairs += self._final_context(req)
+                used += left
                 if first is None and not req.output_token_ids:
                     first = req
 
@@ -132,10 +160,15 @@ class SloPolicy:
 
         if self.shed is not None and self.ttft_s is not None:
             waiting = self._shed_late(waiting, decodes, sum(n for _, n in spans), step_s, now)
+        else:
+            waiting = list(waiting)
+        # The newcomers the row cap lets in, and the budget that admits no more than them.
+        admitted = self._admissible(rows, row_pairs, waiting)
+        limit = self._admission_limit(used, admitted, waiting)
         if decodes == 0:
-            return self.max_budget
-        if first is None:
-            first = min(waiting, key=lambda r: r.arrival_time, default=None)
+            return min(self.max_budget, limit)
+        if first is None and admitted:
+            first = min(admitted, key=lambda r: r.arrival_time)
         # The decodes' own bucket: its padding runs anyway, so prefill may fill it.
         floor = self.buckets[min(bisect.bisect_left(self.buckets, decodes), len(self.buckets) - 1)]
         # Decodes alone over the target: no prefill (module docstring), not even the padding's.
@@ -148,8 +181,51 @@ class SloPolicy:
             boosted = self._boost(budget, first, decodes, step_s, now)
             if boosted > budget:
                 self.num_boosted += 1
-                return boosted
-        return budget
+                return min(boosted, limit)
+        return min(budget, limit)
+
+    def _final_context(self, req: Request) -> int:
+        """Tokens `req` attends to in its last decode step: its prompt and all its outputs
+        (max_tokens; an upper bound when a stop ends it sooner), within max_model_len."""
+        final = req.num_prompt_tokens + req.sampling_params.max_tokens
+        return final if self.max_model_len is None else min(final, self.max_model_len)
+
+    def decode_s(self, rows: int, pairs: int) -> float:
+        """Predicted seconds of a decode step of `rows` rows attending to `pairs` tokens in
+        all, at the current pace."""
+        return self.scale * self.cost.predict(rows, pairs)
+
+    def _admissible(self, rows: int, pairs: int, waiting: Sequence[Request]) -> list[Request]:
+        """The waiting requests, in order of arrival, that may start now: each one more decode
+        row, while the decode step of all the rows at their final contexts stays within the
+        target (so every running request keeps its TPOT for the rest of its life). With no row
+        running, the first always may (nothing starves; if one row alone misses the target, one
+        at a time is the best that can be done)."""
+        admitted = []
+        for req in sorted(waiting, key=lambda r: r.arrival_time):
+            pairs += self._final_context(req)
+            rows += 1
+            if rows > 1 and self.decode_s(rows, pairs) > self.target_s:
+                break
+            admitted.append(req)
+        return admitted
+
+    def _admission_limit(self, used: int, admitted: Sequence[Request], waiting) -> int:
+        """A budget that lets the scheduler start no more waiting requests than `admitted`:
+        `used` (the running requests' tokens this step) plus the prompt tokens of the smallest
+        len(admitted) waiting prompts. The scheduler starts requests in its own queue order and
+        stops when the budget runs out, so whichever it takes first, it takes at most that many.
+        Its first prefill chunk may be shorter than the cap allows (one step; later chunks are
+        sized as any partial prefill). Tokens the prefix cache serves are not counted by the
+        scheduler, so a cache hit can let one more in."""
+        held = len(waiting) - len(admitted)
+        if held <= 0:
+            return self.max_budget  # everyone may start: the scheduler's own limits apply
+        self.num_held += 1
+        if not self.chunked:  # a prompt cut short would block the queue for good
+            return self.max_budget if admitted else used
+        sizes = sorted(r.num_tokens - r.num_computed_tokens for r in waiting)
+        return used + sum(sizes[: len(admitted)])
 
     def _learn_scale(self, running: Sequence[Request], waiting, now: float) -> None:
         """Moves `scale` towards the measured over the predicted time of the last step.
@@ -248,6 +324,12 @@ class SloPolicy:
         return budget  # late at any budget: served without slowing everyone
 
 
+def _finishing(req: Request) -> bool:
+    """True when the token in flight is `req`'s last by max_tokens: it runs no further step."""
+    pending = req.num_pending
+    return bool(pending) and len(req.output_token_ids) + pending >= req.sampling_params.max_tokens
+
+
 def _prefill_pairs(spans: Sequence[tuple[int, int]], tokens: int) -> int:
     """Attended pairs of `tokens` prefill tokens handed to the partial prefills in order, the
     rest to a fresh prompt (an upper bound: splitting a fresh chunk over prompts attends less)."""
@@ -293,6 +375,8 @@ def attach(scheduler, config, cost: CostModel | None) -> SloPolicy | None:
         max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
         shed=refuser(scheduler) if config.shed_late else None,
         lag=1 if getattr(config, "async_scheduling", False) else 0,
+        max_model_len=scheduler.config.max_model_len,
+        chunked=scheduler.config.enable_chunked_prefill,
     )
     scheduler.step_budget = policy
     return policy

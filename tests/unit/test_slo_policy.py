@@ -8,7 +8,7 @@ import types
 import pytest
 
 from jaxserve.bench.metrics import SLO, summarize
-from jaxserve.bench.workload import LengthMix, mixed_workloads
+from jaxserve.bench.workload import LengthMix, Workload, mixed_workloads
 from jaxserve.cost_model import CostModel
 from jaxserve.engine_config import EngineConfig
 from jaxserve.request import FinishReason, Request
@@ -304,3 +304,94 @@ def test_the_served_pace_is_saved_with_the_cost_model(tmp_path):
     # The next start plans served steps: 1.3x the calibrated time.
     loaded = CostModel.load(path)
     assert loaded.predict(4, 84) == pytest.approx(1.3 * COST.predict(4, 84), rel=0.01)
+
+
+# The row cap (admission). A step costs 2 ms + 0.1 ms a token + 1 us an attended pair: a decode
+# row costs more as its context grows. The target is 2.565 ms (0.9 x 2.85 ms): 4 rows at a short
+# context fit, 5 do not; at 120 tokens each, only 3 fit.
+CAP_COST = fake_cost(fixed=2e-3, per_token=1e-4, per_pair=1e-6)
+CAP_TPOT = 2.85e-3
+
+
+class RowCounter(RecordingCost):
+    """Also remembers how many requests each plan ran (prefills and decodes: each one a row)."""
+
+    def __init__(self, cost):
+        super().__init__(cost)
+        self.rows = []
+
+    def predict_plan(self, plan):
+        self.rows.append(len(plan.seqs))
+        return super().predict_plan(plan)
+
+
+def _long_outputs(n: int) -> Workload:
+    """A burst of short prompts with long outputs: rows admitted at short contexts grow."""
+    mix = LengthMix(prompt_range=(16, 128), output_range=(32, 120))
+    return mixed_workloads([2000.0], num_requests=n, mix=mix, seed=3)[0]
+
+
+def _decode_only_steps(recording: RecordingCost) -> list[float]:
+    return [seconds for tokens, decodes, seconds in recording.priced if decodes == tokens]
+
+
+def test_admission_keeps_the_decode_rows_within_the_tpot_target():
+    w = _long_outputs(40)
+    capped = RowCounter(CAP_COST)
+    result = simulate(w, BASE.replace(slo_scheduling=True, tpot_slo_s=CAP_TPOT), capped)
+    # Every decode step, however long its rows' contexts grew, within the target. Before the
+    # row cap, 58 of 816 such steps went past it: rows let in while their contexts were short.
+    assert max(_decode_only_steps(capped)) <= 0.9 * CAP_TPOT
+    assert 1 < max(capped.rows) < BASE.max_num_seqs  # the cap binds, and more than one runs
+    assert len(result.records) == len(w.requests)
+
+
+def test_admission_counts_each_row_at_its_final_context():
+    # 0.2 us per attended pair: 3 decode rows cost 2.3 ms + 0.2 us a pair, within the 2.565 ms
+    # target up to 1325 pairs. 2 decodes of a 20-token prompt and 50 outputs (final contexts
+    # 70 + 70) and a 100-token prompt with 1200 outputs: 1440 pairs at the end (2.588 ms),
+    # though only 142 now. With 1000 outputs, 1240 pairs (2.548 ms): it may start.
+    cost = fake_cost(fixed=2e-3, per_token=1e-4, per_pair=2e-7)
+    policy = SloPolicy(
+        cost, tpot_s=CAP_TPOT, ttft_s=None, token_buckets=BUCKETS, max_num_batched_tokens=64
+    )
+    decodes = _running_decodes(2, 20)
+    waiting = Request(
+        request_id="w",
+        prompt_token_ids=[5] * 100,
+        sampling_params=SamplingParams(max_tokens=1200),
+        arrival_time=0.5,
+    )
+    # Beside the 2 decodes a 4-token step fits the target (2 tokens of prefill), but the
+    # waiting prompt is held: the step is the decodes' 2 tokens.
+    assert policy(decodes, [waiting], now=1.0) == 2
+    assert policy.num_held == 1
+    waiting.sampling_params = SamplingParams(max_tokens=1000)
+    assert policy(decodes, [waiting], now=1.0) == 4
+
+
+def test_a_held_request_starts_when_a_row_frees_and_nobody_starves():
+    # A burst, the row cap binding and no shedding: every request still runs to its length, in
+    # FCFS order, and the decode steps stay within the target.
+    w = _long_outputs(30)
+    rows = RowCounter(CAP_COST)
+    config = BASE.replace(slo_scheduling=True, tpot_slo_s=CAP_TPOT, ttft_slo_s=0.05)
+    result = simulate(w, config, rows)
+    assert max(_decode_only_steps(rows)) <= 0.9 * CAP_TPOT
+    lengths = {s.request_id: s.max_tokens for s in w.requests}
+    assert {r.request_id: r.output_len for r in result.records} == lengths
+    by_arrival = sorted(result.records, key=lambda r: (r.arrival, int(r.request_id.split("-")[1])))
+    starts = [r.first_scheduled for r in by_arrival]
+    assert starts == sorted(starts)
+
+
+def test_one_row_at_a_time_when_one_row_alone_misses_the_target():
+    # Not even one row's decode step (2.1 ms) fits a 1 ms target: requests run one at a time
+    # (the best that can be done for TPOT), and all of them finish.
+    w = _traffic(rate=2000.0, n=12)
+    rows = RowCounter(COST)
+    result = simulate(w, BASE.replace(slo_scheduling=True, tpot_slo_s=1e-3), rows)
+    assert max(rows.rows) == 1
+    assert len(result.records) == len(w.requests)
+    outputs = {r.request_id: r.output_len for r in result.records}
+    assert outputs == {s.request_id: s.max_tokens for s in w.requests}
