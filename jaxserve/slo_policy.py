@@ -8,27 +8,33 @@ and returns the step's token budget:
 
 - no decodes running, or no TPOT target: the whole budget (no one's TPOT to protect);
 - otherwise the largest token bucket whose predicted step time (jaxserve/cost_model.py), with
-  one token per decode and the rest prefill, stays within `headroom * tpot_s`; at least the
-  decodes themselves, plus the padding of their bucket, which runs anyway. When the decodes
-  alone already take longer than the target, no prefill at all: a prompt let in now would be
-  one more decode row in every later step, and every running request's TPOT would grow for the
-  rest of its life (the padding is free for this step only);
-- when the next request to start (a partial prefill, else the head of the queue) would miss
-  its TTFT target at that rate but can still meet it at a larger budget, the smallest budget
-  that meets it: a short, bounded slowdown of the decodes buys a request's whole goodput. A
-  request that cannot meet its target at any budget gets no boost: it is served at the capped
-  rate rather than making everyone late;
-- admission (the row cap): a waiting request starts (gets its first prefill chunk) only when
-  the predicted decode step of every row running plus it, each at its final context (prompt +
-  max_tokens), stays within `headroom * tpot_s`. Capping prefill alone is not enough: each
-  admitted request is one more row in every later step, so once the rows themselves make a
-  decode step slower than the target every running request misses TPOT (on `small`, 40 rows
-  of decode on the 2-core CPU take longer than 100 ms). Its prefill then runs in chunks sized
-  by the cap above. With no row running the first waiting request always starts (nothing
-  starves; when one row alone misses the target, one at a time is the best TPOT there is). A
-  held request waits for a row to free, or is refused by `shed_late` below once it can no
-  longer meet its TTFT target. The cap works through the budget: it admits no more than the
-  allowed number of waiting requests (_admission_limit), so the scheduler needs no hook;
+  one token per decode and the rest prefill, stays within the step's allowance: `headroom *
+  tpot_s` plus the slack of the decoding rows, the least time any of them has saved on its
+  earlier steps (its TPOT target is a mean over its tokens, as goodput scores it: a row whose
+  steps ran at 60 ms against a 90 ms allowance can spare 30 ms a token for a prefill); at least
+  the decodes themselves, plus the padding of their bucket, which runs anyway. When the decodes
+  alone already take longer than that, no prefill at all: a prompt let in now would be one more
+  decode row in every later step (the padding is free for this step only);
+- when a partial prefill would miss its TTFT target at that rate but can still meet it at a
+  larger budget, the smallest budget that meets it: a short, bounded slowdown of the decodes
+  buys a request's whole goodput. A request that cannot meet its target at any budget gets no
+  boost: it is served at the capped rate rather than making everyone late;
+- admission: a waiting request starts only when (a) the predicted decode step of every row
+  running plus it, each at its final context (prompt + max_tokens), stays within `headroom *
+  tpot_s` (the row cap), and (b) its whole prompt, run in this step beside the running
+  requests' tokens, keeps the step within the allowance above. Capping each step's prefill is
+  not enough: each admitted request is one more row in every later step, so once the rows
+  themselves make a decode step slower than the target every running request misses TPOT (on
+  `small`, 40 rows of decode on the 2-core CPU take longer than 100 ms); and a prompt admitted
+  in chunks of what fits beside the decodes (a few tokens when a step is 60 ms of a 90 ms
+  allowance) gets its first token late. Admitted whole, it has it a step later; the prompt
+  finishes in the next step even when the scheduler trimmed this one to land on a bucket.
+  With no row running the first waiting request always starts (nothing starves; when one row
+  alone misses the target, one at a time is the best TPOT there is). A held request waits for
+  a row to free and the rows' slack to grow, or is refused by `shed_late` below once it can
+  no longer meet its TTFT target. Admission works through the budget (the running requests'
+  tokens plus the admitted prompts exactly), so the scheduler needs no hook; it assumes the
+  queue's order is arrival (the FCFS policy) and counts prompts without prefix-cache hits;
 - with `EngineConfig.shed_late`, a waiting request that would miss its TTFT target even with
   the whole budget, behind only the prompts ahead of it in the queue, is refused (finish reason
   "refused", its `status_message` giving the predicted TTFT against the target) before it takes
@@ -88,7 +94,6 @@ class SloPolicy:
         shed: Callable[[Request, str], object] | None = None,
         lag: int = 0,
         max_model_len: int | None = None,
-        chunked: bool = True,
     ):
         if not tpot_s > 0 or not math.isfinite(tpot_s):
             raise ValueError(f"The TPOT target tpot_s={tpot_s!r} must be > 0 seconds.")
@@ -123,20 +128,18 @@ class SloPolicy:
         # whole run, saved with the cost model for the next start (`served_scale`).
         self.measured_s = self.predicted_s = 0.0
         self.num_measured = 0
-        # Admission (module docstring): at most as many decode rows as the TPOT target carries.
-        # max_model_len bounds a row's final context; with chunked prefill off a prompt is
-        # admitted whole or not at all, so the budget cannot cut admission short (then only
-        # the first step of each request is bounded, see _admission_limit).
+        # Admission (module docstring): max_model_len bounds a row's final context.
         self.max_model_len = max_model_len
-        self.chunked = chunked
-        self.num_held = 0  # steps in which waiting requests were held back by the row cap
+        self.num_held = 0  # steps in which waiting requests were held back
 
     def __call__(self, running: Sequence[Request], waiting: Iterable[Request], now: float) -> int:
         decodes = decode_pairs = 0
         spans: list[tuple[int, int]] = []  # (cached, left) of partial prefills, in plan order
         first = None  # the next request to get its first token
         rows = row_pairs = used = 0  # rows decoding after this step, their final contexts, tokens
+        slack = math.inf  # seconds the decoding rows' TPOT can still spare (_slack)
         self._learn_scale(running, waiting, now)
+        inflight = self._inflight_s()  # a step planned now starts when this one ends
         for req in running:
             left = req.num_tokens - req.num_computed_tokens
             if left == 1:
@@ -146,6 +149,7 @@ class SloPolicy:
                     rows += 1
                     row_pairs += self._final_context(req)
                     used += 1
+                    slack = min(slack, self._slack(req, now + inflight))
             elif left > 1:
                 spans.append((req.num_computed_tokens, left))
                 rows += 1
@@ -162,27 +166,53 @@ class SloPolicy:
             waiting = self._shed_late(waiting, decodes, sum(n for _, n in spans), step_s, now)
         else:
             waiting = list(waiting)
-        # The newcomers the row cap lets in, and the budget that admits no more than them.
-        admitted = self._admissible(rows, row_pairs, waiting)
-        limit = self._admission_limit(used, admitted, waiting)
+        # A step may take the target plus what the decoding rows saved on their earlier steps
+        # (_slack); with no row decoding, anything.
+        if math.isinf(slack):
+            allowed = math.inf if decodes == 0 else self.target_s
+        else:
+            allowed = self.target_s + slack
         if decodes == 0:
-            return min(self.max_budget, limit)
-        if first is None and admitted:
-            first = min(admitted, key=lambda r: r.arrival_time)
-        # The decodes' own bucket: its padding runs anyway, so prefill may fill it.
-        floor = self.buckets[min(bisect.bisect_left(self.buckets, decodes), len(self.buckets) - 1)]
-        # Decodes alone over the target: no prefill (module docstring), not even the padding's.
-        budget = floor if step_s(decodes) <= self.target_s else decodes
-        for b in self.buckets:
-            if b > floor and step_s(b) <= self.target_s:
-                budget = b
-        if budget < self.max_budget:
-            self.num_capped += 1
-            boosted = self._boost(budget, first, decodes, step_s, now)
-            if boosted > budget:
-                self.num_boosted += 1
-                return min(boosted, limit)
-        return min(budget, limit)
+            budget = self.max_budget
+        else:
+            # The decodes' own bucket: its padding runs anyway, so prefill may fill it.
+            top = len(self.buckets) - 1
+            floor = self.buckets[min(bisect.bisect_left(self.buckets, decodes), top)]
+            # Decodes alone over the target: no prefill (module docstring), not even padding.
+            budget = floor if step_s(decodes) <= allowed else decodes
+            for b in self.buckets:
+                if b > floor and step_s(b) <= allowed:
+                    budget = b
+            if budget < self.max_budget:
+                self.num_capped += 1
+                boosted = self._boost(budget, first, decodes, step_s, now)
+                if boosted > budget:
+                    self.num_boosted += 1
+                    budget = boosted
+        if not waiting:
+            return budget
+        # The newcomers that may start, and a budget that starts exactly them.
+        admitted, tokens = self._admissible(rows, row_pairs, used, waiting, step_s, allowed)
+        if len(admitted) < len(waiting):
+            self.num_held += 1
+        # The running requests' whole `used` and the newcomers' prompts fit `allowed` together.
+        # With no newcomer, an admitted prompt still finishes in this step: it was admitted to
+        # run whole in one step (the scheduler may have trimmed that step to land on a token
+        # bucket), and a first token late by a chunk costs more goodput than a step over the
+        # target (the decodes' TPOT is a mean over all their tokens).
+        if len(admitted) == len(waiting):
+            return max(budget, used + tokens)
+        return used + tokens
+
+    def _slack(self, req: Request, start: float) -> float:
+        """Seconds `req`'s TPOT can still spare when a step starting at `start` runs: the target
+        times the intervals between its tokens so far (the one in flight included) less the
+        time they will have taken by then. 0 while its first token is in flight: its TPOT
+        clock starts when that token comes."""
+        if req.first_token_time is None:
+            return 0.0
+        intervals = len(req.output_token_ids) + req.num_pending - 1
+        return self.target_s * intervals - (start - req.first_token_time)
 
     def _final_context(self, req: Request) -> int:
         """Tokens `req` attends to in its last decode step: its prompt and all its outputs
@@ -195,37 +225,32 @@ class SloPolicy:
         all, at the current pace."""
         return self.scale * self.cost.predict(rows, pairs)
 
-    def _admissible(self, rows: int, pairs: int, waiting: Sequence[Request]) -> list[Request]:
-        """The waiting requests, in order of arrival, that may start now: each one more decode
-        row, while the decode step of all the rows at their final contexts stays within the
-        target (so every running request keeps its TPOT for the rest of its life). With no row
-        running, the first always may (nothing starves; if one row alone misses the target, one
-        at a time is the best that can be done)."""
-        admitted = []
+    def _admissible(
+        self, rows: int, pairs: int, used: int, waiting: Sequence[Request], step_s, allowed: float
+    ) -> tuple[list[Request], int]:
+        """The waiting requests that may start now, in order of arrival (the FCFS queue's), and
+        the prompt tokens they run in this step. Each is one more decode row: it may start while
+        the decode step of all the rows, each at its final context, stays within the target (so
+        every running request keeps its TPOT for the rest of its life), and while its prefill,
+        run whole in this step beside the running requests' `used` tokens, takes no longer than
+        `allowed` (the target plus the slack the decoding rows saved). A prompt longer than the
+        budget starts with the budget's worth. With no row running, the first always may
+        (nothing starves; if one row alone misses the target, one at a time is the best TPOT
+        there is). The queue's head blocks the rest, as in the scheduler."""
+        admitted, tokens = [], 0
         for req in sorted(waiting, key=lambda r: r.arrival_time):
             pairs += self._final_context(req)
             rows += 1
-            if rows > 1 and self.decode_s(rows, pairs) > self.target_s:
+            n = min(req.num_tokens - req.num_computed_tokens, self.max_budget - used - tokens)
+            if n <= 0:
+                break
+            if rows > 1 and (
+                self.decode_s(rows, pairs) > self.target_s or step_s(used + tokens + n) > allowed
+            ):
                 break
             admitted.append(req)
-        return admitted
-
-    def _admission_limit(self, used: int, admitted: Sequence[Request], waiting) -> int:
-        """A budget that lets the scheduler start no more waiting requests than `admitted`:
-        `used` (the running requests' tokens this step) plus the prompt tokens of the smallest
-        len(admitted) waiting prompts. The scheduler starts requests in its own queue order and
-        stops when the budget runs out, so whichever it takes first, it takes at most that many.
-        Its first prefill chunk may be shorter than the cap allows (one step; later chunks are
-        sized as any partial prefill). Tokens the prefix cache serves are not counted by the
-        scheduler, so a cache hit can let one more in."""
-        held = len(waiting) - len(admitted)
-        if held <= 0:
-            return self.max_budget  # everyone may start: the scheduler's own limits apply
-        self.num_held += 1
-        if not self.chunked:  # a prompt cut short would block the queue for good
-            return self.max_budget if admitted else used
-        sizes = sorted(r.num_tokens - r.num_computed_tokens for r in waiting)
-        return used + sum(sizes[: len(admitted)])
+            tokens += n
+        return admitted, tokens
 
     def _learn_scale(self, running: Sequence[Request], waiting, now: float) -> None:
         """Moves `scale` towards the measured over the predicted time of the last step.
@@ -294,13 +319,17 @@ class SloPolicy:
         kept = []
         for req in waiting:
             steps = math.ceil((ahead + req.num_tokens) / room)
-            ttft = now + inflight + steps * fastest - req.arrival_time
+            # Whole-budget steps, then the last one with what is left (a short prompt's one step
+            # is far shorter than a full one where prefill dominates the step).
+            last = ahead + req.num_tokens - (steps - 1) * room
+            prefill_s = (steps - 1) * fastest + step_s(min(self.max_budget, decodes + last))
+            ttft = now + inflight + prefill_s - req.arrival_time
             if not req.output_token_ids and ttft > self.ttft_s:
                 self.shed(
                     req,
                     f"Refused under load: its predicted time to first token is {ttft:.3f} s "
                     f"(waited {now - req.arrival_time:.3f} s, then {inflight * 1e3:.1f} ms for "
-                    f"the step running and {steps} step(s) of {fastest * 1e3:.1f} ms for its "
+                    f"the step running and {steps} step(s), {prefill_s * 1e3:.1f} ms, for its "
                     f"{req.num_tokens} tokens and the {ahead} queued before them), more than the "
                     f"TTFT target of {self.ttft_s:.3f} s. Retry later or on another replica.",
                 )
@@ -376,7 +405,6 @@ def attach(scheduler, config, cost: CostModel | None) -> SloPolicy | None:
         shed=refuser(scheduler) if config.shed_late else None,
         lag=1 if getattr(config, "async_scheduling", False) else 0,
         max_model_len=scheduler.config.max_model_len,
-        chunked=scheduler.config.enable_chunked_prefill,
     )
     scheduler.step_budget = policy
     return policy

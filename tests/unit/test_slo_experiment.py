@@ -53,7 +53,8 @@ def test_table_sets_each_run_beside_the_simulator_with_its_error():
     for label, _, real, sim in rows:
         cells = next(x for x in lines if f"| {label} |" in x).split("|")
         err = 100 * (sim["ttft"]["p50"] / real["ttft"]["p50"] - 1)
-        assert cells[4].strip().endswith(f"({err:+.0f}%)") and err > 50, cells
+        # (Above by less under shedding, which refuses whatever would start past the target.)
+        assert cells[4].strip().endswith(f"({err:+.0f}%)") and err > 25, cells
         assert cells[7].strip() == f"{real['num_refused']} / {sim['num_refused']}"
     good = {label: real["goodput"] for label, _, real, _ in rows}
     assert rows[2][2]["num_refused"] > 0  # the shedding run refused some

@@ -53,16 +53,23 @@ def _traffic(rate=400.0, n=60):
     return mixed_workloads([rate], num_requests=n, mix=mix, seed=3)[0]
 
 
-def test_steps_with_decodes_stay_within_the_tpot_target():
+def _tpot(record) -> float:
+    """A finished request's TPOT as the bench scores it: the mean interval between tokens."""
+    return (record.finished - record.first_token) / max(1, record.output_len - 1)
+
+
+def test_every_request_keeps_its_tpot_target():
     w = _traffic()
     today = RecordingCost(COST)
-    simulate(w, BASE, today)
+    before = simulate(w, BASE, today)
     # Without the policy, steps beside decodes take the whole 64-token budget: too slow.
     assert max(s for _, d, s in today.priced if d) > TPOT
+    assert max(_tpot(r) for r in before.records) > TPOT
     aware = RecordingCost(COST)
     result = simulate(w, BASE.replace(slo_scheduling=True), aware)
-    with_decodes = [s for _, d, s in aware.priced if d]
-    assert with_decodes and max(with_decodes) <= TPOT
+    # The target is a mean over each request's tokens, as goodput scores it: a step may spend
+    # what the decoding rows saved on earlier steps, never more.
+    assert max(_tpot(r) for r in result.records) <= TPOT
     # Prefill still shares steps with decodes (the cap is not "decodes only").
     assert any(t > d for t, d, _ in aware.priced if d)
     assert len(result.records) == len(w.requests)
@@ -124,21 +131,40 @@ def test_budget_is_the_largest_bucket_within_target():
 
 
 def test_ttft_at_risk_gets_the_smallest_budget_that_meets_it():
-    waiting = Request(
-        request_id="w",
+    # An admitted prompt, 120 tokens still to prefill beside 4 decodes.
+    prompt = Request(
+        request_id="p",
         prompt_token_ids=[5] * 120,
         sampling_params=SamplingParams(max_tokens=8),
         arrival_time=1.0,
     )
-    decodes = _running_decodes(4, 20)
+    running = [*_running_decodes(4, 20), prompt]
     # Capped at 32 tokens (28 of prefill), 120 tokens take 5 steps of 5.2 ms = 26 ms; with the
     # whole 64 (60 of prefill), 2 steps of 8.4 ms = 16.8 ms.
     policy = _policy(ttft_s=0.02)
-    assert policy(decodes, [waiting], now=1.0) == 64
+    assert policy(running, [], now=1.0) == 64
     assert policy.num_boosted == 1
-    assert _policy(ttft_s=0.05)(decodes, [waiting], now=1.0) == 32  # in time anyway
+    assert _policy(ttft_s=0.05)(running, [], now=1.0) == 32  # in time anyway
     # Already too late for any budget: no boost, the decodes keep their TPOT.
-    assert _policy(ttft_s=0.02)(decodes, [waiting], now=1.01) == 32
+    assert _policy(ttft_s=0.02)(running, [], now=1.01) == 32
+
+
+def test_a_step_may_spend_the_slack_the_decodes_saved():
+    # 4 decodes, each 11 tokens out since its first token at t=0: 10 intervals allowed 54 ms
+    # at the 5.4 ms target. At t=0.044 they have taken 44 ms, so the next step may take 5.4 +
+    # 10 = 15.4 ms: the whole 64-token budget (8.4 ms) fits. At t=0.053 the slack is 1 ms: up
+    # to 6.4 ms, so 32 tokens (5.2 ms).
+    decodes = _running_decodes(4, 20)
+    for r in decodes:
+        r.output_token_ids.extend([7] * 10)
+        r.num_computed_tokens = r.num_tokens - 1
+        r.first_token_time = 0.0
+    assert _policy()(decodes, [], now=0.044) == 64
+    assert _policy()(decodes, [], now=0.053) == 32
+    # With no first token known yet the decodes have saved nothing: the target alone.
+    for r in decodes:
+        r.first_token_time = None
+    assert _policy()(decodes, [], now=0.044) == 32
 
 
 def test_policy_rejects_bad_targets():
@@ -229,8 +255,9 @@ def test_a_request_that_cannot_meet_its_ttft_is_refused_with_the_reason():
     late = sched.update(plan, StepResult(sampled_token_ids=[None]), now=0.05)[0]
     assert late.finished and late.request.finish_reason == FinishReason.REFUSED
     message = late.request.status_message
-    assert "predicted time to first token is 0.074 s" in message, message
-    assert "4 step(s) of 8.4 ms for its 200 tokens" in message, message
+    # Three whole steps of 8.4 ms and a last one of 8 tokens (2.8 ms), after 40 ms waiting.
+    assert "predicted time to first token is 0.068 s" in message, message
+    assert "4 step(s), 28.0 ms, for its 200 tokens" in message, message
     assert "TTFT target of 0.050 s" in message, message
 
 
@@ -350,24 +377,28 @@ def test_admission_counts_each_row_at_its_final_context():
     # 0.2 us per attended pair: 3 decode rows cost 2.3 ms + 0.2 us a pair, within the 2.565 ms
     # target up to 1325 pairs. 2 decodes of a 20-token prompt and 50 outputs (final contexts
     # 70 + 70) and a 100-token prompt with 1200 outputs: 1440 pairs at the end (2.588 ms),
-    # though only 142 now. With 1000 outputs, 1240 pairs (2.548 ms): it may start.
+    # though only 222 now. With 1000 outputs, 1240 pairs (2.548 ms): it may start.
     cost = fake_cost(fixed=2e-3, per_token=1e-4, per_pair=2e-7)
     policy = SloPolicy(
         cost, tpot_s=CAP_TPOT, ttft_s=None, token_buckets=BUCKETS, max_num_batched_tokens=64
     )
     decodes = _running_decodes(2, 20)
+    for r in decodes:  # 40 intervals in 50 ms: 52.6 ms saved, so the prompt's step fits
+        r.output_token_ids.extend([7] * 40)
+        r.num_computed_tokens = r.num_tokens - 1
+        r.first_token_time = 0.0
     waiting = Request(
         request_id="w",
         prompt_token_ids=[5] * 100,
         sampling_params=SamplingParams(max_tokens=1200),
-        arrival_time=0.5,
+        arrival_time=0.01,
     )
-    # Beside the 2 decodes a 4-token step fits the target (2 tokens of prefill), but the
-    # waiting prompt is held: the step is the decodes' 2 tokens.
-    assert policy(decodes, [waiting], now=1.0) == 2
+    # Held: the step is the decodes' 2 tokens, no prefill token left over for the prompt.
+    assert policy(decodes, [waiting], now=0.05) == 2
     assert policy.num_held == 1
     waiting.sampling_params = SamplingParams(max_tokens=1000)
-    assert policy(decodes, [waiting], now=1.0) == 4
+    # Admitted: the prompt runs whole, as far as the 64-token budget allows (62 tokens).
+    assert policy(decodes, [waiting], now=0.05) == 64
 
 
 def test_a_held_request_starts_when_a_row_frees_and_nobody_starves():
