@@ -27,7 +27,7 @@ import array
 import collections
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 class PageHasher:
@@ -157,6 +157,12 @@ class KVCacheManager:
         hands it to every step instead of copying up to max_pages_per_seq ints per row.
         """
         return self._tables[seq_id]
+
+    @property
+    def tables(self) -> Mapping[str, list[int]]:
+        """Every sequence's live page table by id (`table_of` for all of them): the
+        scheduler's per-row lookup is then one dict read, not a method call."""
+        return self._tables
 
     # ---- allocation -----------------------------------------------------------------------
 

@@ -68,16 +68,17 @@ class OutputProcessor:
         failure of the device step itself (`_dispatch`, `_collect`) leaves `step()`.
         """
         outputs = []
+        append, tracked_of, output = outputs.append, self.tracked.get, self._output
         for update in updates:
-            tracked = self.tracked.get(update.request.request_id)
+            tracked = tracked_of(update.request.request_id)
             if tracked is None:
                 continue
             try:
                 if self.fault_hook is not None:
                     self.fault_hook(tracked.request.request_id)
-                outputs.append(self._output(tracked, update))
+                append(output(tracked, update))
             except Exception as e:
-                outputs.append(self._failed(tracked, e))
+                append(self._failed(tracked, e))
         return outputs
 
     def _failed(self, tracked: Tracked, error: Exception) -> RequestOutput:

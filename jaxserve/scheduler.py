@@ -355,8 +355,13 @@ class Scheduler:
         prefilling = []
         max_len = self.config.max_model_len
         ps = self.config.page_size
-        table_of = self.kv.table_of
+        tables = self.kv.tables
         running = RequestStatus.RUNNING
+        # Decodes go into the plan's dict directly and pay their budget (a token each) after
+        # the loop: `_Plan.add` per row was a fifth of this loop. Nothing here reads the
+        # budget, and a decode dropped by a preemption gives its token back as usual.
+        seqs = plan.seqs
+        num_decodes = 0
         for req in tuple(self._running):  # a copy: an allocation below may preempt
             if req.status != running:  # preempted for an earlier one
                 continue
@@ -374,7 +379,7 @@ class Scheduler:
             ):
                 continue
             rid = req.request_id
-            table = table_of(rid)
+            table = tables[rid]
             # Most decodes fit the pages they hold: allocate only when a page fills up.
             if start >= len(table) * ps and not self._allocate_or_preempt(req, start + 1, plan):
                 continue
@@ -386,7 +391,9 @@ class Scheduler:
                 token = req.prompt_token_ids[-1]
             # Positional: the fields in order (request, request_id, slot, token_ids, start_pos,
             # page_table, sample).
-            plan.add(ScheduledSeq(req, rid, req.slot, [token], start, table, True))
+            seqs[rid] = ScheduledSeq(req, rid, req.slot, [token], start, table, True)
+            num_decodes += 1
+        plan.budget -= num_decodes
         prefilling.sort(key=lambda r: self._keys[r.request_id])
         for req in prefilling:
             if req.status != RequestStatus.RUNNING:  # preempted for an earlier one
@@ -601,6 +608,7 @@ class Scheduler:
         ps = self.config.page_size
         hashing = self._hasher is not None
         preempted, running = RequestStatus.PREEMPTED, RequestStatus.RUNNING
+        append = updates.append
         # The hot path: a row per running request, every step.
         for seq, token, row_logprobs in zip(
             plan.seqs, result.sampled_token_ids, logprobs, strict=True
@@ -628,14 +636,13 @@ class Scheduler:
             status = None
             if token in req.stop_ids:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-            elif (
-                len(out) >= req.sampling_params.max_tokens
-                or len(req.prompt_token_ids) + len(out) >= self.config.max_model_len
-            ):  # (the second: redundant after add_request)
+            # max_model_len needs no check of its own: add_request refused any request whose
+            # prompt + max_tokens exceeds it.
+            elif len(out) >= req.sampling_params.max_tokens:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self._finish(req, status, now)
-            updates.append(  # positional: (request, new_token_ids, finished, logprobs)
+            append(  # positional: (request, new_token_ids, finished, logprobs)
                 RequestUpdate(
                     req,
                     [token],
