@@ -7,8 +7,14 @@ ever sent (text that could still become a stop string is held back until it cann
 
 from __future__ import annotations
 
+import codecs
+import json
+import logging
+import re
 from collections.abc import Sequence
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Prompt tokens kept as context: SentencePiece-style tokenizers decode a leading space only
 # when something precedes it.
@@ -54,6 +60,198 @@ def _fast_decode(tokenizer: Any):
     ):
         return lambda ids: raw.decode(list(ids), skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class TokenTable:
+    """Each token's text, read once from a tokenizer whose decoding is concatenation.
+
+    The two decoders of nearly every Llama-family tokenizer only concatenate the tokens'
+    bytes for any token after the first: SentencePiece's (`▁` is a space, `<0xNN>` pieces are
+    bytes, one leading space stripped from the whole text) and GPT-2's byte-level one. For them
+    `TableDetokenizer` streams text from this table at a fraction of a microsecond a token,
+    against two calls of the tokenizer's decode (~10 us) for `IncrementalDetokenizer`: at 256
+    running requests that was 2.5 ms of each step. `build` returns None for any other decoder,
+    for a tokenizer that cleans up spaces after decoding, and for one whose own decode
+    disagrees with the table on a check of single tokens and of a text with multi-byte
+    characters; the caller then keeps `IncrementalDetokenizer`.
+    """
+
+    def __init__(self, pieces: list, strip_first_space: bool):
+        # Per id: str (its text), int (a byte-fallback piece: one byte of UTF-8 that may be
+        # split over pieces), or bytes (byte-level: the token's bytes). "" for skipped specials.
+        self.pieces = pieces
+        self.strip_first_space = strip_first_space
+        self.byte_level = any(isinstance(p, bytes) for p in pieces)
+
+    @classmethod
+    def build(cls, tokenizer: Any) -> TokenTable | None:
+        """The table of `tokenizer`, checked against its own decode; None where it does not
+        apply (module docstring: the caller then decodes through the tokenizer)."""
+        try:
+            table = cls._read(tokenizer)
+            if table is not None and not table._agrees_with(tokenizer):
+                logger.warning(
+                    "%s decodes differently from its token table; streaming text through "
+                    "its decode instead (slower).",
+                    type(tokenizer).__name__,
+                )
+                return None
+            return table
+        except Exception:  # an unusual tokenizer: the general path serves it
+            logger.debug("no token table for %r", tokenizer, exc_info=True)
+            return None
+
+    @classmethod
+    def _read(cls, tokenizer: Any) -> TokenTable | None:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+            return None
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+        kind = _decoder_kind(decoder)
+        if kind is None:
+            return None
+        special = set(tokenizer.all_special_ids)
+        added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        pieces: list = []
+        if kind == "byte_level":
+            to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+            for i, token in enumerate(tokens):
+                if i in special or token is None:
+                    pieces.append(b"")
+                elif i in added:
+                    pieces.append(added[i].encode())
+                else:
+                    pieces.append(bytes(to_byte[c] for c in token))
+        else:
+            for i, token in enumerate(tokens):
+                if i in special or token is None:
+                    pieces.append("")
+                elif (m := _BYTE_PIECE.fullmatch(token)) is not None and i not in added:
+                    pieces.append(int(m.group(1), 16))
+                else:
+                    pieces.append(token.replace("\u2581", " "))
+        return cls(pieces, strip_first_space=kind == "sentencepiece_strip")
+
+    def _agrees_with(self, tokenizer: Any) -> bool:
+        """Every token (or 2,048 of them, spread over a large vocabulary) after a context token,
+        and a text with multi-byte characters, stream what the tokenizer decodes."""
+        decode = _fast_decode(tokenizer)
+        n = len(self.pieces)
+        ids = list(range(0, n, max(1, n // 2048)))
+        context = tokenizer("Once upon a time", add_special_tokens=False)["input_ids"][-1:]
+        text = "Once upon a time, 中文 é 😀 naïve\n  two  spaces."
+        checks = [(context, [i]) for i in ids]
+        checks.append((context, tokenizer(text, add_special_tokens=False)["input_ids"]))
+        checks.append((list(tokenizer.all_special_ids[:1]), checks[-1][1]))  # strip at start
+        for prompt, out in checks:
+            want = decode(prompt + out)
+            if want.endswith("\ufffd"):  # an incomplete byte piece alone: held back either way
+                continue
+            got = TableDetokenizer(self, prompt)
+            if decode(prompt) + "".join(got.add([t]) for t in out) != want:
+                return False
+        return True
+
+
+class TableDetokenizer:
+    """`IncrementalDetokenizer`'s deltas from a `TokenTable`, without calling the tokenizer.
+
+    Bytes of a character split over byte pieces are held until the character is whole, as the
+    general path holds back a trailing U+FFFD. A byte-fallback run that can never be valid
+    UTF-8 comes out as one U+FFFD per piece, as SentencePiece decodes it, when the next
+    ordinary piece ends the run.
+    """
+
+    __slots__ = ("_run", "_strip", "_utf8", "table")
+
+    def __init__(self, table: TokenTable, prompt_token_ids: Sequence[int]):
+        self.table = table
+        self._run = bytearray()  # byte-fallback pieces not yet whole characters
+        # Byte-level: one incremental UTF-8 decoder over all the output's bytes.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if table.byte_level else None
+        # SentencePiece strips one leading space off the whole text: an output's, when the
+        # prompt decodes to no text at all (only special tokens).
+        pieces = table.pieces
+        self._strip = table.strip_first_space and not any(pieces[t] != "" for t in prompt_token_ids)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Appends tokens and returns the new, complete text (possibly empty)."""
+        pieces = self.table.pieces
+        if self._utf8 is not None:
+            text = self._utf8.decode(b"".join([pieces[t] for t in token_ids]))
+        else:
+            parts = []
+            run = self._run
+            for t in token_ids:
+                piece = pieces[t]
+                if type(piece) is int:
+                    run.append(piece)
+                    try:
+                        parts.append(run.decode())
+                        run.clear()
+                    except UnicodeDecodeError:  # incomplete (or never valid): wait for more
+                        pass
+                elif piece:
+                    if run:  # ended by an ordinary piece: never valid, one U+FFFD a byte
+                        parts.append("\ufffd" * len(run))
+                        run.clear()
+                    parts.append(piece)
+            text = "".join(parts)
+        if self._strip and text:
+            self._strip = False
+            if text[0] == " ":
+                text = text[1:]
+        return text
+
+
+def make_detokenizer(
+    tokenizer: Any, table: TokenTable | None, prompt_token_ids: Sequence[int]
+) -> TableDetokenizer | IncrementalDetokenizer:
+    """The table's detokenizer when the tokenizer has one (`TokenTable.build`), else the
+    general one."""
+    if table is not None:
+        return TableDetokenizer(table, prompt_token_ids)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids)
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_kind(decoder: dict) -> str | None:
+    """'byte_level', 'sentencepiece' or 'sentencepiece_strip' for the two concatenating
+    decoders (TokenTable), None for anything else."""
+    if decoder.get("type") == "ByteLevel":
+        return "byte_level"
+    if decoder.get("type") != "Sequence":
+        return None
+    steps = decoder.get("decoders", [])
+    names = [d.get("type") for d in steps]
+    strip = names[-1:] == ["Strip"]
+    if strip:
+        last = steps[-1]
+        if (last.get("content"), last.get("start"), last.get("stop")) != (" ", 1, 0):
+            return None
+        names = names[:-1]
+    if names != ["Replace", "ByteFallback", "Fuse"]:
+        return None
+    replace = steps[0]
+    if replace.get("pattern") != {"String": "\u2581"} or replace.get("content") != " ":
+        return None
+    return "sentencepiece_strip" if strip else "sentencepiece"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character that stands for it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
 
 
 class StopStringMatcher:

@@ -13,7 +13,13 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from jaxserve.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from jaxserve.detokenizer import (
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    TableDetokenizer,
+    TokenTable,
+    make_detokenizer,
+)
 from jaxserve.metrics import EngineMetrics
 from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.request import FinishReason, Request, RequestStatus
@@ -29,7 +35,7 @@ class Tracked:
     engine gathers for it on the way (penalty row, prompt logprobs)."""
 
     request: Request
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: TableDetokenizer | IncrementalDetokenizer | None
     stops: StopStringMatcher
     # (slot, preemptions) when its penalty row was last filled: a new pair means a new slot.
     penalty_row: tuple[int, int] | None = None
@@ -46,6 +52,8 @@ class OutputProcessor:
 
     def __init__(self, tokenizer, scheduler: Scheduler, metrics: EngineMetrics):
         self.tokenizer = tokenizer  # None for a model without one: token ids, no text
+        # Each token's text, when the tokenizer's decoding is concatenation (detokenizer.py).
+        self.token_table = None if tokenizer is None else TokenTable.build(tokenizer)
         self.scheduler = scheduler  # to finish a request on its stop string or a failure
         self.metrics = metrics
         self.tracked: dict[str, Tracked] = {}  # every request not yet given its last output
@@ -56,7 +64,7 @@ class OutputProcessor:
         """Starts tracking a request the scheduler has just accepted."""
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            detok = make_detokenizer(self.tokenizer, self.token_table, request.prompt_token_ids)
         stops = StopStringMatcher(request.sampling_params.stop)
         self.tracked[request.request_id] = Tracked(request, detok, stops)
 
@@ -112,11 +120,13 @@ class OutputProcessor:
         if tracked.detokenizer is not None:
             stop_ids = request.stop_ids
             visible = [t for t in new_ids if t not in stop_ids] if stop_ids else new_ids
+            text = tracked.detokenizer.add(visible)  # no text for stop ids
             stops = tracked.stops
-            stops.add(tracked.detokenizer.add(visible))  # no text for stop ids
-            if stops.matched is not None and not request.is_finished:
-                self.scheduler.finish_request(request.request_id, FinishReason.STOP)
-            text = stops.take(final=request.is_finished)
+            if stops.stop:  # without stop strings nothing is held back: the delta as it is
+                stops.add(text)
+                if stops.matched is not None and not request.is_finished:
+                    self.scheduler.finish_request(request.request_id, FinishReason.STOP)
+                text = stops.take(final=request.is_finished)
         finished = request.status > RequestStatus.PREEMPTED  # is_finished, spelled out per row
         params = request.sampling_params
         logprobs = None
