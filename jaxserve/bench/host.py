@@ -19,7 +19,9 @@ With `step_time_s`, the fake device also keeps its own clock of the time its que
 before a dispatch ("fake device idle"): the engine sees a step done only when it next looks, so
 the timeline's reading is a lower bound, and the fake's is the time the device really waited.
 No model weights are compiled; the model's config (and only its vocabulary and EOS ids matter)
-comes from `--model`, the embedded stories260k by default. Numbers are of one run on one machine:
+comes from `--model`, the embedded stories260k by default. Outputs are token ids unless
+`detokenize` (`--detokenize`): then every request also streams text through the model's
+tokenizer, as a serving engine does. Numbers are of one run on one machine:
 compare them within a run.
 """
 
@@ -201,6 +203,7 @@ class HostSpec:
     command: str = ""
     # False: each step planned after the last one's tokens are on the host (for comparison).
     async_scheduling: bool = True
+    detokenize: bool = False  # outputs carry text through the model's tokenizer
 
 
 def run_host(spec: HostSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -208,8 +211,10 @@ def run_host(spec: HostSpec, log: Callable[[str], None] = print) -> dict[str, An
     from checkpoints import load_model
 
     model = load_model(spec.model, dtype="float32", seed=spec.seed)
-    # Outputs are token ids (no detokenizer): the host loop is measured, not the tokenizer.
-    model = dataclasses.replace(model, tokenizer=None)
+    if not spec.detokenize:  # token ids only: the host loop without the tokenizer
+        model = dataclasses.replace(model, tokenizer=None)
+    elif model.tokenizer is None:
+        raise ValueError(f"--detokenize needs a tokenizer, and model {model.source} has none.")
     points = []
     for running in spec.running:
         point = _time_point(spec, model, running)
@@ -224,6 +229,7 @@ def run_host(spec: HostSpec, log: Callable[[str], None] = print) -> dict[str, An
         "platform": jax.devices()[0].platform,
         "step_time_s": spec.step_time_s,
         "async_scheduling": spec.async_scheduling,
+        "detokenize": spec.detokenize,
         "context": spec.context,
         "steps": spec.steps,
         "load_avg_1m": os.getloadavg()[0],
@@ -324,6 +330,7 @@ def format_host(report: dict[str, Any]) -> str:
         f"fake step time {report['step_time_s'] * 1e3:g} ms, {report['steps']} steps/point, "
         f"{'asynchronous' if report.get('async_scheduling', True) else 'synchronous'} "
         "scheduling, "
+        f"{'text' if report.get('detokenize') else 'token ids'} out, "
         f"load {report['load_avg_1m']:.1f} on {report['cpus']} CPUs",
         "",
         "| running | context | step us | " + " | ".join(HOST_PHASES) + " | host us | "

@@ -153,6 +153,7 @@ def _cmd_host(args: argparse.Namespace) -> int:
         steps=args.output_len,
         step_time_s=args.step_time,
         async_scheduling=not args.sync_scheduling,
+        detokenize=args.detokenize,
         seed=args.seed,
         command=" ".join(["jaxserve", *sys.argv[1:]]),
     )
@@ -411,6 +412,11 @@ def _add_bench_parser(sub) -> None:
         default=0.0,
         metavar="S",
         help="host: seconds the fake device takes per step (default 0: results at once)",
+    )
+    t.add_argument(
+        "--detokenize",
+        action="store_true",
+        help="host: outputs carry text through the model's tokenizer (default: token ids only)",
     )
     t.add_argument(
         "--sync-scheduling",

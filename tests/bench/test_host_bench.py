@@ -144,3 +144,27 @@ def test_cli_host_profile_writes_host_json(tmp_path, capsys):
     assert "| running |" in capsys.readouterr().out
     assert main([*argv, "--running", "0"]) == 2
     assert "--running '0' must list counts >= 1" in capsys.readouterr().err
+
+
+def test_cli_host_profile_detokenize_streams_text(tmp_path, capsys, monkeypatch):
+    """`--detokenize` keeps the model's tokenizer: the engine's outputs then carry text."""
+    import jaxserve.bench.host as host
+
+    texts = []
+    make = host.host_engine
+
+    def spying_engine(*args, **kwargs):
+        engine = make(*args, **kwargs)
+        process = engine.outputs.process
+        engine.outputs.process = lambda updates: [
+            texts.append(out.text_delta) or out for out in process(updates)
+        ]
+        return engine
+
+    monkeypatch.setattr(host, "host_engine", spying_engine)
+    out = tmp_path / "host"
+    argv = ["bench", "--profile", "host", "--prompt-len", "10", "--out", str(out)]
+    assert main([*argv, "--running", "2", "--output-len", "2", "--detokenize"]) == 0
+    assert json.loads((out / "host.json").read_text())["detokenize"] is True
+    assert "text out" in capsys.readouterr().out
+    assert "".join(texts)  # text came out, not only token ids
