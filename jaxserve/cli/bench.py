@@ -120,6 +120,7 @@ def _cmd_steps(args: argparse.Namespace) -> int:
         compile_cache=args.compile_cache,
         command=" ".join(["jaxserve", *sys.argv[1:]]),
         cost_seqs=max(parse_list(args.max_num_seqs, int)),  # the cost model's engine rows
+        cost_model=not args.no_cost_model,
     )
     report = run_steps(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_steps(report))
@@ -372,6 +373,12 @@ def _add_bench_parser(sub) -> None:
         default=None,
         metavar="B,B,...",
         help="steps: the decode points' batch sizes (default: 1,16,64,256)",
+    )
+    t.add_argument(
+        "--no-cost-model",
+        action="store_true",
+        help="steps: the step table alone, without measuring the step-cost model after it "
+        "(minutes on a 135M model on a CPU)",
     )
     t.add_argument(
         "--trace",

@@ -96,3 +96,7 @@ def test_steps_profile_defaults_to_llama_batched_bench_points(monkeypatch):
     assert (seen[1].prompt_lens, seen[1].batches) == ((8,), (2, 3))
     assert main(["bench", "--profile", "steps", "--steps-batches", "4,0"]) == 2  # a batch of 0
     assert len(seen) == 2
+    assert seen[0].cost_model  # measured after the table unless asked not to
+    with pytest.raises(SystemExit):
+        main(["bench", "--profile", "steps", "--no-cost-model"])
+    assert not seen[2].cost_model
