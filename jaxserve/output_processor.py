@@ -118,8 +118,8 @@ class OutputProcessor:
         new_ids = update.new_token_ids  # the scheduler's own list for this output
         text = ""
         if tracked.detokenizer is not None:
-            stop_ids = request.stop_ids
-            visible = [t for t in new_ids if t not in stop_ids] if stop_ids else new_ids
+            # A stop id ends its request, so only the last new token can be one.
+            visible = new_ids[:-1] if new_ids and new_ids[-1] in request.stop_ids else new_ids
             text = tracked.detokenizer.add(visible)  # no text for stop ids
             stops = tracked.stops
             if stops.stop:  # without stop strings nothing is held back: the delta as it is

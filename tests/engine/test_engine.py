@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -146,3 +148,16 @@ def test_mixed_workload_never_compiles_after_warmup(stories_engine):
     drain(engine)
     assert engine.runner.num_compiles == before
     assert engine.metrics.stats.compiles_after_warmup == 0
+
+
+def test_a_stop_token_ends_the_request_and_its_text_is_not_sent(stories_engine):
+    """The stop id is the last token id out, and no text of it reaches the client."""
+    llm = LLM(engine=stories_engine)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    free = llm.generate([PROMPTS[0]], greedy)[0].token_ids
+    stop = free[5]
+    first = free.index(stop)  # the first time the stop id comes out
+    out = llm.generate([PROMPTS[0]], dataclasses.replace(greedy, stop_token_ids=(stop,)))
+    assert out[0].token_ids == free[: first + 1]
+    tok = stories_engine.tokenizer
+    assert out[0].text == tok.decode(free[:first], skip_special_tokens=True)
