@@ -178,12 +178,17 @@ class TableDetokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         """Appends tokens and returns the new, complete text (possibly empty)."""
         pieces = self.table.pieces
+        # Ids past the tokenizer's vocabulary (a model's embedding padded beyond it) decode to
+        # nothing, as the tokenizer decodes them.
+        n = len(pieces)
         if self._utf8 is not None:
-            text = self._utf8.decode(b"".join([pieces[t] for t in token_ids]))
+            text = self._utf8.decode(b"".join([pieces[t] for t in token_ids if t < n]))
         else:
             parts = []
             run = self._run
             for t in token_ids:
+                if t >= n:
+                    continue
                 piece = pieces[t]
                 if type(piece) is int:
                     run.append(piece)

@@ -84,6 +84,11 @@ def test_token_table_streams_the_deltas_transformers_decodes(seed):
     hello = tok("Hello", add_special_tokens=False)["input_ids"]
     assert TableDetokenizer(table, [tok.bos_token_id]).add(hello) == "Hello"
     assert TableDetokenizer(table, tok("Say")["input_ids"]).add(hello) == " Hello"
+    # An id past the tokenizer's vocabulary (a padded embedding can sample one) decodes to
+    # nothing, as the tokenizer decodes it, instead of failing the request.
+    past = len(tok) + 7
+    assert TableDetokenizer(table, [tok.bos_token_id]).add([past, *hello]) == "Hello"
+    assert tok.decode([tok.bos_token_id, past, *hello], skip_special_tokens=True) == "Hello"
 
 
 def test_token_table_ends_a_broken_byte_run_as_sentencepiece_does():
