@@ -173,7 +173,9 @@ class TableDetokenizer:
         # SentencePiece strips one leading space off the whole text: an output's, when the
         # prompt decodes to no text at all (only special tokens).
         pieces = table.pieces
-        self._strip = table.strip_first_space and not any(pieces[t] != "" for t in prompt_token_ids)
+        self._strip = table.strip_first_space and not any(
+            t < len(pieces) and pieces[t] != "" for t in prompt_token_ids
+        )
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Appends tokens and returns the new, complete text (possibly empty)."""

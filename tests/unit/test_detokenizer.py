@@ -88,6 +88,7 @@ def test_token_table_streams_the_deltas_transformers_decodes(seed):
     # nothing, as the tokenizer decodes it, instead of failing the request.
     past = len(tok) + 7
     assert TableDetokenizer(table, [tok.bos_token_id]).add([past, *hello]) == "Hello"
+    assert TableDetokenizer(table, [tok.bos_token_id, past]).add(hello) == "Hello"
     assert tok.decode([tok.bos_token_id, past, *hello], skip_special_tokens=True) == "Hello"
 
 
