@@ -60,8 +60,8 @@ simulator, where the pace is exact, the shed policy served 6 good requests of 20
 and 37 with them (cost_model_night.json); measured, alternated in one process, 26 in three runs
 against 2 (docs/bench-slo/pace_and_bias.md).
 
-Nothing starves: the cap never stops decodes, decodes always finish (max_tokens), and when none
-run the budget is whole, so the queue drains in policy order. With no SLO, or with
+Nothing starves: the cap never stops decodes, decodes always finish (max_tokens), and when no
+row runs the first waiting request starts, so the queue drains in its order. With no SLO, or with
 `EngineConfig.slo_scheduling` off, nothing is attached and the scheduler plans as before.
 Plain Python (no JAX), called with the scheduler's running list and waiting queue.
 """
@@ -189,7 +189,7 @@ class SloPolicy:
                 if boosted > budget:
                     self.num_boosted += 1
                     budget = boosted
-        if not waiting:
+        if not waiting:  # partial prefills only: capped like any step (the boost may lift it)
             return budget
         # The newcomers that may start, and a budget that starts exactly them.
         admitted, tokens = self._admissible(rows, row_pairs, used, waiting, step_s, allowed)
