@@ -23,8 +23,14 @@ best of 5, one layer of smollm2-135m's attention (9 heads, 3 KV heads, head_dim 
   decode, 64 sequences at context 280-320:     60-170 ms -> 26-63 ms   (2.3-2.7x)
   prefill, one 512-token prompt:               930-1540 ms -> 17-25 ms (38-73x)
   a 448-token chunk at context 1000 + 64 decodes: 1.9-2.5 s -> 68-105 ms (18-36x)
-Tile sizes: 32x128 to 256x512 were within noise of each other on prefill; 128 rows x 256 keys
-keeps loop trips few. Decode blocks: 16 or 32 keys ran 2-6x faster than 128 or 256 (the gathered
+Tile sizes: a 512-token prompt alone runs about as fast at any size from 32x128 to 256x512, but
+the short prompts of serving traffic (16-128 tokens) waste most of a large tile, rows and keys
+both. 64 rows x 128 keys, against the 128 x 256 it replaced, whole prefill steps of 512 tokens
+compiled in one process and timed interleaved (2026-12-01, idle 2-core CPU), tiny / small:
+8 prompts of 64 tokens 0.62 / 0.80x, 16 of 32 0.56 / 0.69x, 4 of 128 0.79 / 0.85x, one of 511
+0.97 / 0.98x, a 488-token chunk at context 512 1.00 / 0.97x. 64 x 64 was faster still on `tiny`
+but 1.04x on `small`'s long chunk; 64 x 128 was never slower.
+Decode blocks: 16 or 32 keys ran 2-6x faster than 128 or 256 (the gathered
 block stays in cache between the gather and its two matmuls), and 32 halves the trips of 16; a
 step with one sequence slot takes 128-key blocks (`_DECODE_KEYS_ONE_SEQ`), fewer trips for
 blocks that stay small.
@@ -49,10 +55,10 @@ import jax
 import jax.numpy as jnp
 
 # Query rows per prefill tile: big enough for a real matmul against each key block, small enough
-# that a short chunk or the causal diagonal wastes little.
-_TILE_ROWS = 128
-# Keys per block of the prefill loop and of the batched decode loop.
-_TILE_KEYS = 256
+# that a short chunk or the causal diagonal wastes little (module docstring: measured).
+_TILE_ROWS = 64
+# Keys per block of the prefill loop.
+_TILE_KEYS = 128
 _DECODE_KEYS = 32
 # Keys per block of the decode loop when the step has one sequence slot (a batch-1 decode
 # bucket): there a block is too small for its gather to matter and the loop's fixed cost per
