@@ -1,8 +1,16 @@
 """`AsyncEngine`: the engine loop on a background thread, an asyncio stream per request.
 
 Concurrency:
-- One engine thread owns the `Engine` and is the only thread that touches it. It runs
-  `step()` while there is work and sleeps on a condition variable when idle.
+- One engine thread owns the `Engine` and is the only thread that changes its state. It runs
+  `step_updates()` (schedule, dispatch, take the last step's tokens in) while there is work and
+  sleeps on a condition variable when idle.
+- One output thread makes the outputs of each iteration's updates (`engine.outputs`:
+  detokenizing, stop strings, logprobs) and delivers them, in order, while the engine thread
+  runs the next iteration. A stop string it finds ends the request's stream at once and asks
+  the engine thread, as a command, to finish the request (free its slot and pages) at its next
+  iteration; the tokens the request samples meanwhile are dropped, never sent. It yields the
+  GIL between chunks of rows, so the engine thread, back from the device, waits for it at most
+  a chunk.
 - asyncio callers never touch the engine: `generate()` posts an add command (and `abort` an
   abort command) to a lock-protected list the engine thread drains between iterations, so a
   request joins or leaves only at an iteration boundary.
@@ -33,7 +41,9 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 
 from jaxserve.engine import Engine
@@ -43,6 +53,9 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.slo_policy import save_served_scale
 
 logger = logging.getLogger(__name__)
+
+# Rows of updates the output thread makes into outputs before it lets the engine thread run.
+_OUTPUT_CHUNK = 64
 
 
 class EngineDeadError(RuntimeError):
@@ -91,7 +104,15 @@ class AsyncEngine:
         self._live_ids: frozenset[str] = frozenset()
         self._ids_stale = True
         self._iteration = 0
+        self._publish_lock = threading.Lock()  # both threads publish snapshots
         self._publish()
+        # Each iteration's updates, in order, to the output thread; None ends it.
+        self._updates: queue.SimpleQueue = queue.SimpleQueue()
+        self.engine.outputs.finish_request = self._finish_from_outputs
+        self._output_thread = threading.Thread(
+            target=self._run_outputs, name="jaxserve-outputs", daemon=True
+        )
+        self._output_thread.start()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -179,6 +200,10 @@ class AsyncEngine:
         except BaseException as e:  # every open stream must learn that the engine died
             logger.exception("engine thread failed")
             self.error = e
+        # The outputs of every iteration that ran reach their streams before the rest close.
+        self._updates.put(None)
+        self._output_thread.join()
+        self.engine.outputs.finish_request = self.engine.scheduler.finish_request
         self._close()
         try:  # the serving scale the SLO policy measured, for the next start (slo_policy.py)
             save_served_scale(self.engine)
@@ -190,7 +215,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._commands and not self.engine.has_unfinished():
+                while not self._commands and not self.engine.has_work():
                     if self._stopping:
                         return
                     self._lock.wait()
@@ -199,14 +224,19 @@ class AsyncEngine:
                 commands, self._commands = self._commands, []
             for command in commands:
                 self._apply(command)
-            if self.engine.has_unfinished():
+            if self.engine.has_work():
                 self._step()
         # Stopping with requests left: abort them so the engine is idle and its pages free
-        # (aborts finish within two iterations; the bound only guards against a bug).
-        for request_id in list(self._live):
+        # (aborts finish within two iterations; the bound only guards against a bug). Those
+        # their outputs ended already are finished as asked.
+        with self._lock:
+            finishes = [c for c in self._commands if c[0] == "finish"]
+        for command in finishes:
+            self._apply(command)
+        for request_id in tuple(self._live):
             self.engine.abort(request_id)
         for _ in range(16):
-            if not self.engine.has_unfinished():
+            if not self.engine.has_work():
                 break
             self._step()
 
@@ -217,17 +247,47 @@ class AsyncEngine:
             logger.exception("could not release the multi-host followers")
 
     def _step(self) -> None:
-        outputs = self.engine.step()
-        for out in outputs:
-            if out.finished:  # released first: a caller that sees the end may reuse the id
-                self._live.discard(out.request_id)
-                self._ids_stale = True
-                self._release(out.request_id)
+        updates = self.engine.step_updates()
         self._iteration += 1
-        # Published before delivery: a caller that sees its request end then reads a snapshot
-        # without it (its slot and pages already back), never the one before.
+        if any(update.finished for update in updates):
+            self._ids_stale = True
+        # Published before the outputs are made: a caller that sees its request end then reads
+        # a snapshot without it (its slot and pages already back), never the one before.
         self._publish()
-        self._deliver(outputs)
+        self._updates.put(updates)
+
+    def _finish_from_outputs(self, request_id: str, reason) -> None:
+        """The output thread ended a request (its stop string, a failure): the engine thread
+        finishes it at its next iteration."""
+        with self._lock:
+            self._commands.append(("finish", request_id, reason))
+            self._lock.notify()
+
+    # ---- output thread --------------------------------------------------------------------
+
+    def _run_outputs(self) -> None:
+        """Makes and delivers each iteration's outputs until the engine thread ends."""
+        try:
+            while (updates := self._updates.get()) is not None:
+                outputs = []
+                for start in range(0, len(updates), _OUTPUT_CHUNK):
+                    if start:
+                        time.sleep(0)  # the engine thread may be back from the device
+                    outputs += self.engine.outputs.process(updates[start : start + _OUTPUT_CHUNK])
+                ended = [out.request_id for out in outputs if out.finished]
+                for request_id in ended:  # released first: a caller that sees it may reuse it
+                    self._live.discard(request_id)
+                    self._release(request_id)
+                if ended:  # and gone from the snapshot before its caller sees the end
+                    self._ids_stale = True
+                    self._publish()
+                self._deliver(outputs)
+        except BaseException as e:  # the engine thread stops, and every open stream learns why
+            logger.exception("output thread failed")
+            self.error = e
+            with self._lock:
+                self._stopping = True
+                self._lock.notify()
 
     def _close(self) -> None:
         """Ends every open stream, pending adds included, with EngineDeadError."""
@@ -241,11 +301,15 @@ class AsyncEngine:
             self._put(stream, error)
 
     def _publish(self) -> None:
+        with self._publish_lock:
+            self._publish_locked()
+
+    def _publish_locked(self) -> None:
         s = self.engine.scheduler
         if self._ids_stale:
-            live = (r for r in self._live if s.get_request(r) is not None)
+            self._ids_stale = False  # before the walk: a finish meanwhile publishes again
+            live = (r for r in tuple(self._live) if s.get_request(r) is not None)
             self._live_ids = frozenset(_user_id(r) for r in live)
-            self._ids_stale = False
         self._snapshot = EngineSnapshot(
             iteration=self._iteration,
             request_ids=self._live_ids,
@@ -260,6 +324,9 @@ class AsyncEngine:
         self._ids_stale = True
         if command[0] == "abort":
             self.engine.abort(command[1])
+            return
+        if command[0] == "finish":
+            self.engine.finish(command[1], command[2])
             return
         _, stream, request_id, prompt, params, priority = command
         with self._lock:
@@ -324,8 +391,8 @@ class AsyncEngine:
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
     """On the consumers' event loop: each item into its stream's queue."""
-    for queue, item in items:
-        queue.put_nowait(item)
+    for stream_queue, item in items:
+        stream_queue.put_nowait(item)
 
 
 def _user_id(internal_id: str) -> str:

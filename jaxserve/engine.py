@@ -36,10 +36,11 @@ from jaxserve.model_runner import ModelRunner
 from jaxserve.models.loaded import LoadedModel
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput, TokenLogprob
-from jaxserve.request import Request
+from jaxserve.request import FinishReason, Request
 from jaxserve.sampling import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import Scheduler, SchedulerOutput, StepResult
+from jaxserve.scheduler_types import RequestUpdate
 from jaxserve.slo_policy import attach_to_engine
 
 logger = logging.getLogger(__name__)
@@ -183,10 +184,39 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.outputs.tracked) or bool(self._inflight)
 
+    def has_work(self) -> bool:
+        """A request the scheduler holds, or a step in flight: what `step_updates` still has
+        to run, whoever makes the outputs (requests whose last update is made may still await
+        their output)."""
+        return self.scheduler.has_unfinished() or bool(self._inflight)
+
+    def finish(self, request_id: str, reason: FinishReason) -> None:
+        """Ends a request whose output already ended it (its stop string, found by an output
+        processor off the engine thread), freeing its slot and pages; a no-op once it ended."""
+        self.scheduler.finish_request(request_id, reason)
+
     # ---- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Runs one iteration; returns the outputs of requests that made progress or finished."""
+        updates = self._iterate()
+        outputs = self.outputs.process(updates)  # overlaps with the step in flight
+        self._end_iteration()
+        return outputs
+
+    def step_updates(self) -> list[RequestUpdate]:
+        """One iteration without its outputs: schedule, dispatch and take the last step in.
+
+        The scheduler's updates, for `self.outputs.process` to make into outputs on another
+        thread (AsyncEngine), so that the step loop does only its own work. Their order must
+        be kept; the processor's `finish_request` must then reach the engine thread (`finish`).
+        """
+        updates = self._iterate()
+        self._end_iteration()
+        return updates
+
+    def _iterate(self) -> list[RequestUpdate]:
+        """Plans and dispatches the next step and takes in the ones before it: the updates."""
         self._clock.start()
         updates = []
         if self.config.async_scheduling:
@@ -208,12 +238,14 @@ class Engine:
             # The last plan was empty: nothing is in flight for want of work, so the time until
             # the next dispatch is not the device waiting on the host.
             self.metrics.device.no_work(time.perf_counter())
-        outputs = self.outputs.process(updates)  # overlaps with the step in flight
+        return updates
+
+    def _end_iteration(self) -> None:
+        """Gauges, the device timeline, and the iteration's host time by phase."""
         self._refresh_gauges()
         self._probe_done()
         self._clock.lap("outputs")
         self.metrics.on_host_step(self._clock.phases)
-        return outputs
 
     def _probe_done(self) -> None:
         """Tells the device timeline which steps in flight are done, without waiting for them
@@ -272,7 +304,9 @@ class Engine:
         if p.logit_bias or p.min_tokens:
             _fill_bias(sb, row, request, int(sb.positions[row]))
         if p.has_penalties:
-            tracked = self.outputs.tracked[seq.request_id]
+            tracked = self.outputs.tracked.get(seq.request_id)
+            if tracked is None:  # its output ended it already: this step's token is dropped
+                return
             here = (seq.slot, request.num_preemptions)
             if tracked.penalty_row != here:
                 # Everything known so far (nothing is pending when a request takes a slot): the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 
 from jaxserve.detokenizer import (
@@ -22,7 +23,7 @@ from jaxserve.detokenizer import (
 )
 from jaxserve.metrics import EngineMetrics
 from jaxserve.outputs import RequestMetrics, RequestOutput
-from jaxserve.request import FinishReason, Request, RequestStatus
+from jaxserve.request import FinishReason, Request
 from jaxserve.scheduler import Scheduler
 from jaxserve.scheduler_types import RequestUpdate
 
@@ -45,6 +46,9 @@ class Tracked:
     prompt_logprobs_sent: bool = False
     # The timings its last output carried, shared by outputs until one of them changes.
     metrics: RequestMetrics | None = None
+    # Generated up to the update being made into an output (the request's own list may have
+    # run ahead of it, with outputs made off the engine thread).
+    num_output_tokens: int = 0
 
 
 class OutputProcessor:
@@ -54,7 +58,11 @@ class OutputProcessor:
         self.tokenizer = tokenizer  # None for a model without one: token ids, no text
         # Each token's text, when the tokenizer's decoding is concatenation (detokenizer.py).
         self.token_table = None if tokenizer is None else TokenTable.build(tokenizer)
-        self.scheduler = scheduler  # to finish a request on its stop string or a failure
+        self.scheduler = scheduler
+        # Ends a request whose output ended it (a stop string, a failure): the scheduler's own,
+        # or, with outputs made off the engine thread (AsyncEngine), one that asks the engine
+        # thread to, at its next iteration.
+        self.finish_request: Callable[[str, FinishReason], object] = scheduler.finish_request
         self.metrics = metrics
         self.tracked: dict[str, Tracked] = {}  # every request not yet given its last output
         # Tests only: called with each request id before its output is made, to inject a fault.
@@ -79,8 +87,10 @@ class OutputProcessor:
         append, tracked_of, output = outputs.append, self.tracked.get, self._output
         for update in updates:
             tracked = tracked_of(update.request.request_id)
-            if tracked is None:
-                continue
+            if tracked is None or tracked.request is not update.request:
+                continue  # ended already (its last output made), or an earlier use of the id
+            # Counted before anything can fail: a failed output reports the tokens generated.
+            tracked.num_output_tokens += len(update.new_token_ids)
             try:
                 if self.fault_hook is not None:
                     self.fault_hook(tracked.request.request_id)
@@ -95,10 +105,10 @@ class OutputProcessor:
         request = tracked.request
         rid = request.request_id
         logger.exception("processing the output of request %r failed; it ends with 'error'", rid)
-        self.scheduler.finish_request(rid, FinishReason.ERROR)  # False if it had just finished
+        self.finish_request(rid, FinishReason.ERROR)  # a no-op if it had just finished
         self.tracked.pop(rid, None)
-        metrics = _metrics_of(request)
-        self.metrics.on_finished(str(FinishReason.ERROR), metrics, request.num_output_tokens)
+        metrics = _metrics_of(request, ended=True)
+        self.metrics.on_finished(str(FinishReason.ERROR), metrics, tracked.num_output_tokens)
         return RequestOutput(
             request_id=rid,
             new_token_ids=[],  # their text was never made: the client gets neither
@@ -106,16 +116,22 @@ class OutputProcessor:
             finished=True,
             finish_reason=str(FinishReason.ERROR),
             num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=tracked.num_output_tokens,
             metrics=metrics,
             num_cached_tokens=request.num_cached_tokens or 0,
             error=f"The server failed while processing this request's output: {error!r}",
         )
 
     def _output(self, tracked: Tracked, update: RequestUpdate) -> RequestOutput:
-        """One request's output of this step (the hot path: a row per running request)."""
+        """One request's output of this step (the hot path: a row per running request).
+
+        Made from what the update carried, not from the request's state now: with outputs made
+        off the engine thread, the request may already have run further steps.
+        """
         request = tracked.request
         new_ids = update.new_token_ids  # the scheduler's own list for this output
+        finished = update.finished
+        stopped = False  # ended here by its stop string
         text = ""
         if tracked.detokenizer is not None:
             # A stop id ends its request, so only the last new token can be one.
@@ -124,10 +140,10 @@ class OutputProcessor:
             stops = tracked.stops
             if stops.stop:  # without stop strings nothing is held back: the delta as it is
                 stops.add(text)
-                if stops.matched is not None and not request.is_finished:
-                    self.scheduler.finish_request(request.request_id, FinishReason.STOP)
-                text = stops.take(final=request.is_finished)
-        finished = request.status > RequestStatus.PREEMPTED  # is_finished, spelled out per row
+                if stops.matched is not None and not finished:
+                    self.finish_request(request.request_id, FinishReason.STOP)
+                    finished = stopped = True
+                text = stops.take(final=finished)
         params = request.sampling_params
         logprobs = None
         if params.logprobs is not None:
@@ -146,15 +162,15 @@ class OutputProcessor:
             or metrics.first_token_time != request.first_token_time
             or metrics.num_preemptions != request.num_preemptions
         ):
-            metrics = tracked.metrics = _metrics_of(request)
+            metrics = tracked.metrics = _metrics_of(request, ended=finished)
         reason = error = None
         if finished:
-            reason = str(request.finish_reason)
+            reason = str(FinishReason.STOP if stopped else request.finish_reason)
             # A refusal says why (the SLO policy's predicted TTFT against the target).
             if reason == FinishReason.REFUSED:
                 error = request.status_message
             del self.tracked[request.request_id]
-            self.metrics.on_finished(reason, metrics, len(request.output_token_ids))
+            self.metrics.on_finished(reason, metrics, tracked.num_output_tokens)
         # Positional, in the fields' order: a third of the cost of keywords, once per row.
         return RequestOutput(
             request.request_id,  # request_id
@@ -163,7 +179,7 @@ class OutputProcessor:
             finished,
             reason,  # finish_reason
             len(request.prompt_token_ids),  # num_prompt_tokens
-            len(request.output_token_ids),  # num_output_tokens
+            tracked.num_output_tokens,  # num_output_tokens
             metrics,
             logprobs,
             error,
@@ -172,12 +188,19 @@ class OutputProcessor:
         )
 
 
-def _metrics_of(request: Request) -> RequestMetrics:
-    """The request's timings as its outputs report them (finished or failed alike)."""
+def _metrics_of(request: Request, ended: bool = False) -> RequestMetrics:
+    """The request's timings as its outputs report them (finished or failed alike).
+
+    `ended`: this output ends it. A request the output ended itself has no finish time yet
+    when the scheduler finishes it later (outputs made off the engine thread): now is its end.
+    """
+    finished_time = request.finished_time
+    if ended and finished_time is None:
+        finished_time = time.monotonic()
     return RequestMetrics(
         arrival_time=request.arrival_time,
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
-        finished_time=request.finished_time,
+        finished_time=finished_time,
         num_preemptions=request.num_preemptions,
     )

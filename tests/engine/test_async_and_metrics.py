@@ -148,3 +148,62 @@ def test_goodput_counts_only_requests_within_targets():
         m.on_finished("length", metrics, num_output_tokens=10)
     m.on_finished("abort", fast, num_output_tokens=10)
     assert m.stats.good_requests == 1
+
+
+def test_outputs_are_made_on_the_output_thread_and_stop_strings_match_offline(
+    async_engine, stories_engine
+):
+    """The engine thread only schedules, takes steps in and dispatches: every output is made
+    on the output thread. A stop string found there ends the stream as the offline engine
+    ends it (text, tokens, reason), and the engine then frees the request's slot and pages."""
+    import threading
+
+    prompts = ["Once upon a time", "Tom had a red ball", "The little dog", "A cat"]
+    params = SamplingParams(max_tokens=40, temperature=0, stop=["the", "."])
+    offline = LLM(engine=stories_engine).generate(prompts, params)
+    assert any(o.finish_reason == "stop" for o in offline)  # the case under test occurs
+    threads = set()
+    outputs = async_engine.engine.outputs
+    outputs.fault_hook = lambda request_id: threads.add(threading.current_thread().name)
+    try:
+
+        async def main():
+            return await asyncio.gather(*(_collect(async_engine, p, params) for p in prompts))
+
+        streamed = asyncio.run(main())
+    finally:
+        outputs.fault_hook = None
+    assert threads == {"jaxserve-outputs"}
+    for outs, want in zip(streamed, offline, strict=True):
+        assert "".join(o.text_delta for o in outs) == want.text
+        assert [t for o in outs for t in o.new_token_ids] == want.token_ids
+        assert outs[-1].finish_reason == want.finish_reason
+        assert outs[-1].num_output_tokens == len(want.token_ids)
+        assert outs[-1].metrics.finished_time is not None
+    # The finishes the output thread asked for reach the engine thread: nothing is left.
+    inner = async_engine.engine
+    for _ in range(200):
+        snap = async_engine.snapshot()
+        if not inner.scheduler.has_unfinished() and snap.kv_pages_used == 0:
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    assert not inner.scheduler.has_unfinished() and async_engine.snapshot().slots_used == 0
+
+
+def test_a_failure_of_the_output_thread_ends_every_stream(stories_engine):
+    """The output thread dies: the engine stops and every open stream learns why."""
+    from jaxserve.async_engine import EngineDeadError
+
+    engine = AsyncEngine(engine=Engine(EngineConfig(**TINY), model=stories_engine.model))
+
+    def broken(outputs):
+        raise RuntimeError("injected output-thread failure")
+
+    engine._deliver = broken
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    try:
+        with pytest.raises(EngineDeadError, match="injected output-thread failure"):
+            asyncio.run(asyncio.wait_for(_collect(engine, "Once upon a time", params), 30))
+        assert not engine.is_alive
+    finally:
+        engine.shutdown()

@@ -77,7 +77,7 @@ def test_engine_failure_ends_every_open_stream_with_internal(engine):
             def broken_step():
                 raise RuntimeError("injected device failure")
 
-            engine.step = broken_step  # the engine thread's next iteration raises
+            engine.step_updates = broken_step  # the engine thread's next iteration raises
             start = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 errors = list(pool.map(_error_of, streams))
@@ -89,13 +89,13 @@ def test_engine_failure_ends_every_open_stream_with_internal(engine):
             with pytest.raises(grpc.RpcError) as err:
                 c.generate_unary("Hi", **GREEDY)
             assert err.value.code() == grpc.StatusCode.INTERNAL
-            del engine.step
+            del engine.step_updates
             # The dead thread no longer owns the engine: tidy it for the next server here.
             for rid in ids:
                 engine.abort(rid)
             drain(engine)
     finally:
-        engine.__dict__.pop("step", None)
+        engine.__dict__.pop("step_updates", None)
 
 
 def test_engine_shutdown_ends_open_streams_and_leaves_the_engine_idle(engine):

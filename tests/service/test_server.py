@@ -135,8 +135,8 @@ def test_cancel_or_deadline_frees_slot_and_pages_within_an_iteration(served, eng
         time.sleep(0.005)
         return real_step()
 
-    rid, real_step = f"{how}-me", engine.step
-    engine.abort, engine.step = recording_abort, slow_step
+    rid, real_step = f"{how}-me", engine.step_updates  # the engine thread's iteration
+    engine.abort, engine.step_updates = recording_abort, slow_step
     try:
         with server.client() as c:
             call = c.generate(
@@ -167,7 +167,7 @@ def test_cancel_or_deadline_frees_slot_and_pages_within_an_iteration(served, eng
                 timeout=5,
             )
     finally:
-        del engine.abort, engine.step
+        del engine.abort, engine.step_updates
     assert gone.kv_pages_used == 0 and gone.slots_used == 0
     [abort_iteration] = [i for r, i in aborted_at if r == rid]
     assert gone.iteration - abort_iteration <= 1
