@@ -76,12 +76,12 @@ class TokenTable:
     characters; the caller then keeps `IncrementalDetokenizer`.
     """
 
-    def __init__(self, pieces: list, strip_first_space: bool):
+    def __init__(self, pieces: list, kind: str):
         # Per id: str (its text), int (a byte-fallback piece: one byte of UTF-8 that may be
         # split over pieces), or bytes (byte-level: the token's bytes). "" for skipped specials.
         self.pieces = pieces
-        self.strip_first_space = strip_first_space
-        self.byte_level = any(isinstance(p, bytes) for p in pieces)
+        self.byte_level = kind == "byte_level"  # `_decoder_kind`'s name of the decoder
+        self.strip_first_space = kind == "sentencepiece_strip"
 
     @classmethod
     def build(cls, tokenizer: Any) -> TokenTable | None:
@@ -131,7 +131,7 @@ class TokenTable:
                     pieces.append(int(m.group(1), 16))
                 else:
                     pieces.append(token.replace("\u2581", " "))
-        return cls(pieces, strip_first_space=kind == "sentencepiece_strip")
+        return cls(pieces, kind)
 
     def _agrees_with(self, tokenizer: Any) -> bool:
         """Every token (or 2,048 of them, spread over a large vocabulary) after a context token,

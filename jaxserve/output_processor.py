@@ -58,7 +58,6 @@ class OutputProcessor:
         self.tokenizer = tokenizer  # None for a model without one: token ids, no text
         # Each token's text, when the tokenizer's decoding is concatenation (detokenizer.py).
         self.token_table = None if tokenizer is None else TokenTable.build(tokenizer)
-        self.scheduler = scheduler
         # Ends a request whose output ended it (a stop string, a failure): the scheduler's own,
         # or, with outputs made off the engine thread (AsyncEngine), one that asks the engine
         # thread to, at its next iteration.
