@@ -8,9 +8,9 @@ public add_request / step: decode-only batches of every size of the ladder at a 
 then a stream of prompts whose chunks share steps with decodes, so every token bucket is
 stepped with small and large attention. The samples are fitted by cost_model.fit.
 
-Warm-up cost: `WARM_UP` runs 2 x log2(rows) decode-only batches of 4 tokens and one mixed prompt
-per row, a few steps per token bucket; the calibration's requests and their counters are
-forgotten afterwards (`forget`).
+Warm-up cost: `WARM_UP` runs 2 x log2(rows) decode-only batches, whose rows decode 4 tokens
+together once the batch has prefilled, and one mixed prompt per row, a few steps per token
+bucket; the calibration's requests and their counters are forgotten afterwards (`forget`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,14 @@ class Calibration:
 WARM_UP = Calibration(contexts=(16, 128), decode_tokens=4, mixed_per_row=1.0, max_mixed_output=8)
 
 
+def feature_set(engine) -> str:
+    """The cost model's terms for `engine`'s attention (cost_model.FEATURE_SETS): the CPU's
+    tiled attention costs by its loops' trips, a kernel by the pairs it attends."""
+    from jaxserve.models.attention import resolve_backend
+
+    return "tiles" if resolve_backend(engine.runner.config.attention_backend) == "xla" else "pairs"
+
+
 def cost_key(engine) -> cost_model.CostKey:
     """The key a cost model measured on `engine` carries (and a loaded one must match)."""
     return cost_model.CostKey(
@@ -70,7 +78,7 @@ def recording_steps(engine) -> Iterator[list[cost_model.StepSample]]:
     scheduler = engine.scheduler
     schedule = scheduler.schedule
     lag = 1 if getattr(engine.config, "async_scheduling", False) else 0
-    calls: list[tuple[float, tuple[int, int] | None]] = []  # (perf_counter, features) per plan
+    calls: list[tuple[float, cost_model.StepWork | None]] = []  # (perf_counter, work) per plan
 
     def timed(now=None):
         plan = schedule(now)
@@ -88,7 +96,7 @@ def recording_steps(engine) -> Iterator[list[cost_model.StepSample]]:
         window = calls[k : k + lag + 2]
         if all(feats is not None for _, feats in window):
             start, end = window[-2][0], window[-1][0]
-            samples.append(cost_model.StepSample(*calls[k][1], seconds=end - start))
+            samples.append(cost_model.StepSample(calls[k][1], end - start))
 
 
 def calibrate(
@@ -96,18 +104,24 @@ def calibrate(
 ) -> cost_model.CostModel:
     """Times steps of every token bucket of `engine` (module docstring); returns the fit."""
     rows = engine.config.max_num_seqs
+    budget = engine.config.max_num_batched_tokens
     room = engine.max_model_len - spec.decode_tokens
     contexts = sorted({max(1, min(c, room)) for c in spec.contexts})
     rng = np.random.default_rng(spec.seed)
     names = (f"calibrate-{i}" for i in range(1 << 62))
     start = time.perf_counter()
     with recording_steps(engine) as samples:
-        # Decode-only steps: every batch of the ladder, at each context.
+        # Decode-only steps: every batch of the ladder, at each context. The batch's prompts
+        # prefill a budget at a time, so each request decodes as many steps longer as that
+        # takes: its rows then all decode together, at the batch's size (serving's commonest
+        # step, a full batch decoding at long contexts, was otherwise never timed).
         for ctx in contexts:
             b = 1
             while b <= rows:
+                wait = -(-b * ctx // budget)
+                tokens = min(spec.decode_tokens + wait, engine.max_model_len - ctx)
                 for _ in range(b):
-                    _request(engine, next(names), ctx, spec.decode_tokens, rng)
+                    _request(engine, next(names), ctx, tokens, rng)
                 drain(engine)
                 b *= 2
         # Mixed steps: prompts of random lengths arriving while others decode, so prefill
@@ -122,7 +136,7 @@ def calibrate(
         drain(engine)
     if log is not None:
         log(f"cost model: {len(samples)} steps timed in {time.perf_counter() - start:.1f}s")
-    return cost_model.fit(samples, cost_key(engine))
+    return cost_model.fit(samples, cost_key(engine), feature_set(engine))
 
 
 def check_single_host() -> None:

@@ -73,7 +73,15 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from jaxserve.cost_model import CostModel, CostModelError
+from jaxserve.cost_model import (
+    CostModel,
+    CostModelError,
+    StepWork,
+    decode_keys,
+    decode_work,
+    prefill_blocks,
+    work_of,
+)
 from jaxserve.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
@@ -133,10 +141,11 @@ class SloPolicy:
         self.num_held = 0  # steps in which waiting requests were held back
 
     def __call__(self, running: Sequence[Request], waiting: Iterable[Request], now: float) -> int:
-        decodes = decode_pairs = 0
+        decodes = decode_pairs = decode_max = 0  # decoding rows, their contexts (sum, longest)
         spans: list[tuple[int, int]] = []  # (cached, left) of partial prefills, in plan order
         first = None  # the next request to get its first token
-        rows = row_pairs = used = 0  # rows decoding after this step, their final contexts, tokens
+        # Rows decoding after this step, their final contexts (sum, longest), tokens this step.
+        rows = row_pairs = row_max = used = 0
         slack = math.inf  # seconds the decoding rows' TPOT can still spare (_slack)
         self._learn_scale(running, waiting, now)
         inflight = self._inflight_s()  # a step planned now starts when this one ends
@@ -145,22 +154,28 @@ class SloPolicy:
             if left == 1:
                 decodes += 1
                 decode_pairs += req.num_tokens
+                decode_max = max(decode_max, req.num_tokens)
                 if not _finishing(req):  # its last token is in flight: the scheduler skips it
                     rows += 1
-                    row_pairs += self._final_context(req)
+                    final = self._final_context(req)
+                    row_pairs += final
+                    row_max = max(row_max, final)
                     used += 1
                     slack = min(slack, self._slack(req, now + inflight))
             elif left > 1:
                 spans.append((req.num_computed_tokens, left))
                 rows += 1
-                row_pairs += self._final_context(req)
+                final = self._final_context(req)
+                row_pairs += final
+                row_max = max(row_max, final)
                 used += left
                 if first is None and not req.output_token_ids:
                     first = req
 
         def step_s(budget: int) -> float:
-            pairs = decode_pairs + _prefill_pairs(spans, budget - decodes)
-            return self.scale * self.cost.predict(budget, pairs)
+            pairs, blocks = _prefill_work(spans, budget - decodes)
+            work = StepWork(budget, decode_pairs + pairs, decode_keys(decode_max, budget), blocks)
+            return self.scale * self.cost.predict(work)
 
         if self.shed is not None and self.ttft_s is not None:
             waiting = self._shed_late(waiting, decodes, sum(n for _, n in spans), step_s, now)
@@ -192,7 +207,9 @@ class SloPolicy:
         if not waiting:  # partial prefills only: capped like any step (the boost may lift it)
             return budget
         # The newcomers that may start, and a budget that starts exactly them.
-        admitted, tokens = self._admissible(rows, row_pairs, used, waiting, step_s, allowed)
+        admitted, tokens = self._admissible(
+            rows, row_pairs, row_max, used, waiting, step_s, allowed
+        )
         if len(admitted) < len(waiting):
             self.num_held += 1
         # The running requests' whole `used` and the newcomers' prompts fit `allowed` together.
@@ -220,13 +237,20 @@ class SloPolicy:
         final = req.num_prompt_tokens + req.sampling_params.max_tokens
         return final if self.max_model_len is None else min(final, self.max_model_len)
 
-    def decode_s(self, rows: int, pairs: int) -> float:
+    def decode_s(self, rows: int, pairs: int, longest: int) -> float:
         """Predicted seconds of a decode step of `rows` rows attending to `pairs` tokens in
-        all, at the current pace."""
-        return self.scale * self.cost.predict(rows, pairs)
+        all, the longest row `longest`, at the current pace."""
+        return self.scale * self.cost.predict(decode_work(rows, pairs, longest))
 
     def _admissible(
-        self, rows: int, pairs: int, used: int, waiting: Sequence[Request], step_s, allowed: float
+        self,
+        rows: int,
+        pairs: int,
+        longest: int,
+        used: int,
+        waiting: Sequence[Request],
+        step_s,
+        allowed: float,
     ) -> tuple[list[Request], int]:
         """The waiting requests that may start now, in order of arrival (the FCFS queue's), and
         the prompt tokens they run in this step. Each is one more decode row: it may start while
@@ -239,13 +263,16 @@ class SloPolicy:
         there is). The queue's head blocks the rest, as in the scheduler."""
         admitted, tokens = [], 0
         for req in sorted(waiting, key=lambda r: r.arrival_time):
-            pairs += self._final_context(req)
+            final = self._final_context(req)
+            pairs += final
+            longest = max(longest, final)
             rows += 1
             n = min(req.num_tokens - req.num_computed_tokens, self.max_budget - used - tokens)
             if n <= 0:
                 break
             if rows > 1 and (
-                self.decode_s(rows, pairs) > self.target_s or step_s(used + tokens + n) > allowed
+                self.decode_s(rows, pairs, longest) > self.target_s
+                or step_s(used + tokens + n) > allowed
             ):
                 break
             admitted.append(req)
@@ -264,25 +291,23 @@ class SloPolicy:
         an idle gap or a stall, not the machine's pace, and is ignored; the average moves by a
         tenth per step, so one slow step does not swing the budget.
         """
-        tokens = pairs = 0
+        spans = []  # (cached, run) of every request that advanced
         computed = {}
         for req in running:
             c = req.num_computed_tokens
             prev = self._computed.get(req.request_id, 0)
             if c > prev:
-                n = c - prev
-                tokens += n
-                pairs += n * prev + n * (n + 1) // 2
+                spans.append((prev, c - prev))
             computed[req.request_id] = c
         self._computed = computed
         last, self._last_call = self._last_call, now if (running or waiting) else None
         if last is None:
             self._predicted = [None] * (self.lag + 1)  # idle: what ran before says nothing
         # The first call after idling has no plan before it to measure from: no prediction.
-        known = tokens and last is not None
+        known = spans and last is not None
         self._predicted = [
             *self._predicted[1:],
-            self.cost.predict(tokens, pairs) if known else None,
+            self.cost.predict(work_of(spans)) if known else None,
         ]
         predicted = self._predicted[0]
         if last is None or predicted is None or now <= last:
@@ -359,17 +384,19 @@ def _finishing(req: Request) -> bool:
     return bool(pending) and len(req.output_token_ids) + pending >= req.sampling_params.max_tokens
 
 
-def _prefill_pairs(spans: Sequence[tuple[int, int]], tokens: int) -> int:
-    """Attended pairs of `tokens` prefill tokens handed to the partial prefills in order, the
-    rest to a fresh prompt (an upper bound: splitting a fresh chunk over prompts attends less)."""
-    pairs = 0
-    for cached, left in spans:
+def _prefill_work(spans: Sequence[tuple[int, int]], tokens: int) -> tuple[int, int]:
+    """(attended pairs, prefill blocks) of `tokens` prefill tokens handed to the partial
+    prefills in order, the rest to a fresh prompt (an upper bound: splitting a fresh chunk over
+    prompts attends less)."""
+    pairs = blocks = 0
+    for cached, left in [*spans, (0, max(tokens, 0))]:
         if tokens <= 0:
-            return pairs
+            break
         n = min(left, tokens)
         pairs += n * cached + n * (n + 1) // 2
+        blocks += prefill_blocks(cached, n) if n > 1 else 0
         tokens -= n
-    return pairs + max(tokens, 0) * (max(tokens, 0) + 1) // 2
+    return pairs, blocks
 
 
 def refuser(scheduler) -> Callable[[Request, str], None]:

@@ -252,7 +252,7 @@ def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
         # with each step as long as this run's own steps were (a model fitted to them), which
         # tells the simulator's error from the cost model's.
         sim = _simulate(workload, config, cost, label, max_model_len, model, plan.seed)
-        own = cost_model.fit(steps, cost.key) if steps else None
+        own = cost_model.fit(steps, cost.key, cost.features) if steps else None
         replay = _simulate(workload, config, cost, label, max_model_len, model, plan.seed, own)
         if served is None and (scale := cost_model.serving_scale(cost, steps)) is not None:
             served = cost.with_serving_scale(scale, len(steps))
@@ -301,9 +301,9 @@ def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
 def slo_feasible(cost: CostModel, slo: SLO, rows: int, mix: LengthMix) -> tuple[bool, str]:
     """Whether the machine's step alone can meet `slo` (by the cost model), and a sentence."""
     mean_context = (sum(mix.prompt_range) + sum(mix.output_range)) // 4
-    decode_s = cost.predict(rows, rows * mean_context)
+    decode_s = cost.predict(cost_model.decode_work(rows, rows * mean_context, mean_context))
     longest = mix.prompt_range[1]
-    prefill_s = cost.predict(longest, longest * (longest + 1) // 2)
+    prefill_s = cost.predict(cost_model.work_of([(0, longest)]))
     ok = decode_s <= slo.tpot_s and prefill_s <= slo.ttft_s
     verdict = "can meet" if ok else "cannot meet"
     return ok, (
@@ -333,7 +333,7 @@ def step_error(cost: CostModel, steps) -> dict:
     their measured over predicted total time, and the median step's ratio."""
     if not steps:
         return {"steps": 0, "total_ratio": math.nan, "median_ratio": math.nan}
-    predicted = [cost.predict(s.tokens, s.attended) for s in steps]
+    predicted = [cost.predict(s.work) for s in steps]
     ratios = sorted(s.seconds / p for s, p in zip(steps, predicted, strict=True))
     return {
         "steps": len(steps),

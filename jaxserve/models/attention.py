@@ -41,7 +41,7 @@ AttentionFn = Callable[..., jax.Array]
 _KERNEL_PLATFORMS = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
 
 
-def _resolve(backend: str) -> str:
+def resolve_backend(backend: str) -> str:
     """`backend` with `auto` and `pallas` replaced by the platform's choice."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is not one of {ATTENTION_BACKENDS}.")
@@ -79,7 +79,7 @@ def with_attention_plan(backend: str, batch: StepBatch) -> StepBatch:
     `batch.attention_plan` on to the attention instead of deriving it again. The other backends
     keep their contract and get the batch unchanged.
     """
-    if _resolve(backend) != "xla" or batch.attention_plan is not None:
+    if resolve_backend(backend) != "xla" or batch.attention_plan is not None:
         return batch
     plan = xla_blocked.plan_step(
         batch.token_ids.shape[0], batch.query_start, batch.kv_lens, batch.num_seqs
@@ -134,7 +134,7 @@ def get_attention_fn(backend: str) -> AttentionFn:
     here, not at module import, so a CPU-only process never loads the Pallas backends it skips.
     """
     platform = jax.default_backend()
-    backend = _resolve(backend)
+    backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ragged_paged_attention
     if backend == "xla":

@@ -148,3 +148,18 @@ def test_prefill_tiles_read_each_key_block_once_per_tile(small_tiles, monkeypatc
     _check(case, np.asarray(got))
     # Trace order: the decode loop, the tile loop, the key loop nested in it (run once per tile).
     assert visits == {0: [4], 1: [0, 1, 2], 2: [0, 1, 0, 1, 1, 2]}
+
+
+def test_cost_model_counts_the_loops_this_attention_runs():
+    # The cost model prices steps by these loops' trips without importing JAX: its copies of
+    # the loop sizes must be the attention's.
+    from jaxserve import cost_model
+
+    assert (cost_model.DECODE_KEYS, cost_model.DECODE_KEYS_ONE_SEQ) == (
+        xla_blocked._DECODE_KEYS,
+        xla_blocked._DECODE_KEYS_ONE_SEQ,
+    )
+    assert (cost_model.TILE_ROWS, cost_model.TILE_KEYS) == (
+        xla_blocked._TILE_ROWS,
+        xla_blocked._TILE_KEYS,
+    )

@@ -87,10 +87,14 @@ def test_goodput_error_is_left_out_when_few_requests_were_good():
 
 
 def test_step_error_compares_measured_with_predicted_steps():
-    from jaxserve.cost_model import StepSample
+    from jaxserve.cost_model import StepSample, StepWork
 
     # COST predicts 2 ms + 0.1 ms per token: 2.1 ms for 1 token, 8.4 ms for 64.
-    steps = [StepSample(1, 10, 4.2e-3), StepSample(64, 640, 8.4e-3), StepSample(64, 640, 4.2e-3)]
+    steps = [
+        StepSample(StepWork(1, 10), 4.2e-3),
+        StepSample(StepWork(64, 640), 8.4e-3),
+        StepSample(StepWork(64, 640), 4.2e-3),
+    ]
     err = slo_experiment.step_error(COST, steps)
     assert err["steps"] == 3
     assert err["total_ratio"] == pytest.approx(16.8 / 18.9)

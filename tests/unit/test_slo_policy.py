@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.bench.metrics import SLO, summarize
 from jaxserve.bench.workload import LengthMix, Workload, mixed_workloads
-from jaxserve.cost_model import CostModel
+from jaxserve.cost_model import CostModel, StepWork
 from jaxserve.engine_config import EngineConfig
 from jaxserve.request import FinishReason, Request
 from jaxserve.sampling_params import SamplingParams
@@ -330,7 +330,8 @@ def test_the_served_pace_is_saved_with_the_cost_model(tmp_path):
     assert saved.serving_scale == pytest.approx(1.3, rel=0.01)
     # The next start plans served steps: 1.3x the calibrated time.
     loaded = CostModel.load(path)
-    assert loaded.predict(4, 84) == pytest.approx(1.3 * COST.predict(4, 84), rel=0.01)
+    work = StepWork(4, 84)
+    assert loaded.predict(work) == pytest.approx(1.3 * COST.predict(work), rel=0.01)
 
 
 # The row cap (admission). A step costs 2 ms + 0.1 ms a token + 1 us an attended pair: a decode
@@ -398,6 +399,32 @@ def test_admission_counts_each_row_at_its_final_context():
     assert policy.num_held == 1
     waiting.sampling_params = SamplingParams(max_tokens=1000)
     # Admitted: the prompt runs whole, as far as the 64-token budget allows (62 tokens).
+    assert policy(decodes, [waiting], now=0.05) == 64
+
+
+def test_admission_prices_the_cpu_decode_loop_by_its_longest_row():
+    # The CPU attention runs every slot to the longest decoding context (cost_model "tiles"):
+    # 2 ms + 0.1 ms a token + 1 us a decode key, keys in blocks of 32. Three rows fit the
+    # 2.565 ms target while the longest final context rounds up to at most 256 keys, whatever
+    # the others' contexts: by attended pairs the sum (70 + 70 + 256) would be priced instead.
+    cost = fake_cost(fixed=2e-3, per_token=1e-4, per_decode_key=1e-6)
+    policy = SloPolicy(
+        cost, tpot_s=CAP_TPOT, ttft_s=None, token_buckets=BUCKETS, max_num_batched_tokens=64
+    )
+    decodes = _running_decodes(2, 20)
+    for r in decodes:  # 40 intervals in 50 ms: time saved, so the prompt's step fits
+        r.output_token_ids.extend([7] * 40)
+        r.num_computed_tokens = r.num_tokens - 1
+        r.first_token_time = 0.0
+    waiting = Request(
+        request_id="w",
+        prompt_token_ids=[5] * 100,
+        sampling_params=SamplingParams(max_tokens=157),  # final context 257: 288 keys
+        arrival_time=0.01,
+    )
+    assert policy(decodes, [waiting], now=0.05) == 2
+    assert policy.num_held == 1
+    waiting.sampling_params = SamplingParams(max_tokens=156)  # 256: 256 keys, 2.556 ms
     assert policy(decodes, [waiting], now=0.05) == 64
 
 
