@@ -291,8 +291,11 @@ class CostModel:
         )
 
     @classmethod
-    def load(cls, path: str | Path, expect: CostKey | None = None) -> CostModel:
-        """Reads a saved model; with `expect`, refuses one measured for something else."""
+    def load(
+        cls, path: str | Path, expect: CostKey | None = None, features: str | None = None
+    ) -> CostModel:
+        """Reads a saved model; with `expect`, refuses one measured for something else, and with
+        `features`, one that prices steps in other terms (another attention's)."""
         path = Path(path)
         try:
             obj = json.loads(path.read_text())
@@ -305,6 +308,11 @@ class CostModel:
         model = cls.from_json(obj)
         if expect is not None and (why := model.key.mismatch(expect)):
             raise CostModelError(f"Cost model {str(path)!r} does not apply: {why}")
+        if features is not None and model.features != features:
+            raise CostModelError(
+                f"Cost model {str(path)!r} does not apply: it prices steps by "
+                f"{model.features!r} features, and this engine's attention by {features!r}."
+            )
         return model
 
     def describe(self) -> str:

@@ -443,9 +443,10 @@ def attach_to_engine(engine) -> SloPolicy | None:
     for none (nothing is loaded or measured).
 
     The cost model is `config.cost_model`'s file when it was measured for this model, dtype,
-    device kind and bucket ladder. Otherwise, unless `calibrate_cost_model` is False, it is
-    measured now (jaxserve/calibration.py) and saved to that path for the next start; a file
-    that does not apply is then replaced, with a warning that says why. With
+    device kind and bucket ladder, in the terms of this engine's attention. Otherwise, unless
+    `calibrate_cost_model` is False, it is measured now (jaxserve/calibration.py) and saved to
+    that path for the next start; a file that does not apply is then replaced, with a warning
+    that says why. With
     `calibrate_cost_model` False such a file is an error; with True the model is measured even
     without SLO-aware scheduling (its stats alone).
     """
@@ -458,7 +459,11 @@ def attach_to_engine(engine) -> SloPolicy | None:
     cost, source = None, "file"
     if config.cost_model and calibrate is not True:
         try:
-            cost = CostModel.load(config.cost_model, expect=calibration.cost_key(engine))
+            cost = CostModel.load(
+                config.cost_model,
+                expect=calibration.cost_key(engine),
+                features=calibration.feature_set(engine),
+            )
         except CostModelError as e:
             if calibrate is False or not config.slo_scheduling:
                 raise  # told not to measure one, or nothing needs one

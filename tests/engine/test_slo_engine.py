@@ -17,19 +17,23 @@ from jaxserve.sampling_params import SamplingParams
 from tests.engine.conftest import SMALL, drain
 
 
-def _cost_file(engine: Engine, path, device_kind: str | None = None, fixed_s: float = 1e-3) -> str:
-    """A cost model of `engine`'s key: `fixed_s` (1 ms) + 0.1 ms per token in every bucket."""
+def _cost_file(
+    engine: Engine, path, device_kind: str | None = None, fixed_s: float = 1e-3, features="tiles"
+) -> str:
+    """A cost model of `engine`'s key: `fixed_s` (1 ms) + 0.1 ms per token in every bucket, in
+    the CPU attention's terms unless told otherwise."""
     key = CostKey(
         model=engine.model.source,
         dtype=str(np.dtype(engine.model.dtype)),
         device_kind=device_kind or jax.devices()[0].device_kind,
         token_buckets=tuple(engine.runner.config.token_buckets),
     )
+    coef = (fixed_s, 1e-4, 0.0, 0.0) if features == "tiles" else (fixed_s, 1e-4, 0.0)
     fits = [
-        BucketFit(bucket=b, coef=(fixed_s, 1e-4, 0.0), samples=0, shared_slopes=True, rel_rms=None)
+        BucketFit(bucket=b, coef=coef, samples=0, shared_slopes=True, rel_rms=None)
         for b in key.token_buckets
     ]
-    return str(CostModel(key, fits).save(path))
+    return str(CostModel(key, fits, features=features).save(path))
 
 
 def test_policy_caps_steps_beside_decodes_and_keeps_outputs(stories_engine, tmp_path):
@@ -69,6 +73,24 @@ def test_cost_model_of_another_device_is_refused(stories_engine, tmp_path):
                 cost_model=cost,
                 calibrate_cost_model=False,
                 precompile=False,  # the file is refused before any step runs
+            ),
+            model=stories_engine.model,
+        )
+
+
+def test_cost_model_in_another_attentions_terms_is_refused(stories_engine, tmp_path):
+    # Priced by attended pairs (a kernel's terms, or a file from before the CPU's "tiles"): it
+    # would price this engine's decode steps by their rows' mean context, not their longest.
+    cost = _cost_file(stories_engine, tmp_path / "cost.json", features="pairs")
+    with pytest.raises(CostModelError, match="by 'pairs' features, and this engine's attention"):
+        Engine(
+            EngineConfig(
+                **SMALL,
+                slo_scheduling=True,
+                tpot_slo_s=0.01,
+                cost_model=cost,
+                calibrate_cost_model=False,
+                precompile=False,
             ),
             model=stories_engine.model,
         )
