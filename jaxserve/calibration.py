@@ -65,8 +65,12 @@ def cost_key(engine) -> cost_model.CostKey:
 
 
 @contextlib.contextmanager
-def recording_steps(engine) -> Iterator[list[cost_model.StepSample]]:
-    """Yields a list that, when the block ends, holds one sample per step the engine ran in it.
+def recording_steps(
+    engine, spans: list[list[tuple[int, int]]] | None = None
+) -> Iterator[list[cost_model.StepSample]]:
+    """Yields a list that, when the block ends, holds one sample per step the engine ran in it
+    (and fills `spans`, when given, with each sample's chunks as (start_pos, num_tokens), for
+    fitting other features to the same steps offline).
 
     The engine plans once per loop iteration, so the interval between two plans is what one
     step held the loop (its device time, or the host's when longer), which is what a request
@@ -79,24 +83,33 @@ def recording_steps(engine) -> Iterator[list[cost_model.StepSample]]:
     schedule = scheduler.schedule
     lag = 1 if getattr(engine.config, "async_scheduling", False) else 0
     calls: list[tuple[float, cost_model.StepWork | None]] = []  # (perf_counter, work) per plan
+    chunks: list[list[tuple[int, int]]] = []  # per plan, with `spans`
 
     def timed(now=None):
         plan = schedule(now)
         feats = cost_model.plan_features(plan) if plan.seqs else None
         calls.append((time.perf_counter(), feats))
+        if spans is not None:
+            chunks.append([(s.start_pos, len(s.token_ids)) for s in plan.seqs])
         return plan
 
     samples: list[cost_model.StepSample] = []
+    outer = scheduler.__dict__.get("schedule")  # a recording around this one, if any
     scheduler.schedule = timed
     try:
         yield samples
     finally:
-        del scheduler.schedule  # the class's method again
+        if outer is None:
+            del scheduler.schedule  # the class's method again
+        else:
+            scheduler.schedule = outer
     for k in range(len(calls) - lag - 1):
         window = calls[k : k + lag + 2]
         if all(feats is not None for _, feats in window):
             start, end = window[-2][0], window[-1][0]
             samples.append(cost_model.StepSample(calls[k][1], end - start))
+            if spans is not None:
+                spans.append(chunks[k])
 
 
 def calibrate(
@@ -136,7 +149,9 @@ def calibrate(
         drain(engine)
     if log is not None:
         log(f"cost model: {len(samples)} steps timed in {time.perf_counter() - start:.1f}s")
-    return cost_model.fit(samples, cost_key(engine), feature_set(engine))
+    runner = engine.runner.config
+    slots = {b: runner.seq_bucket_for(b) for b in runner.token_buckets}
+    return cost_model.fit(samples, cost_key(engine), feature_set(engine), slots)
 
 
 def check_single_host() -> None:

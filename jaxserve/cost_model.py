@@ -20,8 +20,9 @@ spread from 16 to 700, and every slot runs to the longest); by the kernel's work
 
 Steps are timed as the engine loop sees them (host work included), which is what a request waits
 for. The fit is one least-squares problem: each bucket has its own intercept (its matmuls run the
-padded shape) and, with 30 steps or more, its own per-token and per-decode-key slopes (a decode
-key costs a slot of the bucket each; fewer steps: one slope shared by such buckets); the
+padded shape) and, with 30 steps or more, its own per-token and per-decode-key slopes (fewer
+steps, as at warm-up: one slope shared by such buckets, per sequence slot for a decode key,
+which every slot of the bucket runs); the
 per-pair and per-block slopes are one for all buckets, since an attended pair or a prefill block
 costs the same in any. (Per-bucket pair slopes, fitted to a few dozen noisy steps at the
 calibration's contexts, predicted at the longer contexts of a static batch's tail a 32-row
@@ -44,7 +45,7 @@ import bisect
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -57,6 +58,10 @@ FEATURE_SETS = {
     "tiles": ("fixed", "tokens", "decode_keys", "prefill_blocks"),
 }
 PER_BUCKET = frozenset({"tokens", "decode_keys"})
+# Per-bucket terms whose work is done once per sequence slot of the bucket: where buckets share
+# the slope (too few steps of their own, as at warm-up), it is shared per slot, so a one-slot
+# decode key is not priced as a 64-slot one.
+PER_SLOT = frozenset({"decode_keys"})
 # The CPU attention's loop sizes (xla_blocked: _DECODE_KEYS, _DECODE_KEYS_ONE_SEQ, _TILE_ROWS,
 # _TILE_KEYS), here without JAX; tests/unit/test_cost_model.py checks they agree.
 DECODE_KEYS, DECODE_KEYS_ONE_SEQ, TILE_ROWS, TILE_KEYS = 32, 128, 64, 128
@@ -180,6 +185,7 @@ class CostModel:
         features: str = "pairs",
         fit_error: dict | None = None,
         serving: dict | None = None,
+        slots: Mapping[int, int] | None = None,
     ):
         if not fits:
             raise CostModelError("A cost model needs at least one fitted bucket.")
@@ -195,6 +201,8 @@ class CostModel:
                     f"features need {len(terms)} ({', '.join(terms)})."
                 )
         self.features = features
+        # Sequence slots per bucket, as fitted (fit's `slots`), for a refit in the same terms.
+        self.slots = {int(b): int(n) for b, n in (slots or {}).items()}
         self._fields = [StepWork._fields.index(t) for t in terms[1:]]  # the slopes' StepWork fields
         # {"scale": measured over predicted of served steps, "steps": how many}; none: 1.
         self.serving = dict(serving or {})
@@ -233,6 +241,7 @@ class CostModel:
             features=self.features,
             fit_error=self.fit_error,
             serving={"scale": scale, "steps": steps},
+            slots=self.slots,
         )
 
     def predict_plan(self, plan) -> float:
@@ -248,6 +257,7 @@ class CostModel:
             "features": list(FEATURE_SETS[self.features]),
             "fit_error": self.fit_error,
             "serving": self.serving,
+            "slots": {str(b): n for b, n in self.slots.items()},
             "buckets": [
                 {**dataclasses.asdict(f), "coef": list(f.coef)} for f in self.fits.values()
             ],
@@ -286,8 +296,17 @@ class CostModel:
         features = next((name for name, t in FEATURE_SETS.items() if t == terms), None)
         if features is None:
             raise CostModelError(f"Not a jaxserve cost model: unknown features {list(terms)}.")
+        try:
+            slots = {int(b): int(n) for b, n in (obj.get("slots") or {}).items()}
+        except (TypeError, ValueError, AttributeError):
+            raise CostModelError("Not a jaxserve cost model: bad field 'slots'.") from None
         return cls(
-            key, fits, features=features, fit_error=obj.get("fit_error") or {}, serving=serving
+            key,
+            fits,
+            features=features,
+            fit_error=obj.get("fit_error") or {},
+            serving=serving,
+            slots=slots,
         )
 
     @classmethod
@@ -367,10 +386,17 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def fit(samples: Sequence[StepSample], key: CostKey, features: str = "pairs") -> CostModel:
+def fit(
+    samples: Sequence[StepSample],
+    key: CostKey,
+    features: str = "pairs",
+    slots: Mapping[int, int] | None = None,
+) -> CostModel:
     """Fits one line per token bucket of `key` to measured steps, in the terms of `features`
-    (a FEATURE_SETS name; see the module docstring)."""
+    (a FEATURE_SETS name; see the module docstring). `slots`: each bucket's sequence slots (the
+    runner's seq_bucket_for); default the bucket's size."""
     buckets = list(key.token_buckets)
+    slots = {b: int(slots[b]) if slots and b in slots else b for b in buckets}
     if not samples:
         raise CostModelError("Cannot fit a cost model without measured steps.")
     if features not in FEATURE_SETS:
@@ -379,7 +405,7 @@ def fit(samples: Sequence[StepSample], key: CostKey, features: str = "pairs") ->
         )
     kept = list(samples)
     for _ in range(4):  # fit, drop the steps something else slowed down, fit again
-        model = _fit_once(kept, buckets, key, features)
+        model = _fit_once(kept, buckets, key, features, slots)
         pred = [model.predict(s.work) for s in kept]
         survivors = [s for s, p in zip(kept, pred, strict=True) if s.seconds <= _OUTLIER_FACTOR * p]
         if len(survivors) == len(kept) or len(survivors) < len(kept) // 2:
@@ -389,7 +415,11 @@ def fit(samples: Sequence[StepSample], key: CostKey, features: str = "pairs") ->
 
 
 def _fit_once(
-    samples: Sequence[StepSample], buckets: list[int], key: CostKey, features: str
+    samples: Sequence[StepSample],
+    buckets: list[int],
+    key: CostKey,
+    features: str,
+    slots: dict[int, int],
 ) -> CostModel:
     by_bucket: dict[int, list[StepSample]] = {b: [] for b in buckets}
     for s in samples:
@@ -398,8 +428,8 @@ def _fit_once(
     measured = [b for b in buckets if by_bucket[b]]
     # One least-squares fit for all buckets (module docstring): a column per measured bucket's
     # intercept; per term of PER_BUCKET a column per bucket with the steps to tell its slope
-    # (within a bucket tokens range over a factor of 2 at most) and one shared by the others;
-    # one column per other term, for all buckets.
+    # (within a bucket tokens range over a factor of 2 at most) and one shared by the others
+    # (per slot, for PER_SLOT terms); one column per other term, for all buckets.
     terms = FEATURE_SETS[features][1:]
     fields = [StepWork._fields.index(t) for t in terms]
     columns: dict[tuple[str, int | None], int] = {("fixed", b): j for j, b in enumerate(measured)}
@@ -413,6 +443,10 @@ def _fit_once(
     def column(t: str, b: int) -> int:
         return columns.get((t, b), columns[t, None])
 
+    def per_unit(t: str, b: int) -> int:
+        """How many of the column's units one unit of term `t` is in bucket `b`."""
+        return slots[b] if t in PER_SLOT and (t, b) not in columns else 1
+
     rows = np.zeros((len(samples), len(columns)), np.float64)  # f64[n, columns]
     times = np.zeros(len(samples), np.float64)  # f64[n]
     r = 0
@@ -420,7 +454,7 @@ def _fit_once(
         for s in by_bucket[b]:
             rows[r, columns["fixed", b]] = 1.0
             for t, field in zip(terms, fields, strict=True):
-                rows[r, column(t, b)] = s.work[field]
+                rows[r, column(t, b)] = s.work[field] * per_unit(t, b)
             times[r] = s.seconds
             r += 1
     coef = _nonneg_lstsq(rows, times)
@@ -434,13 +468,13 @@ def _fit_once(
         fits.append(
             BucketFit(
                 bucket=b,
-                coef=(intercept, *(float(coef[column(t, b)]) for t in terms)),
+                coef=(intercept, *(float(coef[column(t, b)]) * per_unit(t, b) for t in terms)),
                 samples=len(by_bucket[b]),
                 shared_slopes=any(t in PER_BUCKET and (t, b) not in columns for t in terms),
                 rel_rms=None,
             )
         )
-    return CostModel(key, fits, features=features)
+    return CostModel(key, fits, features=features, slots=slots)
 
 
 def _varies(pts: Sequence[StepSample], field: int) -> bool:
@@ -487,7 +521,12 @@ def _with_errors(
         "median_abs_rel": float(np.median(np.abs(errs))) if errs else None,
     }
     return CostModel(
-        model.key, fits, features=model.features, fit_error=fit_error, serving=model.serving
+        model.key,
+        fits,
+        features=model.features,
+        fit_error=fit_error,
+        serving=model.serving,
+        slots=model.slots,
     )
 
 

@@ -20,7 +20,8 @@ and returns the step's token budget:
   buys a request's whole goodput. A request that cannot meet its target at any budget gets no
   boost: it is served at the capped rate rather than making everyone late;
 - admission: a waiting request starts only when (a) the predicted decode step of every row
-  running plus it, each at its final context (prompt + max_tokens), stays within `headroom *
+  running plus it, each at its final context (prompt + max_tokens; on the CPU, whose decode loop
+  runs every slot to the longest context, priced by the longest), stays within `headroom *
   tpot_s` (the row cap), and (b) its whole prompt, run in this step beside the running
   requests' tokens, keeps the step within the allowance above. Capping each step's prefill is
   not enough: each admitted request is one more row in every later step, so once the rows

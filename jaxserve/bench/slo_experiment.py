@@ -35,6 +35,9 @@ the prefix cache off, since one engine serves the same prompts several times):
    calibrated ones, saved as DIR/cost_model_served.json, as an engine saves it when it stops),
    and that table gives the simulator's p50s once more with steps of the served model: the
    error left after the serving correction, on runs it was not measured on but the first.
+   Every step of the calibration and of each real run, its time and its chunks, is written to
+   DIR/steps.json, so other cost-model features can be fitted and checked offline on the very
+   steps this run timed.
 4. With --tune: `jaxserve tune`'s search in the simulator, and its pick measured for real.
 
 The SLO is the issue's (TTFT <= 0.25 s, TPOT <= 0.02 s). When the cost model says the step alone
@@ -203,7 +206,12 @@ def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
     # 1. The cost model, on today's engine (its buckets are every configuration's).
     today = build(base)
     spec = calibration.Calibration(seed=plan.seed) if plan.full_calibration else calibration.WARM_UP
-    cost = calibration.calibrate(today, spec, log)
+    # Every step's time and chunks, by run (DIR/steps.json): other features fit offline to them.
+    recorded: dict[str, list] = {}
+    spans: list[list[tuple[int, int]]] = []
+    with calibration.recording_steps(today, spans) as steps:
+        cost = calibration.calibrate(today, spec, log)
+    recorded["calibration"] = [[s.seconds, c] for s, c in zip(steps, spans, strict=True)]
     calibration.forget(today)
     cost.save(cost_path)
     log(cost.describe())
@@ -244,15 +252,19 @@ def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
         if engine is today:
             slo_policy.attach(today.scheduler, config, cost)  # None unless SLO-aware
         t = time.perf_counter()
-        with calibration.recording_steps(engine) as steps:
+        spans: list[list[tuple[int, int]]] = []
+        with calibration.recording_steps(engine, spans) as steps:
             real = run_offline(engine, workload, label=label, seed=plan.seed)
+        recorded[f"{label} ({_slo_name(slo)})"] = [
+            [s.seconds, c] for s, c in zip(steps, spans, strict=True)
+        ]
         today.scheduler.step_budget = None
         log(f"real {label} ({_slo_name(slo)}): {time.perf_counter() - t:.1f}s")
         # 3. The simulator on the same workload, configuration and cost model; and once more
         # with each step as long as this run's own steps were (a model fitted to them), which
         # tells the simulator's error from the cost model's.
         sim = _simulate(workload, config, cost, label, max_model_len, model, plan.seed)
-        own = cost_model.fit(steps, cost.key, cost.features) if steps else None
+        own = cost_model.fit(steps, cost.key, cost.features, cost.slots) if steps else None
         replay = _simulate(workload, config, cost, label, max_model_len, model, plan.seed, own)
         if served is None and (scale := cost_model.serving_scale(cost, steps)) is not None:
             served = cost.with_serving_scale(scale, len(steps))
@@ -270,6 +282,7 @@ def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
     table = format_table(rows, plan, why, time.perf_counter() - started)
     table += "\n\n" + format_checks(checks)
     (plan.out / "slo_experiment.md").write_text(table + "\n")
+    (plan.out / "steps.json").write_text(json.dumps(recorded) + "\n")
     (plan.out / "slo_experiment.json").write_text(
         json.dumps(
             {

@@ -181,3 +181,18 @@ def test_async_engine_saves_the_serving_scale_it_measured_when_it_stops(stories_
     served.shutdown()
     saved = CostModel.load(path)
     assert saved.serving_scale == pytest.approx(scale) and saved.serving_scale != 1.0
+
+
+def test_step_recordings_nest_and_give_each_steps_chunks(stories_engine):
+    from jaxserve import calibration, cost_model
+
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    spans = []
+    with calibration.recording_steps(stories_engine, spans) as outer:
+        with calibration.recording_steps(stories_engine) as inner:  # as calibrate() records
+            LLM(engine=stories_engine).generate(["Tom", "A big dog"], params)
+        LLM(engine=stories_engine).generate(["Once upon a time"], params)
+    assert "schedule" not in vars(stories_engine.scheduler)  # the class's method again
+    assert len(outer) > len(inner) > 0  # the outer one saw the inner one's steps too
+    assert len(spans) == len(outer)
+    assert [cost_model.work_of(c) for c in spans] == [s.work for s in outer]

@@ -75,7 +75,7 @@ def test_work_of_counts_the_cpu_attentions_loop_trips():
     assert work_of([(100, 100), (40, 1)]) == (101, 100 * 100 + 5050 + 41, 64, 4)
 
 
-def _tiles_samples(seed=0):
+def _tiles_samples(seed=0, per_context=10, mixed=30):
     """Steps timed as the CPU attention runs them (per bucket fixed + 20 us a token + 8 us a
     decode key per slot + 40 us a prefill block): decode batches whose rows share one context,
     as calibration runs them, and mixed steps of spread contexts."""
@@ -90,9 +90,9 @@ def _tiles_samples(seed=0):
 
     for b in KEY.token_buckets:
         for ctx in (32, 128, 512, 768):
-            for _ in range(10):
+            for _ in range(per_context):
                 step([(ctx + rng.randint(0, 8), 1)] * b)
-        for _ in range(30):
+        for _ in range(mixed):
             decodes = rng.randint(0, b // 2)
             spans = [(rng.randint(16, 700), 1) for _ in range(decodes)]
             step([*spans, (rng.randint(0, 300), b - decodes)])
@@ -112,6 +112,24 @@ def test_tiles_model_prices_a_decode_by_its_longest_row_where_pairs_miss():
     loaded = CostModel.from_json(json.loads(json.dumps(tiles.to_json())))
     assert loaded.features == "tiles"
     assert loaded.predict(work_of(spans)) == tiles.predict(work_of(spans))
+
+
+def test_a_shared_decode_slope_is_per_slot_so_few_steps_price_small_buckets_right():
+    # At warm-up each bucket has a few steps: too few for slopes of their own. Shared as one
+    # slope per decode key, a one-row decode would cost as much attention as a 64-row one;
+    # shared per slot, each bucket pays for its own slots.
+    samples = _tiles_samples(per_context=2, mixed=6)
+    model = fit(samples, KEY, "tiles")
+    assert all(f.shared_slopes for f in model.fits.values())
+    assert model.fits[8].coef[2] == pytest.approx(model.fits[64].coef[2] / 8)
+    for rows in (8, 64):
+        spans = [(700, 1)] * rows
+        truth = 1e-3 * rows / 32 + 2e-5 * rows + 8e-6 * rows * work_of(spans).decode_keys / 32
+        assert model.predict(work_of(spans)) == pytest.approx(truth, rel=0.1)
+    # Other slot counts (a bucket past the engine's rows) are given; they are saved for refits.
+    capped = fit(samples, KEY, "tiles", slots={64: 32})
+    assert capped.fits[64].coef[2] == pytest.approx(capped.fits[32].coef[2])
+    assert CostModel.from_json(capped.to_json()).slots == {8: 8, 16: 16, 32: 32, 64: 32}
 
 
 def test_unknown_features_are_refused():
