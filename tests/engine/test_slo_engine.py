@@ -62,9 +62,18 @@ def test_policy_caps_steps_beside_decodes_and_keeps_outputs(stories_engine, tmp_
     assert any(tokens > 16 for decoding, tokens in steps if not decoding)  # no decodes: whole
 
 
-def test_cost_model_of_another_device_is_refused(stories_engine, tmp_path):
-    cost = _cost_file(stories_engine, tmp_path / "cost.json", device_kind="TPU v9")
-    with pytest.raises(CostModelError, match="device_kind='TPU v9'"):
+@pytest.mark.parametrize(
+    "made, why",
+    [
+        ({"device_kind": "TPU v9"}, "device_kind='TPU v9'"),
+        # Priced by attended pairs (a kernel's terms, or a file from before the CPU's "tiles"):
+        # it would price this engine's decode steps by their rows' mean context, not the longest.
+        ({"features": "pairs"}, "by 'pairs' features, and this engine's attention"),
+    ],
+)
+def test_cost_model_measured_for_something_else_is_refused(stories_engine, tmp_path, made, why):
+    cost = _cost_file(stories_engine, tmp_path / "cost.json", **made)
+    with pytest.raises(CostModelError, match=why):
         Engine(
             EngineConfig(
                 **SMALL,
@@ -73,24 +82,6 @@ def test_cost_model_of_another_device_is_refused(stories_engine, tmp_path):
                 cost_model=cost,
                 calibrate_cost_model=False,
                 precompile=False,  # the file is refused before any step runs
-            ),
-            model=stories_engine.model,
-        )
-
-
-def test_cost_model_in_another_attentions_terms_is_refused(stories_engine, tmp_path):
-    # Priced by attended pairs (a kernel's terms, or a file from before the CPU's "tiles"): it
-    # would price this engine's decode steps by their rows' mean context, not their longest.
-    cost = _cost_file(stories_engine, tmp_path / "cost.json", features="pairs")
-    with pytest.raises(CostModelError, match="by 'pairs' features, and this engine's attention"):
-        Engine(
-            EngineConfig(
-                **SMALL,
-                slo_scheduling=True,
-                tpot_slo_s=0.01,
-                cost_model=cost,
-                calibrate_cost_model=False,
-                precompile=False,
             ),
             model=stories_engine.model,
         )

@@ -374,6 +374,23 @@ def test_admission_keeps_the_decode_rows_within_the_tpot_target():
     assert len(result.records) == len(w.requests)
 
 
+def _two_rows_with_slack_and_a_prompt(max_tokens: int) -> tuple[list[Request], Request]:
+    """Two rows decoding at context 20 (final 70) that ran 40 intervals in 50 ms, 52.6 ms under
+    their target, so a prompt's step fits their slack; and a waiting 100-token prompt."""
+    decodes = _running_decodes(2, 20)
+    for r in decodes:
+        r.output_token_ids.extend([7] * 40)
+        r.num_computed_tokens = r.num_tokens - 1
+        r.first_token_time = 0.0
+    waiting = Request(
+        request_id="w",
+        prompt_token_ids=[5] * 100,
+        sampling_params=SamplingParams(max_tokens=max_tokens),
+        arrival_time=0.01,
+    )
+    return decodes, waiting
+
+
 def test_admission_counts_each_row_at_its_final_context():
     # 0.2 us per attended pair: 3 decode rows cost 2.3 ms + 0.2 us a pair, within the 2.565 ms
     # target up to 1325 pairs. 2 decodes of a 20-token prompt and 50 outputs (final contexts
@@ -383,17 +400,7 @@ def test_admission_counts_each_row_at_its_final_context():
     policy = SloPolicy(
         cost, tpot_s=CAP_TPOT, ttft_s=None, token_buckets=BUCKETS, max_num_batched_tokens=64
     )
-    decodes = _running_decodes(2, 20)
-    for r in decodes:  # 40 intervals in 50 ms: 52.6 ms saved, so the prompt's step fits
-        r.output_token_ids.extend([7] * 40)
-        r.num_computed_tokens = r.num_tokens - 1
-        r.first_token_time = 0.0
-    waiting = Request(
-        request_id="w",
-        prompt_token_ids=[5] * 100,
-        sampling_params=SamplingParams(max_tokens=1200),
-        arrival_time=0.01,
-    )
+    decodes, waiting = _two_rows_with_slack_and_a_prompt(max_tokens=1200)
     # Held: the step is the decodes' 2 tokens, no prefill token left over for the prompt.
     assert policy(decodes, [waiting], now=0.05) == 2
     assert policy.num_held == 1
@@ -411,17 +418,7 @@ def test_admission_prices_the_cpu_decode_loop_by_its_longest_row():
     policy = SloPolicy(
         cost, tpot_s=CAP_TPOT, ttft_s=None, token_buckets=BUCKETS, max_num_batched_tokens=64
     )
-    decodes = _running_decodes(2, 20)
-    for r in decodes:  # 40 intervals in 50 ms: time saved, so the prompt's step fits
-        r.output_token_ids.extend([7] * 40)
-        r.num_computed_tokens = r.num_tokens - 1
-        r.first_token_time = 0.0
-    waiting = Request(
-        request_id="w",
-        prompt_token_ids=[5] * 100,
-        sampling_params=SamplingParams(max_tokens=157),  # final context 257: 288 keys
-        arrival_time=0.01,
-    )
+    decodes, waiting = _two_rows_with_slack_and_a_prompt(max_tokens=157)  # final 257: 288 keys
     assert policy(decodes, [waiting], now=0.05) == 2
     assert policy.num_held == 1
     waiting.sampling_params = SamplingParams(max_tokens=156)  # 256: 256 keys, 2.556 ms
