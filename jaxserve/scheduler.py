@@ -85,6 +85,10 @@ class _WaitQueue:
     def __iter__(self):
         return (req for _, req in self._heap)
 
+    def in_order(self) -> list[Request]:
+        """The requests in the order pop() would give them (keys are unique)."""
+        return [req for _, req in sorted(self._heap)]
+
     def push(self, key: tuple, req: Request) -> None:
         heapq.heappush(self._heap, (key, req))
 
@@ -166,8 +170,9 @@ class Scheduler:
         self._outstanding: collections.deque[SchedulerOutput] = collections.deque()
         self._step = 0
         self.num_preemptions = 0  # total, for metrics
-        # SLO-aware scheduling (slo_policy.attach): (running, waiting, now) -> this step's token
-        # budget (it may also abort waiting requests). None: every step gets the whole budget.
+        # SLO-aware scheduling (slo_policy.attach): (running, waiting in admission order, now) ->
+        # this step's token budget (it may also abort waiting requests). None: every step gets
+        # the whole budget.
         self.step_budget = None
 
     # Gauges, for metrics and tests.
@@ -289,7 +294,8 @@ class Scheduler:
         now = _now(now)
         budget = self.config.max_num_batched_tokens
         if self.step_budget is not None:  # before the aborts: the requests it sheds go now
-            budget = min(budget, self.step_budget(self._running, self._waiting, now))
+            waiting = self._waiting.in_order()  # the order _admit will start them in
+            budget = min(budget, self.step_budget(self._running, waiting, now))
         aborted = self._apply_aborts(now)
         if self.config.batching != "continuous":
             self._form_group(now)

@@ -34,8 +34,9 @@ and returns the step's token budget:
   alone misses the target, one at a time is the best TPOT there is). A held request waits for
   a row to free and the rows' slack to grow, or is refused by `shed_late` below once it can
   no longer meet its TTFT target. Admission works through the budget (the running requests'
-  tokens plus the admitted prompts exactly), so the scheduler needs no hook; it assumes the
-  queue's order is arrival (the FCFS policy) and counts prompts without prefix-cache hits;
+  tokens plus the admitted prompts exactly), so the scheduler needs no hook: it hands the
+  waiting requests over in the order it will start them (arrival, or the priority policy's), and
+  the policy counts prompts without prefix-cache hits;
 - with `EngineConfig.shed_late`, a waiting request that would miss its TTFT target even with
   the whole budget, behind only the prompts ahead of it in the queue, is refused (finish reason
   "refused", its `status_message` giving the predicted TTFT against the target) before it takes
@@ -142,6 +143,7 @@ class SloPolicy:
         self.num_held = 0  # steps in which waiting requests were held back
 
     def __call__(self, running: Sequence[Request], waiting: Iterable[Request], now: float) -> int:
+        """This step's token budget. `waiting`: in the order the scheduler would start them."""
         decodes = decode_pairs = decode_max = 0  # decoding rows, their contexts (sum, longest)
         spans: list[tuple[int, int]] = []  # (cached, left) of partial prefills, in plan order
         first = None  # the next request to get its first token
@@ -253,7 +255,7 @@ class SloPolicy:
         step_s,
         allowed: float,
     ) -> tuple[list[Request], int]:
-        """The waiting requests that may start now, in order of arrival (the FCFS queue's), and
+        """The waiting requests that may start now, in the queue's order (the scheduler's), and
         the prompt tokens they run in this step. Each is one more decode row: it may start while
         the decode step of all the rows, each at its final context, stays within the target (so
         every running request keeps its TPOT for the rest of its life), and while its prefill,
@@ -263,7 +265,7 @@ class SloPolicy:
         (nothing starves; if one row alone misses the target, one at a time is the best TPOT
         there is). The queue's head blocks the rest, as in the scheduler."""
         admitted, tokens = [], 0
-        for req in sorted(waiting, key=lambda r: r.arrival_time):
+        for req in waiting:
             final = self._final_context(req)
             pairs += final
             longest = max(longest, final)

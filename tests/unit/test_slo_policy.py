@@ -16,6 +16,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import StepResult
 from jaxserve.simulator import build_scheduler, simulate
 from jaxserve.slo_policy import MIN_SERVED_STEPS, SloPolicy, attach, save_served_scale
+from tests.unit.helpers import make_request, make_scheduler
 from tests.unit.test_simulator import BUCKETS, fake_cost
 
 # A step costs 2 ms + 0.1 ms per token: a full 64-token step 8.4 ms, a 32-token one 5.2 ms.
@@ -407,6 +408,38 @@ def test_admission_counts_each_row_at_its_final_context():
     waiting.sampling_params = SamplingParams(max_tokens=1000)
     # Admitted: the prompt runs whole, as far as the 64-token budget allows (62 tokens).
     assert policy(decodes, [waiting], now=0.05) == 64
+
+
+def test_admission_checks_the_requests_in_the_order_the_scheduler_starts_them():
+    # Under the priority policy a later arrival may start first. Both prompts are 100 tokens
+    # beside the two decoding rows: "a" (1000 outputs) would fit the row cap, "b" (1200) would
+    # not. The scheduler starts "b" first, so nobody may start: had the policy checked "a" (the
+    # earlier arrival), its budget would have let the scheduler start "b" past the cap.
+    cost = fake_cost(fixed=2e-3, per_token=1e-4, per_pair=2e-7)
+    policy = SloPolicy(
+        cost, tpot_s=CAP_TPOT, ttft_s=None, token_buckets=BUCKETS, max_num_batched_tokens=64
+    )
+    decodes, a = _two_rows_with_slack_and_a_prompt(max_tokens=1000)
+    _, b = _two_rows_with_slack_and_a_prompt(max_tokens=1200)
+    b.request_id, b.arrival_time = "b", 0.02
+    assert policy(decodes, [b, a], now=0.05) == 2  # the decodes only
+    assert policy(decodes, [a, b], now=0.05) == 64  # "a" first: it runs whole, "b" waits
+
+
+def test_the_policy_sees_the_queue_in_the_order_the_scheduler_starts_it():
+    sched = make_scheduler(policy="priority")
+    seen = []
+
+    def budget(running, waiting, now):
+        seen.append([r.request_id for r in waiting])
+        return 64
+
+    sched.step_budget = budget
+    for i, priority in enumerate([1, 2, 3, 0]):  # the queue's heap holds them as r3 r0 r2 r1
+        sched.add_request(make_request(f"r{i}", arrival_time=float(i), priority=priority))
+    plan = sched.schedule(now=10.0)
+    assert seen == [["r3", "r0", "r1", "r2"]]
+    assert [s.request_id for s in plan.seqs] == seen[0]  # four 8-token prompts fit 64
 
 
 def test_admission_prices_the_cpu_decode_loop_by_its_longest_row():
