@@ -120,7 +120,8 @@ def register(sub) -> None:
         default=None,
         metavar="FILE",
         help="from `jaxserve bench --profile steps` or an earlier warm-up; one that does not "
-        "apply to this model, dtype, device and buckets is measured again and replaced",
+        "apply to this model, dtype, device, buckets and attention is measured again and "
+        "replaced",
     )
     slo.add_argument(
         "--shed-late",
