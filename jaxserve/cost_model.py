@@ -22,12 +22,11 @@ Steps are timed as the engine loop sees them (host work included), which is what
 for. The fit is one least-squares problem: each bucket has its own intercept (its matmuls run the
 padded shape) and, with 30 steps or more, its own per-token and per-decode-key slopes (fewer
 steps, as at warm-up: one slope shared by such buckets, per sequence slot for a decode key,
-which every slot of the bucket runs); the
-per-pair and per-block slopes are one for all buckets, since an attended pair or a prefill block
-costs the same in any. (Per-bucket pair slopes, fitted to a few dozen noisy steps at the
-calibration's contexts, predicted at the longer contexts of a static batch's tail a 32-row
-decode 20-40% slower than a 64-row one.) Buckets never measured interpolate the intercepts of
-their neighbours.
+which every slot of the bucket runs); the per-pair and per-block slopes are one for all buckets,
+since an attended pair or a prefill block costs the same in any. (Per-bucket pair slopes,
+fitted to a few dozen noisy steps at the calibration's contexts, predicted at the longer
+contexts of a static batch's tail a 32-row decode 20-40% slower than a 64-row one.) Buckets
+never measured interpolate the intercepts of their neighbours.
 
 What the features still miss in serving (the machine's pace between calibration and serving)
 is one factor, `serving_scale`, measured on served steps (the function `serving_scale`: their
@@ -120,7 +119,7 @@ class StepSample:
 
 def attended_pairs(spans: Iterable[tuple[int, int]]) -> int:
     """Pairs attended by chunks of (start_pos, num_tokens): causal, each token sees itself."""
-    return sum(n * s + n * (n + 1) // 2 for s, n in spans)
+    return work_of(spans).attended
 
 
 def decode_keys(longest: int, tokens: int) -> int:
@@ -289,17 +288,15 @@ class CostModel:
                 )
                 for b in obj["buckets"]
             ]
-        except (KeyError, TypeError, ValueError) as e:
+            # Files before the tiles features: none (then each bucket is its own slot count).
+            slots = {int(b): int(n) for b, n in (obj.get("slots") or {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CostModelError(f"Not a jaxserve cost model: missing or bad field {e}.") from None
         serving = obj.get("serving")  # files before the serving scale: none
         terms = tuple(obj.get("features") or FEATURE_SETS["pairs"])
         features = next((name for name, t in FEATURE_SETS.items() if t == terms), None)
         if features is None:
             raise CostModelError(f"Not a jaxserve cost model: unknown features {list(terms)}.")
-        try:
-            slots = {int(b): int(n) for b, n in (obj.get("slots") or {}).items()}
-        except (TypeError, ValueError, AttributeError):
-            raise CostModelError("Not a jaxserve cost model: bad field 'slots'.") from None
         return cls(
             key,
             fits,
