@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.config import ModelConfig, RopeConfig
+from jaxserve.models.config import ModelConfig, RopeConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -7,8 +7,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from checkpoints.config_json import LoadedModel, abstract_params, model_for, unstack_layers
 from checkpoints.hf_config import UnsupportedModelError, model_config_from_hf
-from checkpoints.loaded import LoadedModel, abstract_params, model_for, unstack_layers
 from checkpoints.orbax_io import is_orbax_dir, restore_orbax
 from checkpoints.random_weights import NAMED_SHAPES, random_params
 from checkpoints.weights import load_hf_weights, place_hf_weights
@@ -40,8 +40,10 @@ def load_model(
     """Loads a model from a folder (Hugging Face or orbax) or a named random shape.
 
     `spec` None means the embedded default model. Raises `ModelLoadError` with a one-line reason.
-    With `mesh` (jaxserve.sharding.make_mesh) each device receives only its shard of the params,
-    as jaxserve.sharding decides: the whole model is never built on one device. The params come
+    With `mesh` (jaxserve.models.sharding.make_mesh) each device receives only its shard of the
+    params,
+    as jaxserve.models.sharding decides: the whole model is never built on one device. The params
+    come
     in the layout of `layer_loop`'s module (`model_for`, same default): stacked for "scan", one
     subtree per layer for "unrolled".
     """
@@ -87,7 +89,7 @@ def load_model(
 def _shardings(mesh, config, abstract) -> dict | None:
     if mesh is None:
         return None
-    from jaxserve.sharding import ShardingPlan
+    from jaxserve.models.sharding import ShardingPlan
 
     return ShardingPlan.create(mesh, config).params(abstract)
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from checkpoints.loaded import (
+from checkpoints.config_json import (
     LoadedModel,
     abstract_params,
     config_from_json,
@@ -63,7 +63,7 @@ def is_orbax_dir(path: Path) -> bool:
 
 def restore_orbax(path: Path, *, dtype=None, shardings: Any = None, mesh=None) -> LoadedModel:
     """Restores a `save_orbax` folder (stacked params), optionally into `shardings` (a param-shaped
-    tree) or into the shardings jaxserve.sharding decides for this model on `mesh`."""
+    tree) or into the shardings jaxserve.models.sharding decides for this model on `mesh`."""
     meta = json.loads((path / MARKER).read_text())
     if meta.get("format") == "jaxserve-orbax-1":
         raise ValueError(
@@ -77,7 +77,7 @@ def restore_orbax(path: Path, *, dtype=None, shardings: Any = None, mesh=None) -
     dtype = jnp.dtype(dtype or meta["dtype"])
     target = abstract_params(config, dtype)
     if shardings is None and mesh is not None:
-        from jaxserve.sharding import ShardingPlan
+        from jaxserve.models.sharding import ShardingPlan
 
         shardings = ShardingPlan.create(mesh, config).params(target)
     if shardings is None:

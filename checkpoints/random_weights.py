@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import ModelConfig, RopeConfig
+from jaxserve.models.config import ModelConfig, RopeConfig
 
 NAMED_SHAPES: dict[str, ModelConfig] = {
     "llama-tiny": ModelConfig(

@@ -128,7 +128,7 @@ def index_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings:
     the loaders rely on: every tensor is known, every param filled, every shape as the config
     says. `abstract_params` is the model's `jax.eval_shape` param tree (stacked or unstacked).
     """
-    from checkpoints.loaded import stack_layers
+    from checkpoints.config_json import stack_layers
 
     stacked = stack_layers(abstract_params)
     shapes = {_path(kp): tuple(leaf.shape) for kp, leaf in _leaves(stacked)}

@@ -1,7 +1,8 @@
 """jaxserve: an LLM serving engine on JAX with continuous batching and paged KV caches.
 
 `from jaxserve import LLM, SamplingParams` works as in vLLM. Both are loaded on first use
-(PEP 562), so that `import jaxserve.scheduler` and the other jax-free modules stay jax-free.
+(PEP 562), so that `import jaxserve.scheduling.scheduler` and the other jax-free modules stay
+jax-free.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams"]
 
 _LAZY = {
-    "LLM": "jaxserve.llm",
-    "AsyncEngine": "jaxserve.async_engine",
+    "LLM": "jaxserve.engine.llm",
+    "AsyncEngine": "jaxserve.engine.async_engine",
     "EngineConfig": "jaxserve.engine_config",
     "SamplingParams": "jaxserve.sampling_params",
 }

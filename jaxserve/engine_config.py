@@ -6,8 +6,8 @@ import dataclasses
 import math
 import os
 
-from jaxserve.buckets import bucket_ladder
-from jaxserve.scheduler_types import BATCHING_MODES, POLICIES, SchedulerConfig
+from jaxserve.runtime.buckets import bucket_ladder
+from jaxserve.scheduling.types import BATCHING_MODES, POLICIES, SchedulerConfig
 
 
 def default_compilation_cache_dir() -> str | None:
@@ -32,7 +32,7 @@ class EngineConfig:
     num_pages: int | None = None  # None: sized from free device memory (or kv_cache_memory_gb)
     kv_cache_memory_gb: float = 1.0  # per device, where JAX reports no device memory (the CPU)
     kv_cache_memory_fraction: float = 0.9  # of each device's memory free once params are placed
-    tensor_parallel: int = 1  # devices the model is split over (jaxserve/sharding.py)
+    tensor_parallel: int = 1  # devices the model is split over (jaxserve/models/sharding.py)
     mesh_shape: tuple[int, int] | None = None  # (data, model); given, it wins over tensor_parallel
     enable_chunked_prefill: bool = True
     # Plan step t+1 while the device runs step t, its sampled tokens fed on the device (engine
@@ -65,13 +65,15 @@ class EngineConfig:
     show_progress: bool = True
     ttft_slo_s: float | None = None  # goodput targets: a request meeting both counts as good
     tpot_slo_s: float | None = None
-    # SLO-aware scheduling (jaxserve/slo_policy.py): each step's prefill is sized so the step's
+    # SLO-aware scheduling (jaxserve/scheduling/slo_policy.py): each step's prefill is sized so the
+    # step's
     # predicted time keeps decodes within tpot_slo_s, by the step-cost model (cost_model.py).
     slo_scheduling: bool = False
     # The cost model's JSON file (`jaxserve bench --profile steps`, or an earlier engine's
     # calibration): loaded when it was measured for this model, dtype, device kind and buckets.
     cost_model: str | None = None
-    # Measure the cost model at warm-up (jaxserve/calibration.py: a few timed steps per bucket,
+    # Measure the cost model at warm-up (jaxserve/engine/calibration.py: a few timed steps per
+    # bucket,
     # after precompile), saved to `cost_model` when a path is given. None: only when
     # slo_scheduling has no file that applies; True: always; False: never (a file must apply).
     calibrate_cost_model: bool | None = None

@@ -60,7 +60,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # Over prompt and generated tokens: positive logits divided by it, negative ones multiplied.
     repetition_penalty: float = 1.0
-    # Beam search (jaxserve/beam_search.py) when > 1: the output is the best of beam_width beams,
+    # Beam search (jaxserve/engine/beam_search.py) when > 1: the output is the best of beam_width
+    # beams,
     # ranked by cumulative logprob / (generated tokens ** length_penalty).
     beam_width: int = 1
     length_penalty: float = 1.0

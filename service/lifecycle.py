@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 import grpc
 from prometheus_client import CollectorRegistry, Gauge
 
-from jaxserve.async_engine import EngineDeadError
+from jaxserve.engine.async_engine import EngineDeadError
 
 if TYPE_CHECKING:
-    from jaxserve.async_engine import AsyncEngine
-    from service.convert import PromptLimit
+    from jaxserve.engine.async_engine import AsyncEngine
+    from service.grpc.convert import PromptLimit
 
 
 class State(enum.Enum):

@@ -49,12 +49,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from jaxserve.async_engine import AsyncEngine
-from service import convert
+from jaxserve.engine.async_engine import AsyncEngine
 from service.auth import BearerTokenInterceptor
+from service.grpc import convert
+from service.grpc.servicer import SERVICE_NAME, JaxServeServicer
 from service.lifecycle import Lifecycle, State
 from service.logs import configure_logging, log
-from service.servicer import SERVICE_NAME, JaxServeServicer
 
 __all__ = ["JaxServeServer", "ServeError", "ServerOptions", "State", "configure_logging", "serve"]
 

@@ -1,6 +1,7 @@
 """The checks every front end runs on a request before it reaches the engine thread.
 
-gRPC (service/convert.py) and the OpenAI-compatible HTTP API (service/http/) both call these, so
+gRPC (service/grpc/convert.py) and the OpenAI-compatible HTTP API (service/http/) both call these,
+so
 a bad value is refused with the same sentence whichever way it came: each check raises
 `InvalidRequest` naming the field (as the caller's protocol spells it) and the value. A bad
 request costs the engine nothing and the client learns exactly what to fix. `SamplingParams`

@@ -39,16 +39,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import StepBatch, StepWords, from_words, to_words
-from jaxserve.builder import build_runner
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
+from jaxserve.engine.metrics import HOST_PHASES
 from jaxserve.engine_config import EngineConfig
-from jaxserve.metrics import HOST_PHASES
-from jaxserve.model_runner import ModelRunner, RunnerConfig
 from jaxserve.models.loaded import LoadedModel
-from jaxserve.sampling import MAX_TOP_LOGPROBS, SampleOutput, SamplingBatch
+from jaxserve.models.sharding import ShardingPlan
+from jaxserve.models.step_batch import StepBatch, StepWords, from_words, to_words
+from jaxserve.runtime.builder import build_runner
+from jaxserve.runtime.model_runner import ModelRunner, RunnerConfig
+from jaxserve.runtime.sampling import MAX_TOP_LOGPROBS, SampleOutput, SamplingBatch
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.sharding import ShardingPlan
 
 RUNNING = (1, 16, 64, 256, 1024)
 # The phases the device waits on in a synchronous loop: from a result on the host to the next

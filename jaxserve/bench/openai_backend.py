@@ -2,7 +2,7 @@
 
 llama-server, vLLM and jaxserve's own HTTP port (`jaxserve serve --http-port`) all serve
 /v1/completions, so one tool can compare them on the same workloads in one run. This client
-has the shape `run_online` expects of `service.client.JaxServeClient` (generate, model_info,
+has the shape `run_online` expects of `service.grpc.client.JaxServeClient` (generate, model_info,
 close) and answers with the same fields, so the runner, the table and the plots are shared.
 
 What crosses the wire: each request is a streaming /v1/completions call with the workload's

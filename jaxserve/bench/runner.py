@@ -29,7 +29,7 @@ from jaxserve.bench.workload import RequestSpec, Workload, random_prompt_ids
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the records and metrics also serve `jaxserve simulate`, which has no JAX
-    from jaxserve.engine import Engine
+    from jaxserve.engine.core import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class OnlineUnavailable(RuntimeError):
 
 
 def connect(address: str, *, timeout_s: float = 10.0, backend: str = "grpc"):
-    """A `service.client.JaxServeClient` of a running `jaxserve serve`, checked to be serving;
+    """A `service.grpc.client.JaxServeClient` of a running `jaxserve serve`, checked to be serving;
     with backend "openai", an `OpenAIBenchClient` of the OpenAI-compatible server at the URL.
 
     Imported lazily, so offline benches need neither grpc nor the generated stubs.
@@ -272,10 +272,10 @@ def connect(address: str, *, timeout_s: float = 10.0, backend: str = "grpc"):
     if backend != "grpc":
         raise ValueError(f"backend={backend!r} must be 'grpc' or 'openai'.")
     try:
-        from service.client import JaxServeClient
+        from service.grpc.client import JaxServeClient
     except ImportError as e:
         raise OnlineUnavailable(
-            f"Online mode needs the gRPC client service.client, which cannot be imported "
+            f"Online mode needs the gRPC client service.grpc.client, which cannot be imported "
             f"({e}); run the bench offline (without --online) meanwhile."
         ) from None
     # The same bearer token `jaxserve serve` reads by default, when the server requires one.

@@ -16,13 +16,15 @@ SLO-aware configurations with the policy attached as the engine attaches it; sta
 the prefix cache off, since one engine serves the same prompts several times):
 
 1. The step-cost model is measured first, on today's engine, by the engine's own calibration
-   (jaxserve/calibration.py: the warm-up one with --quick, the `bench --profile steps` one with
+   (jaxserve/engine/calibration.py: the warm-up one with --quick, the `bench --profile steps` one
+   with
    --full) and saved as DIR/cost_model.json; the SLO-aware engines load it (same key), so the
    real runs and the simulator use one model measured in this run.
 2. Real runs, back to back on the same workload (as `jaxserve bench` runs them): continuous
    batching as today, static and dynamic batching, SLO-aware scheduling and SLO-aware + shed
    late (`--shed-late`: requests refused with finish reason "refused", counted apart).
-3. The simulator (jaxserve/simulator.py) on the same workload and configurations with that cost
+3. The simulator (jaxserve/bench/simulator.py) on the same workload and configurations with that
+cost
    model; the error of its TTFT p50, TPOT p50 and goodput against each real run. Goodput shows
    the good requests' count too, and no error where fewer than FEW_GOOD were good in the real
    run (then one request more or less moves it by tens of percent: a count, not a rate).
@@ -79,11 +81,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxserve import cost_model
 from jaxserve.bench.metrics import SLO, summarize
 from jaxserve.bench.workload import LengthMix, Workload, mixed_workloads
-from jaxserve.cost_model import CostModel
 from jaxserve.engine_config import EngineConfig
+from jaxserve.scheduling import cost_model
+from jaxserve.scheduling.cost_model import CostModel
 
 ISSUE_SLO = SLO(ttft_s=0.25, tpot_s=0.02)
 PEERS_TINY = os.path.expanduser("~/.cache/peers/models/tiny")
@@ -168,10 +170,11 @@ def _log(line: str) -> None:
 def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
     """Runs the whole experiment; returns the markdown table (also written under plan.out)."""
     from checkpoints import load_model
-    from jaxserve import calibration, slo_policy
     from jaxserve.bench.runner import run_offline
     from jaxserve.bench.suite import needed_model_len
-    from jaxserve.engine import Engine
+    from jaxserve.engine import calibration
+    from jaxserve.engine.core import Engine
+    from jaxserve.scheduling import slo_policy
 
     started = time.perf_counter()
     plan.out.mkdir(parents=True, exist_ok=True)
@@ -327,7 +330,7 @@ def slo_feasible(cost: CostModel, slo: SLO, rows: int, mix: LengthMix) -> tuple[
 
 
 def _simulate(workload: Workload, config, cost, label, max_model_len, model, seed, steps=None):
-    from jaxserve.simulator import simulate
+    from jaxserve.bench.simulator import simulate
 
     return simulate(
         workload,
@@ -358,7 +361,7 @@ def step_error(cost: CostModel, steps) -> dict:
 def _tuned(workload, base, cost, cost_path, slo, max_model_len, plan, log):
     """The tuner's best configuration for `slo` (budgets within the measured ladder, so the
     cost model file applies to it)."""
-    from jaxserve import tuner
+    from jaxserve.bench import tuner
 
     grid = tuner.Grid(
         max_num_batched_tokens=(128, 256, plan.max_num_batched_tokens),

@@ -296,7 +296,7 @@ def run_one(stub, metadata, plan: Plan, tokenize, greedy_seen: dict, lock) -> Ou
     """Sends one plan and checks what came back; never raises."""
     import grpc
 
-    from service.client import make_request
+    from service.grpc.client import make_request
 
     try:
         ids = plan.ids if plan.ids is not None else tokenize(plan.text)
@@ -474,7 +474,7 @@ def run_soak(spec: SoakSpec, log=print) -> dict:
 
 
 def _drive(spec: SoakSpec, server: ServerProcess, client: _Client, seen: _Observed, log) -> None:
-    from service.client import JaxServeClient
+    from service.grpc.client import JaxServeClient
 
     with JaxServeClient(server.target) as info_client:
         seen.info = info = info_client.model_info()

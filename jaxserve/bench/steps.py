@@ -16,7 +16,8 @@ matmul of the model's shapes and an XLA gemv streaming a ~512 MB matrix. Numbers
 measurements of one run on one machine: compare ratios taken in the same run, never absolutes
 across runs.
 
-Then the step-cost model (jaxserve/cost_model.py) for an engine of the spec's `cost_seqs` rows
+Then the step-cost model (jaxserve/scheduling/cost_model.py) for an engine of the spec's
+`cost_seqs` rows
 and step budget: decode-only batches of every token bucket at a few contexts, then a stream of
 random prompts whose chunks share steps with decodes, every step timed as the engine loop runs
 it; fitted per token bucket and written beside steps.json as cost_model.json.
@@ -34,11 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import calibration
-from jaxserve.builder import DEFAULT_MAX_MODEL_LEN
-from jaxserve.engine import Engine
+from jaxserve.engine import calibration
+from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
-from jaxserve.kv_pages import kv_bytes_per_page
+from jaxserve.models.kv_pool import kv_bytes_per_page
+from jaxserve.runtime.builder import DEFAULT_MAX_MODEL_LEN
 from jaxserve.sampling_params import SamplingParams
 
 PROMPT_LENS = (128, 512, 2048)
@@ -135,7 +136,7 @@ def run_steps(spec: StepsSpec, log: Callable[[str], None] = print) -> dict[str, 
 
 def measure_cost_model(model, spec: StepsSpec, log: Callable[[str], None] = print):
     """Times steps of every token bucket at a few contexts on an engine of `spec.cost_seqs` rows
-    and the spec's budget (jaxserve/calibration.py, the engine's own warm-up calibration at
+    and the spec's budget (jaxserve/engine/calibration.py, the engine's own warm-up calibration at
     full length); returns the fitted `cost_model.CostModel`."""
     mc = model.config
     context = min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)

@@ -300,8 +300,8 @@ def replot(out_dir: Path) -> list[dict]:
 
 def _run_all_offline(spec: BenchSpec, log) -> list[RunResult]:
     from checkpoints import load_model
-    from jaxserve.engine import Engine, freeze_heap
-    from jaxserve.sharding import make_mesh
+    from jaxserve.engine.core import Engine, freeze_heap
+    from jaxserve.models.sharding import make_mesh
 
     cache_dir = spec.compile_cache or tempfile.mkdtemp(prefix="jaxserve-bench-cc-")
     try:

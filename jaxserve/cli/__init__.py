@@ -70,8 +70,8 @@ def _joins_cluster(args: argparse.Namespace) -> bool:
 def _parallel(args: argparse.Namespace) -> dict:
     """EngineConfig fields of the parallel flags; joins the cluster first if asked (before any
     device is touched, as jax.distributed requires)."""
-    from jaxserve import multihost
-    from jaxserve.sharding import parse_mesh_shape
+    from jaxserve.models.sharding import parse_mesh_shape
+    from jaxserve.runtime import multihost
 
     if _joins_cluster(args):
         multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
@@ -84,7 +84,7 @@ def _is_follower(args: argparse.Namespace) -> bool:
     runs process 0's steps instead of its own (on one host: False, without touching JAX)."""
     if not _joins_cluster(args):
         return False
-    from jaxserve import multihost
+    from jaxserve.runtime import multihost
 
     return not multihost.is_leader()
 

@@ -270,13 +270,13 @@ def _batch_defaults(args: argparse.Namespace):
 
 def _batch_here(args: argparse.Namespace, src, dst):
     """One engine in this process (one mesh, maybe over several hosts)."""
-    from jaxserve.batch_job import BatchInputError, OutputCorrupt, run_batch
-    from jaxserve.engine import Engine
+    from jaxserve.engine.core import Engine
+    from jaxserve.jobs.batch_job import BatchInputError, OutputCorrupt, run_batch
 
     defaults = _batch_defaults(args)
     parallel = _parallel(args)  # before the model loads: a cluster must be joined first
-    from jaxserve import multihost
-    from jaxserve.sharding import make_mesh
+    from jaxserve.models.sharding import make_mesh
+    from jaxserve.runtime import multihost
 
     model = _load(args, mesh=make_mesh(parallel["tensor_parallel"], parallel["mesh_shape"]))
     engine = Engine(_batch_config(args, **parallel), model=model)
@@ -301,7 +301,7 @@ def _batch_here(args: argparse.Namespace, src, dst):
 
 def _batch_on_ray(args: argparse.Namespace, src, dst):
     """`--ray`: replicas on a Ray cluster, this process reading and writing (batch_ray.py)."""
-    from jaxserve.batch_ray import RayMissing, import_ray
+    from jaxserve.jobs.ray_replicas import RayMissing, import_ray
 
     try:
         import_ray()  # before any work: without Ray, one line saying how to get it
@@ -317,8 +317,8 @@ def _batch_on_ray(args: argparse.Namespace, src, dst):
             f"--replicas {args.replicas} and --devices-per-replica {args.devices_per_replica} "
             "must both be at least 1."
         )
-    from jaxserve.batch_job import BatchInputError, OutputCorrupt
-    from jaxserve.batch_ray import run_ray
+    from jaxserve.jobs.batch_job import BatchInputError, OutputCorrupt
+    from jaxserve.jobs.ray_replicas import run_ray
 
     try:
         return run_ray(

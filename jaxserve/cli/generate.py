@@ -28,7 +28,7 @@ def register(sub) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from jaxserve.engine import Engine
+    from jaxserve.engine.core import Engine
     from jaxserve.engine_config import EngineConfig
     from jaxserve.sampling_params import SamplingParams
 
@@ -37,8 +37,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
     parallel = _parallel(args)  # before the model loads: a cluster must be joined first
-    from jaxserve import multihost
-    from jaxserve.sharding import make_mesh
+    from jaxserve.models.sharding import make_mesh
+    from jaxserve.runtime import multihost
 
     model = _load(args, mesh=make_mesh(parallel["tensor_parallel"], parallel["mesh_shape"]))
     if model.tokenizer is None:

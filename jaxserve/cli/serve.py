@@ -2,7 +2,7 @@
 
 On a multi-host mesh every process runs `serve` with the same flags: process 0 serves, and the
 others build the same engine and run its steps (`ModelRunner.follow`) until process 0's engine
-thread releases them as it stops (jaxserve/async_engine.py).
+thread releases them as it stops (jaxserve/engine/async_engine.py).
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _follow(config)
 
     def build_engine():  # runs during warm-up, while the port already answers health checks
-        from jaxserve.async_engine import AsyncEngine
+        from jaxserve.engine.async_engine import AsyncEngine
 
         return AsyncEngine(config)  # releases the followers when it shuts down
 
@@ -223,7 +223,7 @@ def _follow(config) -> int:
     """Multi-host, processes other than 0: the same engine as process 0's, running its steps
     until its engine thread releases them."""
     from checkpoints import ModelLoadError
-    from jaxserve.engine import Engine
+    from jaxserve.engine.core import Engine
 
     try:
         engine = Engine(config)
@@ -253,7 +253,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
     from service.auth import load_token
-    from service.client import JaxServeClient
+    from service.grpc.client import JaxServeClient
 
     client = JaxServeClient(
         args.target,

@@ -112,7 +112,7 @@ def load_inputs(args: argparse.Namespace):
     """(workloads, max_model_len, cost model) of the command line, or a UserError."""
     from jaxserve.bench.suite import build_workloads, needed_model_len
     from jaxserve.bench.workload import TraceError
-    from jaxserve.cost_model import CostModel, CostModelError
+    from jaxserve.scheduling.cost_model import CostModel, CostModelError
 
     try:
         workloads = build_workloads(args)
@@ -125,12 +125,12 @@ def load_inputs(args: argparse.Namespace):
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from jaxserve.bench import report
     from jaxserve.bench.metrics import SLO, summarize
-    from jaxserve.simulator import simulate
+    from jaxserve.bench.simulator import simulate
 
     workloads, max_model_len, cost = load_inputs(args)
     config = engine_config(args, max_model_len)
     slo = SLO(args.ttft_slo, args.tpot_slo)
-    from jaxserve.tuner import label as knobs
+    from jaxserve.bench.tuner import label as knobs
 
     label = f"{args.batching} {knobs(config)} (simulated)"
     summaries = [

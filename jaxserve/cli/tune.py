@@ -1,5 +1,6 @@
 """`jaxserve tune`: the scheduling knobs with the most goodput for a traffic, found in the
-simulator (jaxserve/tuner.py); prints the best configurations and the `jaxserve serve` line."""
+simulator (jaxserve/bench/tuner.py); prints the best configurations and the `jaxserve serve`
+line."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from jaxserve.bench import report
     from jaxserve.bench.metrics import SLO
     from jaxserve.bench.suite import _on_off, parse_list
-    from jaxserve.tuner import Grid, label, serve_command, tune
+    from jaxserve.bench.tuner import Grid, label, serve_command, tune
 
     workloads, max_model_len, cost = load_inputs(args)
     try:

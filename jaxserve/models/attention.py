@@ -10,7 +10,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxserve.batch import SeqChunk, StepBatch, pack_chunks
+from jaxserve.models.step_batch import SeqChunk, StepBatch, pack_chunks
 from pallas_kernels.ragged_paged_attention import reference, xla_blocked
 
 # reference: the dense pure-jnp oracle (cost follows max_model_len). xla: pure jnp blocked over

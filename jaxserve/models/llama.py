@@ -45,11 +45,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxserve.batch import StepBatch
-from jaxserve.config import ModelConfig
-from jaxserve.kv_pages import KVPages
 from jaxserve.models.attention import get_attention_fn, with_attention_plan, write_kv
-from jaxserve.sharding import ShardingPlan, attention_over_heads
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.kv_pool import KVPages
+from jaxserve.models.sharding import ShardingPlan, attention_over_heads
+from jaxserve.models.step_batch import StepBatch
 
 
 class RMSNorm(nn.Module):

@@ -15,10 +15,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.batch import SeqChunk, pack_chunks
-from jaxserve.config import ModelConfig
-from jaxserve.kv_pages import KVPages
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.kv_pool import KVPages
 from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.step_batch import SeqChunk, pack_chunks
 
 
 @dataclasses.dataclass
@@ -39,7 +39,7 @@ def model_for(
     plan=None,
     layer_loop: str = "auto",
 ):
-    """The flax module of `config`; `plan` (a jaxserve.sharding.ShardingPlan) splits it.
+    """The flax module of `config`; `plan` (a jaxserve.models.sharding.ShardingPlan) splits it.
 
     `layer_loop` decides the param tree's layout (see `unstack_layers`); loaders use the same
     "auto" default, so a loaded model and the runner's module agree on each platform.

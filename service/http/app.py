@@ -43,10 +43,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
-from jaxserve.async_engine import EngineDeadError
+from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.outputs import RequestOutput, TokenLogprob
 from jaxserve.sampling_params import SEED_LIMIT, SamplingParams
-from jaxserve.scheduler_types import QueueFull
+from jaxserve.scheduling.types import QueueFull
 from service import validation
 from service.http import beams, protocol
 from service.lifecycle import Lifecycle, Refused, State
@@ -697,7 +697,8 @@ class OpenAIFrontEnd:
         return protocol.usage(prompt, sum(outputs), cached)
 
 
-# The optional sampling fields passed to SamplingParams when set (jaxserve/sampling.py applies
+# The optional sampling fields passed to SamplingParams when set (jaxserve/runtime/sampling.py
+# applies
 # them on the device).
 _SUPPORTED_EXTRAS: tuple[str, ...] = (
     "presence_penalty",

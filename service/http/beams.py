@@ -9,7 +9,7 @@ parameters), and clients that want beams send its fields, so the conventions are
 - `length_penalty` ranks finished beams (score = cumulative logprob / length ** length_penalty);
   without beam search any value but 1 is refused, since nothing would use it. `early_stopping`
   may only be true: the search ends once it holds `best_of` finished beams (Hugging Face's
-  `early_stopping=True`; jaxserve/beam_search.py has the whole rule).
+  `early_stopping=True`; jaxserve/engine/beam_search.py has the whole rule).
 - Everything else follows the shared rule of `SamplingParams` (service/validation.py), so the
   refusal reads as over gRPC: temperature 0 or 1 (both name the model's own distribution; 1 is
   also what an absent temperature means), no top-k/p, min-p, penalties, logit bias, min_tokens,
@@ -30,8 +30,8 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
-from jaxserve import beam_search
-from jaxserve.beam_search import Beam, BeamSearchOutput
+from jaxserve.engine import beam_search
+from jaxserve.engine.beam_search import Beam, BeamSearchOutput
 from jaxserve.sampling_params import MAX_BEAM_WIDTH, SamplingParams
 from service import validation
 from service.http import protocol

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
 
 TINY = dict(max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=8, seq_bucket_factor=4)

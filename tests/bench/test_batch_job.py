@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from jaxserve.batch_job import BatchInputError, run_batch
 from jaxserve.engine_config import default_compilation_cache_dir
+from jaxserve.jobs.batch_job import BatchInputError, run_batch
 
 TINY_FLAGS = [
     "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--min-token-bucket", "8",

@@ -20,8 +20,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxserve.batch_job import run_batch
 from jaxserve.engine_config import EngineConfig, default_compilation_cache_dir
+from jaxserve.jobs.batch_job import run_batch
 from tests.bench.conftest import TINY
 
 needs_ray = pytest.mark.skipif(
@@ -69,7 +69,7 @@ def cluster(tiny_engine) -> str:
 def test_two_replicas_write_every_id_once_with_the_single_process_texts(
     cluster, tiny_engine, tmp_path
 ):
-    from jaxserve.batch_ray import run_ray
+    from jaxserve.jobs.ray_replicas import run_ray
 
     n = 200
     inp = tmp_path / "in.jsonl"
@@ -95,7 +95,7 @@ def test_two_replicas_write_every_id_once_with_the_single_process_texts(
 
 @needs_ray
 def test_a_killed_replica_hands_its_lines_to_the_other(cluster, tmp_path):
-    from jaxserve.batch_ray import run_ray
+    from jaxserve.jobs.ray_replicas import run_ray
 
     n = 80
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -165,7 +165,7 @@ def test_without_ray_the_flag_fails_with_one_line_saying_how_to_install_it(tmp_p
 
 
 def test_map_batches_callable_gives_the_single_process_texts_in_row_order(tiny_engine, tmp_path):
-    from jaxserve.batch_ray import BatchPredictor
+    from jaxserve.jobs.ray_replicas import BatchPredictor
 
     inp = tmp_path / "in.jsonl"
     _write_input(inp, 6)

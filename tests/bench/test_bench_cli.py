@@ -11,8 +11,8 @@ import time
 import pytest
 
 from jaxserve.cli import main
+from jaxserve.engine.llm import LLM
 from jaxserve.engine_config import default_compilation_cache_dir
-from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 
 TINY_BENCH = [
@@ -82,7 +82,7 @@ def test_bench_compares_batching_modes_and_writes_json_and_plots(tmp_path, capsy
 def test_online_mode_without_a_server_fails_in_one_line(tmp_path, capsys):
     assert main(["bench", "--online", "localhost:1", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    if importlib.util.find_spec("service.client") is None:
+    if importlib.util.find_spec("service.grpc.client") is None:
         assert err.startswith("jaxserve: error: Online mode needs the gRPC client")
     else:
         assert err.startswith("jaxserve: error: No jaxserve server answers at localhost:1")

@@ -9,8 +9,8 @@ import numpy as np
 
 from jaxserve.bench.host import HostSpec, host_engine, run_host
 from jaxserve.cli import main
+from jaxserve.engine.metrics import HOST_PHASES
 from jaxserve.engine_config import EngineConfig
-from jaxserve.metrics import HOST_PHASES
 from jaxserve.sampling_params import SamplingParams
 from tests.bench.conftest import TINY
 

@@ -9,7 +9,7 @@ from jaxserve.bench.runner import prompt_for, run_offline
 from jaxserve.bench.suite import build_configs, build_workloads
 from jaxserve.bench.workload import shared_prefix_workloads
 from jaxserve.cli import build_parser
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
 
 
 def test_prompts_share_exactly_the_prefix_and_rates_share_the_question_lengths():

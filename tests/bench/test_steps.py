@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from jaxserve.bench.steps import BATCHES, PROMPT_LENS
-from jaxserve.cost_model import CostModel, work_of
 from jaxserve.engine_config import default_compilation_cache_dir
+from jaxserve.scheduling.cost_model import CostModel, work_of
 
 # Two prefill points (one capped by the context) and two decode batches, on a 16-token budget:
 # every code path of the full run (chunked prefill, the cap, filling a batch, the cost model's

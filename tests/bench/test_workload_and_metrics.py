@@ -7,7 +7,6 @@ import math
 
 import pytest
 
-from jaxserve.batch_job import OutputCorrupt, parse_line, recover_output
 from jaxserve.bench.metrics import SLO, distribution, summarize
 from jaxserve.bench.runner import RequestRecord, RunResult, Timeline
 from jaxserve.bench.workload import (
@@ -18,6 +17,7 @@ from jaxserve.bench.workload import (
     mixed_workloads,
     poisson_arrivals,
 )
+from jaxserve.jobs.batch_job import OutputCorrupt, parse_line, recover_output
 from jaxserve.sampling_params import SamplingParams
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jaxserve import accelerator_check as ac
+from jaxserve.bench import accelerator_check as ac
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def cache_dir(tmp_path_factory) -> str:
 
 def test_dry_run_writes_every_stage_with_equal_tokens_and_no_compiles(tmp_path, cache_dir):
     out = tmp_path / "report"
-    cmd = [sys.executable, "-m", "jaxserve.accelerator_check", "--out", str(out), "--dry-run"]
+    cmd = [sys.executable, "-m", "jaxserve.bench.accelerator_check", "--out", str(out), "--dry-run"]
     cmd += ["--cache-dir", cache_dir, "--budget-s", "1200"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

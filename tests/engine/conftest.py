@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
 
 # 3 token buckets x 3 seq buckets: every test in a module shares these compiled shapes.

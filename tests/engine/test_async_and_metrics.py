@@ -7,10 +7,10 @@ import asyncio
 import pytest
 from prometheus_client import generate_latest
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.engine import Engine
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.core import Engine
+from jaxserve.engine.llm import LLM
 from jaxserve.engine_config import EngineConfig
-from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.conftest import TINY
 
@@ -135,7 +135,7 @@ def test_metrics_object_and_prometheus(stories_engine):
 
 
 def test_goodput_counts_only_requests_within_targets():
-    from jaxserve.metrics import EngineMetrics
+    from jaxserve.engine.metrics import EngineMetrics
     from jaxserve.outputs import RequestMetrics
 
     m = EngineMetrics(ttft_slo_s=0.5, tpot_slo_s=0.1)
@@ -192,7 +192,7 @@ def test_outputs_are_made_on_the_output_thread_and_stop_strings_match_offline(
 
 def test_a_failure_of_the_output_thread_ends_every_stream(stories_engine):
     """The output thread dies: the engine stops and every open stream learns why."""
-    from jaxserve.async_engine import EngineDeadError
+    from jaxserve.engine.async_engine import EngineDeadError
 
     engine = AsyncEngine(engine=Engine(EngineConfig(**TINY), model=stories_engine.model))
 

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.conftest import drain
 from tests.engine.test_engine import PROMPTS

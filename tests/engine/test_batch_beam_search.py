@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import math
 
-from jaxserve.batch_job import run_batch
-from jaxserve.llm import LLM
+from jaxserve.engine.llm import LLM
+from jaxserve.jobs.batch_job import run_batch
 from jaxserve.sampling_params import SamplingParams
 
 PERIOD = 426  # "." in stories260k's vocabulary: as a stop token it ends beams at uneven lengths

@@ -1,4 +1,4 @@
-"""Beam search over the engine (jaxserve/beam_search.py) on the embedded stories260k model.
+"""Beam search over the engine (jaxserve/engine/beam_search.py) on the embedded stories260k model.
 
 The reference is a brute-force beam search written here on transformers' PyTorch forward: every
 beam's whole sequence recomputed each step, the 2k best (beam, token) pairs taken over all beams
@@ -17,9 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from checkpoints import DEFAULT_MODEL_DIR
-from jaxserve import beam_search
-from jaxserve.beam_search import BeamSearch
-from jaxserve.llm import LLM
+from jaxserve.engine import beam_search
+from jaxserve.engine.beam_search import BeamSearch
+from jaxserve.engine.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
 from tests.service.conftest import serving

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.model_runner import ModelRunner, bucket_ladder, pick_bucket
+from jaxserve.runtime.model_runner import ModelRunner, bucket_ladder, pick_bucket
 
 
 def test_geometric_ladder_ends_at_the_largest_size():
@@ -27,8 +27,8 @@ def test_bad_ladders_are_refused(args):
 
 
 def test_one_compiled_shape_per_token_bucket_holds_every_packable_step():
-    from jaxserve.batch import SeqChunk
-    from jaxserve.model_runner import RunnerConfig
+    from jaxserve.models.step_batch import SeqChunk
+    from jaxserve.runtime.model_runner import RunnerConfig
 
     config = RunnerConfig(
         num_pages=64,

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from checkpoints import DEFAULT_MODEL_DIR
-from jaxserve.llm import LLM
+from jaxserve.engine.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.conftest import drain
 

@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from jaxserve.bench.host import host_engine
+from jaxserve.engine.metrics import HOST_PHASES, DeviceTimeline, EngineStats
 from jaxserve.engine_config import EngineConfig
-from jaxserve.metrics import HOST_PHASES, DeviceTimeline, EngineStats
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.conftest import SMALL, drain
 

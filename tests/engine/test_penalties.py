@@ -3,7 +3,7 @@ stories260k.
 
 The expected tokens come from a numpy re-implementation over an unbiased run's returned
 logprobs (top 20 per step): the biased greedy token is argmax(logprob + bias) over them, the
-penalized one argmax of the penalty formula (jaxserve/sampling.py) applied to them.
+penalized one argmax of the penalty formula (jaxserve/runtime/sampling.py) applied to them.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve import SamplingParams
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
+from jaxserve.engine.llm import LLM
 from jaxserve.engine_config import EngineConfig
-from jaxserve.llm import LLM
 from tests.models.helpers import sequence_logits
 
 PROMPT = "Once upon a time"
@@ -74,7 +74,7 @@ def test_min_tokens_masks_eos_until_reached(stories_engine):
 
 
 def _penalized(logits, counts, in_prompt, *, presence=0.0, frequency=0.0, repetition=1.0):
-    """The penalty formula of jaxserve/sampling.py in numpy: logits f64[V], counts i64[V] of
+    """The penalty formula of jaxserve/runtime/sampling.py in numpy: logits f64[V], counts i64[V] of
     the generated tokens so far, in_prompt bool[V]."""
     seen = (counts > 0) | in_prompt
     out = np.where(seen, np.where(logits > 0, logits / repetition, logits * repetition), logits)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
+from jaxserve.engine.llm import LLM
 from jaxserve.engine_config import EngineConfig
-from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.conftest import TINY, short_of_pages
 

@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.conftest import SMALL
@@ -176,7 +176,7 @@ def test_prefix_cache_metrics_in_the_stats_and_prometheus(cached):
 
 
 def test_the_grpc_usage_carries_the_cached_prompt_tokens(cached):
-    from service import convert
+    from service.grpc import convert
 
     rng = random.Random(4)
     prompt = _ids(rng, 3 * PAGE + 5)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import checkpoints
 from jaxserve import LLM, SamplingParams
-from jaxserve.sampling import SamplingBatch, prompt_logprobs
+from jaxserve.runtime.sampling import SamplingBatch, prompt_logprobs
 from tests.engine.conftest import drain
 
 STORY = (

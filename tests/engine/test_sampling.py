@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sampling import (
+from jaxserve.runtime.sampling import (
     NUM_CANDIDATES,
     SamplingBatch,
     _inverse_cdf,

@@ -9,11 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.cost_model import BucketFit, CostKey, CostModel, CostModelError
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
+from jaxserve.engine.llm import LLM
 from jaxserve.engine_config import EngineConfig
-from jaxserve.llm import LLM
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduling.cost_model import BucketFit, CostKey, CostModel, CostModelError
 from tests.engine.conftest import SMALL, drain
 
 
@@ -149,8 +149,8 @@ def test_async_engine_saves_the_serving_scale_it_measured_when_it_stops(stories_
     file at shutdown (slo_policy.save_served_scale), so the next start plans served steps."""
     import asyncio
 
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.slo_policy import MIN_SERVED_STEPS
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.scheduling.slo_policy import MIN_SERVED_STEPS
 
     path = tmp_path / "cost.json"
     _cost_file(stories_engine, path)  # 2.6 ms for a 16-token step: near, never exactly, served
@@ -175,7 +175,8 @@ def test_async_engine_saves_the_serving_scale_it_measured_when_it_stops(stories_
 
 
 def test_step_recordings_nest_and_give_each_steps_chunks(stories_engine):
-    from jaxserve import calibration, cost_model
+    from jaxserve.engine import calibration
+    from jaxserve.scheduling import cost_model
 
     params = SamplingParams(max_tokens=6, temperature=0.0)
     spans = []

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampling import SamplingBatch, sample
+from jaxserve.runtime.sampling import SamplingBatch, sample
 
 N = 4000
 # 16 tokens, distinct logits with a clear maximum, in a shuffled order (the argmax is not row 0).

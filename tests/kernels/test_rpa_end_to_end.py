@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import checkpoints
-from jaxserve.batch import SeqChunk, pack_chunks
-from jaxserve.kv_pages import KVPages
 from jaxserve.models.attention import get_attention_fn
+from jaxserve.models.kv_pool import KVPages
+from jaxserve.models.step_batch import SeqChunk, pack_chunks
 
 PAGE_SIZE = 4
 NUM_PAGES = 24

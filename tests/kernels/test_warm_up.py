@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from checkpoints import load_model, model_for
-from jaxserve.kv_pages import KVPages
 from jaxserve.models.attention import warm_up_batches
+from jaxserve.models.kv_pool import KVPages
 from pallas_kernels.ragged_paged_attention import xla_blocked
 
 NUM_PAGES = 6

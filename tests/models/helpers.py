@@ -22,10 +22,10 @@ import torch
 import transformers
 
 from checkpoints import LoadedModel, model_for
-from checkpoints.loaded import layer_loop_of
-from jaxserve.batch import SeqChunk, pack_chunks
-from jaxserve.config import ModelConfig
-from jaxserve.kv_pages import KVPages
+from checkpoints.config_json import layer_loop_of
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.kv_pool import KVPages
+from jaxserve.models.step_batch import SeqChunk, pack_chunks
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # One token, one sequence, room for 208 tokens: the bucket the stories260k tests decode with.

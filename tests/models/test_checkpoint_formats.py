@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import checkpoints
-from checkpoints.loaded import stack_layers
+from checkpoints.config_json import stack_layers
 from checkpoints.safetensors_io import read_header
 from tests.models.helpers import (
     STORIES_BUCKET,

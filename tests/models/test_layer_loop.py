@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from checkpoints import load_model
-from checkpoints.loaded import abstract_params, layer_loop_of
+from checkpoints.config_json import abstract_params, layer_loop_of
 from checkpoints.random_weights import NAMED_SHAPES
 from jaxserve.models.llama import (
     UNROLL_MAX_SHALLOW_LAYERS,

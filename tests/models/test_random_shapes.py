@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import checkpoints
-from checkpoints.loaded import abstract_params, stack_layers
+from checkpoints.config_json import abstract_params, stack_layers
 
 
 def _leaves(params: dict) -> dict[str, np.ndarray]:

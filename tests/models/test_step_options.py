@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from checkpoints import NAMED_SHAPES
-from jaxserve.batch import SeqChunk, pack_chunks
-from jaxserve.kv_pages import init_kv_pages
+from jaxserve.models.kv_pool import init_kv_pages
 from jaxserve.models.llama import step_compiler_options
 from jaxserve.models.loaded import abstract_params, model_for
+from jaxserve.models.step_batch import SeqChunk, pack_chunks
 
 
 def test_only_cpu_buckets_of_8_to_32_tokens_turn_ynn_fusions_off():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from jaxserve import multihost
+from jaxserve.runtime import multihost
 
 PROMPTS = [[5, 17, 300, 42, 9, 77], [8, 400, 401], [999, 11, 12, 13, 14]]
 CONFIG = dict(
@@ -26,7 +26,7 @@ CONFIG = dict(
 
 
 def generate(engine) -> list[list[int]]:
-    from jaxserve.llm import LLM
+    from jaxserve.engine.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
     params = [
@@ -39,7 +39,7 @@ def generate(engine) -> list[list[int]]:
 
 def main(port: int, process_id: int, out_path: str) -> None:
     multihost.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
-    from jaxserve.engine import Engine
+    from jaxserve.engine.core import Engine
     from jaxserve.engine_config import EngineConfig
 
     engine = Engine(EngineConfig(**CONFIG, tensor_parallel=4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
 from tests.engine import test_engine as engine_tests
 from tests.engine.conftest import SMALL

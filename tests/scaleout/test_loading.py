@@ -7,8 +7,8 @@ import jax
 import numpy as np
 
 from checkpoints import DEFAULT_MODEL_DIR, load_model, save_orbax
-from checkpoints.loaded import abstract_params
-from jaxserve.sharding import ShardingPlan, make_mesh
+from checkpoints.config_json import abstract_params
+from jaxserve.models.sharding import ShardingPlan, make_mesh
 
 
 def _assert_placed_like(model, reference, tp: int) -> None:

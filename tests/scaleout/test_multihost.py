@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
 from tests.scaleout import multihost_worker
 from tests.scaleout.conftest import HERE, with_device_flag

@@ -12,13 +12,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from checkpoints import NAMED_SHAPES
-from checkpoints.loaded import abstract_params, unstack_layers
-from jaxserve.batch import SeqChunk, pack_chunks
+from checkpoints.config_json import abstract_params, unstack_layers
 from jaxserve.engine_config import EngineConfig
-from jaxserve.kv_pages import pages_that_fit
-from jaxserve.multihost import StepLink
-from jaxserve.sampling import SamplingBatch
-from jaxserve.sharding import (
+from jaxserve.models.kv_pool import pages_that_fit
+from jaxserve.models.sharding import (
     KV_AXIS,
     MODEL,
     ShardingPlan,
@@ -26,6 +23,9 @@ from jaxserve.sharding import (
     make_mesh,
     parse_mesh_shape,
 )
+from jaxserve.models.step_batch import SeqChunk, pack_chunks
+from jaxserve.runtime.multihost import StepLink
+from jaxserve.runtime.sampling import SamplingBatch
 
 LLAMA = NAMED_SHAPES["llama-tiny"].replace(
     num_heads=8, num_kv_heads=4, qkv_bias=True, o_bias=True, mlp_bias=True

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from checkpoints import NAMED_SHAPES, model_for
-from checkpoints.loaded import abstract_params, unstack_layers
-from jaxserve.batch import SeqChunk, pack_chunks
-from jaxserve.config import ModelConfig
-from jaxserve.kv_pages import init_kv_pages
+from checkpoints.config_json import abstract_params, unstack_layers
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.kv_pool import init_kv_pages
 from jaxserve.models.llama import resolve_layer_loop
-from jaxserve.sharding import ShardingPlan, bytes_per_device, make_mesh
+from jaxserve.models.sharding import ShardingPlan, bytes_per_device, make_mesh
+from jaxserve.models.step_batch import SeqChunk, pack_chunks
 
 LLAMA, QWEN3 = NAMED_SHAPES["llama-tiny"], NAMED_SHAPES["qwen3-tiny"]
 SHAPES = {

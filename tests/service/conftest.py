@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.engine import Engine
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
-from service.client import JaxServeClient
+from service.grpc.client import JaxServeClient
 from service.server import JaxServeServer, ServerOptions
 
 # One token bucket (32), so one compiled step shape (32 tokens, 8 rows); a 256-token context keeps

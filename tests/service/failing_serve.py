@@ -12,7 +12,7 @@ import os
 import sys
 
 from jaxserve.cli import main
-from jaxserve.model_runner import ModelRunner
+from jaxserve.runtime.model_runner import ModelRunner
 
 FAULT = "injected device failure"
 

@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 
-from service.client import JaxServeClient
+from service.grpc.client import JaxServeClient
 from service.server import EXIT_ENGINE_FAILED
 from tests.service.conftest import SMALL_FLAGS, wait_until
 from tests.service.failing_serve import FAULT

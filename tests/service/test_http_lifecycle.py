@@ -10,7 +10,7 @@ import threading
 
 import openai
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine
 from tests.service.conftest import ServerThread, serving
 from tests.service.test_http import PROMPT, _get, _post
 

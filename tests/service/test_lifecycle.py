@@ -16,9 +16,9 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from jaxserve.async_engine import AsyncEngine
-from service.client import JaxServeClient
+from jaxserve.engine.async_engine import AsyncEngine
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
+from service.grpc.client import JaxServeClient
 from tests.engine.conftest import drain
 from tests.service.conftest import ServerThread, serving, wait_until
 

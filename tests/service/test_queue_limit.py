@@ -13,7 +13,7 @@ import threading
 import grpc
 import pytest
 
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
 from tests.service.conftest import serving

@@ -15,8 +15,8 @@ import json
 import grpc
 import pytest
 
-from jaxserve import slo_policy
-from jaxserve.cost_model import BucketFit, CostKey, CostModel
+from jaxserve.scheduling import slo_policy
+from jaxserve.scheduling.cost_model import BucketFit, CostKey, CostModel
 from tests.service.conftest import serving
 
 PROMPT = "Once upon a time"

@@ -18,9 +18,9 @@ import urllib.request
 import grpc
 import pytest
 
-from service import convert
-from service.client import make_request
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
+from service.grpc import convert
+from service.grpc.client import make_request
 from tests.service.conftest import serving
 
 HUGE = "a b " * 1_047_552  # 4 MiB less a little: under gRPC's default 4 MiB receive limit

@@ -13,8 +13,8 @@ import asyncio
 import grpc
 import pytest
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.llm import LLM
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
 from tests.service.conftest import serving

@@ -14,10 +14,10 @@ import urllib.request
 import grpc
 import pytest
 
-from jaxserve.llm import LLM
+from jaxserve.engine.llm import LLM
 from jaxserve.sampling_params import SamplingParams
-from service.client import make_request
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
+from service.grpc.client import make_request
 from tests.service.conftest import serving, wait_until
 
 # (prompt, sampling): greedy, seeded top-p/top-k/min-p, token-id prompts, a stop string, logprobs.

@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 
-from service.client import JaxServeClient
+from service.grpc.client import JaxServeClient
 from tests.service.conftest import SMALL_FLAGS, wait_until
 
 # Long enough to be mid-stream through the SIGTERM, the health poll and the refused call.

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from jaxserve.request import PENDING_TOKEN, Request
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import (
+from jaxserve.scheduling.request import PENDING_TOKEN, Request
+from jaxserve.scheduling.scheduler import (
     RequestUpdate,
     Scheduler,
     SchedulerConfig,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.scheduler import StepResult
+from jaxserve.scheduling.scheduler import StepResult
 from tests.unit.helpers import add_all, make_request, make_requests, make_scheduler, step
 
 # The batch is full with A, B and C either because they hold every slot, or (DESIGN.md decision

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from jaxserve.cost_model import (
+from jaxserve.scheduling.cost_model import (
     CostKey,
     CostModel,
     CostModelError,

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from checkpoints import DEFAULT_MODEL_DIR
-from jaxserve.detokenizer import IncrementalDetokenizer, TableDetokenizer, TokenTable
+from jaxserve.engine.detokenizer import IncrementalDetokenizer, TableDetokenizer, TokenTable
 
 
 class _ThroughTransformers:

@@ -9,7 +9,7 @@ import sys
 # engines (their reference cycles) alive for good.
 _PROBE = """
 import gc, weakref
-from jaxserve.engine import freeze_heap
+from jaxserve.engine.core import freeze_heap
 
 class Node:
     pass
@@ -39,7 +39,7 @@ def test_freeze_heap_collects_garbage_then_freezes_what_lives():
 
 _FIRST_ENGINE = """
 import gc
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
 
 class Node:

@@ -17,13 +17,13 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.batch import NO_SLOT, SeqChunk, pack_chunks, to_words
-from jaxserve.input_batch import InputBatch
-from jaxserve.model_runner import bucket_ladder, pick_bucket
-from jaxserve.request import PENDING_TOKEN, FinishReason, Request
-from jaxserve.sampling import SamplingBatch
+from jaxserve.models.step_batch import NO_SLOT, SeqChunk, pack_chunks, to_words
+from jaxserve.runtime.input_batch import InputBatch
+from jaxserve.runtime.model_runner import bucket_ladder, pick_bucket
+from jaxserve.runtime.sampling import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import RequestRejected, Scheduler, SchedulerOutput
+from jaxserve.scheduling.request import PENDING_TOKEN, FinishReason, Request
+from jaxserve.scheduling.scheduler import RequestRejected, Scheduler, SchedulerOutput
 from tests.unit.helpers import FakeRunner
 from tests.unit.test_scheduler_random import configs, workloads
 

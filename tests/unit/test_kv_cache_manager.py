@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.kv_cache_manager import KVCacheManager
+from jaxserve.scheduling.kv_cache_manager import KVCacheManager
 
 
 def test_allocate_grows_the_table_to_cover_the_tokens():

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.kv_cache_manager import KVCacheManager, PageHasher
-from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
+from jaxserve.scheduling.kv_cache_manager import KVCacheManager, PageHasher
+from jaxserve.scheduling.request import Request, RequestStatus
+from jaxserve.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
 from tests.unit.helpers import EOS, FakeRunner, make_scheduler, reference_output
 
 

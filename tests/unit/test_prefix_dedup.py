@@ -12,8 +12,8 @@ import collections
 
 import pytest
 
-from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduling.request import Request
 from tests.unit.helpers import EOS, FakeRunner, make_scheduler, reference_output
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.request import FinishReason, Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduling.request import FinishReason, Request, RequestStatus
 
 
 def test_status_order_puts_every_finished_status_after_preempted():

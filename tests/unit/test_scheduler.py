@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from jaxserve.request import PENDING_TOKEN, FinishReason, RequestStatus
-from jaxserve.scheduler import QueueFull, RequestRejected, SchedulerConfig, StepResult
+from jaxserve.scheduling.request import PENDING_TOKEN, FinishReason, RequestStatus
+from jaxserve.scheduling.scheduler import QueueFull, RequestRejected, SchedulerConfig, StepResult
 from tests.unit.helpers import (
     EOS,
     FakeRunner,
@@ -24,7 +24,8 @@ from tests.unit.helpers import (
 
 def test_scheduler_modules_do_not_import_jax():
     code = (
-        "import sys, jaxserve.scheduler, jaxserve.request, jaxserve.kv_cache_manager, "
+        "import sys, jaxserve.scheduling.scheduler, jaxserve.scheduling.request, "
+        "jaxserve.scheduling.kv_cache_manager, "
         "jaxserve.sampling_params; assert 'jax' not in sys.modules, 'jax was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

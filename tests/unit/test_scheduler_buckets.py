@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.scheduler import Scheduler, SchedulerConfig
+from jaxserve.scheduling.scheduler import Scheduler, SchedulerConfig
 from tests.unit.helpers import (
     FakeRunner,
     make_request,

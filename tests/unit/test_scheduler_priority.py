@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.request import FinishReason, RequestStatus
-from jaxserve.scheduler import Scheduler
+from jaxserve.scheduling.request import FinishReason, RequestStatus
+from jaxserve.scheduling.scheduler import Scheduler
 from tests.unit.helpers import FakeRunner, make_request, make_scheduler, reference_output
 
 

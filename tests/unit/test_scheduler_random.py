@@ -17,9 +17,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import RequestRejected, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.scheduling.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
+from jaxserve.scheduling.scheduler import (
+    RequestRejected,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from tests.unit.helpers import EOS, FakeRunner, reference_output
 
 

@@ -8,11 +8,11 @@ import sys
 import pytest
 
 from jaxserve.bench.metrics import SLO, summarize
+from jaxserve.bench.simulator import simulate
 from jaxserve.bench.workload import LengthMix, RequestSpec, Workload, mixed_workloads
-from jaxserve.buckets import bucket_ladder
-from jaxserve.cost_model import BucketFit, CostKey, CostModel
 from jaxserve.engine_config import EngineConfig
-from jaxserve.simulator import simulate
+from jaxserve.runtime.buckets import bucket_ladder
+from jaxserve.scheduling.cost_model import BucketFit, CostKey, CostModel
 
 BUCKETS = bucket_ladder(1, 64)
 
@@ -139,7 +139,7 @@ def test_static_batching_waits_for_the_whole_group():
 
 def test_simulator_path_imports_no_jax():
     code = (
-        "import sys; import jaxserve.simulator, jaxserve.cli.simulate, jaxserve.tuner; "
+        "import sys; import jaxserve.bench.simulator, jaxserve.cli.simulate, jaxserve.bench.tuner; "
         "print('jax' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

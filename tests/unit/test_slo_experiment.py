@@ -9,9 +9,9 @@ import pytest
 
 from jaxserve.bench import slo_experiment
 from jaxserve.bench.metrics import SLO, summarize
+from jaxserve.bench.simulator import simulate
 from jaxserve.bench.workload import LengthMix, mixed_workloads
 from jaxserve.engine_config import EngineConfig
-from jaxserve.simulator import simulate
 from tests.unit.test_simulator import fake_cost
 
 # 2 ms + 0.1 ms per token: a 64-row decode step 8.4 ms, a 512-token prefill 53.2 ms.
@@ -87,7 +87,7 @@ def test_goodput_error_is_left_out_when_few_requests_were_good():
 
 
 def test_step_error_compares_measured_with_predicted_steps():
-    from jaxserve.cost_model import StepSample, StepWork
+    from jaxserve.scheduling.cost_model import StepSample, StepWork
 
     # COST predicts 2 ms + 0.1 ms per token: 2.1 ms for 1 token, 8.4 ms for 64.
     steps = [

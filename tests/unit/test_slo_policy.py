@@ -8,14 +8,14 @@ import types
 import pytest
 
 from jaxserve.bench.metrics import SLO, summarize
+from jaxserve.bench.simulator import build_scheduler, simulate
 from jaxserve.bench.workload import LengthMix, Workload, mixed_workloads
-from jaxserve.cost_model import CostModel, StepWork
 from jaxserve.engine_config import EngineConfig
-from jaxserve.request import FinishReason, Request
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import StepResult
-from jaxserve.simulator import build_scheduler, simulate
-from jaxserve.slo_policy import MIN_SERVED_STEPS, SloPolicy, attach, save_served_scale
+from jaxserve.scheduling.cost_model import CostModel, StepWork
+from jaxserve.scheduling.request import FinishReason, Request
+from jaxserve.scheduling.scheduler import StepResult
+from jaxserve.scheduling.slo_policy import MIN_SERVED_STEPS, SloPolicy, attach, save_served_scale
 from tests.unit.helpers import make_request, make_scheduler
 from tests.unit.test_simulator import BUCKETS, fake_cost
 

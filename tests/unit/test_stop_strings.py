@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxserve.detokenizer import StopStringMatcher
+from jaxserve.engine.detokenizer import StopStringMatcher
 
 _deltas = st.lists(st.text(alphabet="abc xy", max_size=6), max_size=30)
 

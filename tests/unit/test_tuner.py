@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from jaxserve.bench.metrics import SLO
+from jaxserve.bench.tuner import Grid, serve_command, tune
 from jaxserve.bench.workload import LengthMix, mixed_workloads
 from jaxserve.engine_config import EngineConfig
-from jaxserve.tuner import Grid, serve_command, tune
 from tests.unit.test_simulator import fake_cost
 
 BASE = EngineConfig(max_model_len=128, cost_model="cost.json", ttft_slo_s=0.5, tpot_slo_s=0.02)

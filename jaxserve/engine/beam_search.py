@@ -39,7 +39,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 

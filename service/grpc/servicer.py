@@ -29,11 +29,11 @@ from collections.abc import Awaitable
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from jaxserve import beam_search
-from jaxserve.async_engine import EngineDeadError
-from jaxserve.scheduler import QueueFull
-from service import convert
+from jaxserve.engine import beam_search
+from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.scheduling.scheduler import QueueFull
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
+from service.grpc import convert
 from service.lifecycle import Lifecycle, Refused
 from service.logs import log
 

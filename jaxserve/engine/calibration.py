@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 import jax
 import numpy as np
 
-from jaxserve import cost_model
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduling import cost_model
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,8 +168,8 @@ def check_single_host() -> None:
 def forget(engine) -> None:
     """Restarts the engine's counters after a calibration at warm-up, so its stats and
     Prometheus series count served requests only (the calibration's pages stay cached, free)."""
-    from jaxserve.kv_cache_manager import PrefixCacheStats
-    from jaxserve.metrics import EngineMetrics
+    from jaxserve.engine.metrics import EngineMetrics
+    from jaxserve.scheduling.kv_cache_manager import PrefixCacheStats
 
     config = engine.config
     engine.metrics = EngineMetrics(config.ttft_slo_s, config.tpot_slo_s)

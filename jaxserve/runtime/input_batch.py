@@ -22,11 +22,18 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxserve.batch import NO_SLOT, StepBatch, StepWords, pack_chunks, to_words, words_views
-from jaxserve.buckets import pick_bucket
-from jaxserve.request import PENDING_TOKEN, Request
-from jaxserve.sampling import SamplingBatch
-from jaxserve.scheduler_types import ScheduledSeq
+from jaxserve.models.step_batch import (
+    NO_SLOT,
+    StepBatch,
+    StepWords,
+    pack_chunks,
+    to_words,
+    words_views,
+)
+from jaxserve.runtime.buckets import pick_bucket
+from jaxserve.runtime.sampling import SamplingBatch
+from jaxserve.scheduling.request import PENDING_TOKEN, Request
+from jaxserve.scheduling.types import ScheduledSeq
 
 
 class InputBatch:

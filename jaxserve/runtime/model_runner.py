@@ -22,14 +22,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import SeqChunk, StepBatch, StepWords, from_words, pack_chunks, to_words
-from jaxserve.buckets import bucket_ladder, pick_bucket  # noqa: F401 - re-exported
-from jaxserve.kv_pages import KVPages, init_kv_pages
 from jaxserve.models.attention import warm_up_batches
+from jaxserve.models.kv_pool import KVPages, init_kv_pages
 from jaxserve.models.llama import logits_of_rows, step_compiler_options
 from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for
-from jaxserve.multihost import StepLink, is_leader
-from jaxserve.sampling import (
+from jaxserve.models.sharding import ShardingPlan, make_mesh
+from jaxserve.models.step_batch import (
+    SeqChunk,
+    StepBatch,
+    StepWords,
+    from_words,
+    pack_chunks,
+    to_words,
+)
+from jaxserve.runtime.buckets import bucket_ladder, pick_bucket  # noqa: F401 - re-exported
+from jaxserve.runtime.multihost import StepLink, is_leader
+from jaxserve.runtime.sampling import (
     PenaltyState,
     SampleOutput,
     SamplingBatch,
@@ -37,7 +45,6 @@ from jaxserve.sampling import (
     prompt_logprobs,
     sample_step,
 )
-from jaxserve.sharding import ShardingPlan, make_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +98,8 @@ class ModelRunner:
     ):
         self.model = model
         self.config = config
-        # One device unless a sharding plan splits the model over a mesh (jaxserve/sharding.py).
+        # One device unless a sharding plan splits the model over a mesh
+        # (jaxserve/models/sharding.py).
         self.sharding = sharding or ShardingPlan.create(make_mesh(1), model.config)
         self.module = model_for(
             model.config,
@@ -140,7 +148,7 @@ class ModelRunner:
         self._bucket_steps = {}  # num_tokens -> its jitted step
         # One shape (the context length) for every request: compiled once, on first use.
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,))
-        # Multi-host: process 0 sends every step to the others (jaxserve/multihost.py).
+        # Multi-host: process 0 sends every step to the others (jaxserve/runtime/multihost.py).
         self.lockstep = None
         if jax.process_count() > 1:
             self.lockstep = StepLink(

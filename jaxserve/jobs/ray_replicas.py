@@ -36,8 +36,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxserve.batch_job import BatchRun, BatchSummary, EngineFeed, Line, parse_line
 from jaxserve.engine_config import EngineConfig
+from jaxserve.jobs.batch_job import BatchRun, BatchSummary, EngineFeed, Line, parse_line
 from jaxserve.sampling_params import SamplingParams
 
 RAY_MISSING = "jaxserve batch --ray needs Ray, which is not installed: pip install 'jaxserve[ray]'"
@@ -89,7 +89,7 @@ class _Replica:
     """The body of one replica actor: an engine and the lines queued on it."""
 
     def __init__(self, config: EngineConfig, include_token_ids: bool):
-        from jaxserve.engine import Engine
+        from jaxserve.engine.core import Engine
 
         self.engine = Engine(config)
         self.feed = EngineFeed(self.engine, include_token_ids)
@@ -381,7 +381,7 @@ class BatchPredictor:
         defaults: SamplingParams | None = None,
         include_token_ids: bool = False,
     ):
-        from jaxserve.engine import Engine
+        from jaxserve.engine.core import Engine
 
         self.engine = Engine(config or EngineConfig(show_progress=False))
         self.feed = EngineFeed(self.engine, include_token_ids)

@@ -1,6 +1,6 @@
 """The prepared accelerator check: one call that runs, measures and reports jaxserve on a GPU.
 
-    python -m jaxserve.accelerator_check --out DIR [--dry-run] [--budget-s 480]
+    python -m jaxserve.bench.accelerator_check --out DIR [--dry-run] [--budget-s 480]
 
 A GPU is lent in short, metered sessions, so everything the check needs is prepared here and
 dry-run on the CPU (`--dry-run`: a tiny model, the interpret kernel, a few short requests) so
@@ -147,7 +147,7 @@ def prompt_ids(lengths, vocab_size: int, tag: str) -> list[list[int]]:
 
 def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy outputs of `prompts` on `engine`, EOS ignored so every output has its length."""
-    from jaxserve.llm import LLM
+    from jaxserve.engine.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -288,8 +288,8 @@ def stage_engine_correctness(s: Stage) -> None:
 
 def _correctness_of(s: Stage, backend: str) -> list[list[int]]:
     """One backend's engine: built, asked for greedy tokens, its pool and compiles recorded."""
-    from jaxserve.engine import Engine
-    from jaxserve.kv_pages import kv_bytes_per_page, pages_that_fit
+    from jaxserve.engine.core import Engine
+    from jaxserve.models.kv_pool import kv_bytes_per_page, pages_that_fit
 
     p = s.plan
     before = device_memory()
@@ -339,7 +339,13 @@ def stage_tiny_f32_vs_cpu(s: Stage) -> None:
     p = s.plan
     cpu_out = s.path.with_name("tiny_cpu_tokens.json")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, "-m", "jaxserve.accelerator_check", "--tiny-cpu-tokens", str(cpu_out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxserve.bench.accelerator_check",
+        "--tiny-cpu-tokens",
+        str(cpu_out),
+    ]
     cmd += ["--cache-dir", s.args.cache_dir] + (["--dry-run"] if s.args.dry_run else [])
     log_path = s.path.with_name("tiny_cpu.log")
     with open(log_path, "w") as log:  # a file, not a pipe nobody reads while the device runs
@@ -362,7 +368,7 @@ def stage_tiny_f32_vs_cpu(s: Stage) -> None:
 
 
 def tiny_tokens(p: dict, cache_dir: str, backend: str) -> list[list[int]]:
-    from jaxserve.engine import Engine
+    from jaxserve.engine.core import Engine
 
     cfg = engine_config(p, backend, cache_dir, **p["tiny_engine"])
     engine = Engine(cfg.replace(model="llama-tiny", dtype="float32"))
@@ -374,7 +380,7 @@ def stage_speed(s: Stage) -> None:
     """Per backend: single stream (TPOT, MBU), bursts, the mixed profile at saturation."""
     import gc
 
-    from jaxserve.engine import Engine
+    from jaxserve.engine.core import Engine
 
     failed = []
     for backend in s.plan["backends"]:
@@ -403,7 +409,7 @@ def speed_of(engine, p: dict, result: dict, save) -> None:
     from jaxserve.bench.metrics import SLO, summarize
     from jaxserve.bench.runner import run_offline
     from jaxserve.bench.workload import LengthMix, fixed_length_workloads, mixed_workloads
-    from jaxserve.kv_pages import kv_bytes_per_page
+    from jaxserve.models.kv_pool import kv_bytes_per_page
 
     slo = SLO(ttft_s=1.0, tpot_s=0.1)  # `jaxserve bench`'s defaults
     warm = fixed_length_workloads([1], num_requests=1, prompt_len=8, max_tokens=4)[0]
@@ -648,7 +654,7 @@ def run_stage_process(name: str, args, limit_s: float) -> dict:
         # preallocation neither takes 75% of the memory for itself.
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     else:
-        cmd = [sys.executable, "-m", "jaxserve.accelerator_check", "--stage", name]
+        cmd = [sys.executable, "-m", "jaxserve.bench.accelerator_check", "--stage", name]
         cmd += ["--work-dir", str(args.work_dir), "--cache-dir", args.cache_dir]
         cmd += ["--dry-run"] if args.dry_run else []
         env = dict(os.environ, JAX_PLATFORMS="cpu") if args.dry_run else dict(os.environ)

@@ -153,7 +153,7 @@ def test_prefill_tiles_read_each_key_block_once_per_tile(small_tiles, monkeypatc
 def test_cost_model_counts_the_loops_this_attention_runs():
     # The cost model prices steps by these loops' trips without importing JAX: its copies of
     # the loop sizes must be the attention's.
-    from jaxserve import cost_model
+    from jaxserve.scheduling import cost_model
 
     assert (cost_model.DECODE_KEYS, cost_model.DECODE_KEYS_ONE_SEQ) == (
         xla_blocked._DECODE_KEYS,

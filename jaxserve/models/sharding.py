@@ -46,7 +46,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import ModelConfig
+from jaxserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,9 @@ class ShardingPlan:
                 spec = [None] * ndim
                 spec[dim] = axes
                 return P(*spec)
-        raise ValueError(f"No sharding rule for param {path!r}; add one to jaxserve/sharding.py.")
+        raise ValueError(
+            f"No sharding rule for param {path!r}; add one to jaxserve/models/sharding.py."
+        )
 
     def params(self, abstract_params: Any) -> Any:
         """A NamedSharding for every leaf of a param tree (arrays or ShapeDtypeStructs)."""

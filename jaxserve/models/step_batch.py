@@ -120,7 +120,7 @@ def pack_chunks(
         page_tables=page_tables,
         logits_indices=logits_indices,
         num_seqs=np.int32(len(chunks)),
-        # Host-known tokens only; nothing kept (jaxserve.input_batch packs with slots).
+        # Host-known tokens only; nothing kept (jaxserve.runtime.input_batch packs with slots).
         feed_slots=np.full(num_tokens, -1, np.int32),
         sample_slots=np.full(num_seqs, NO_SLOT, np.int32),
     )

@@ -14,20 +14,20 @@ import logging
 import time
 from collections.abc import Callable
 
-from jaxserve.detokenizer import (
+from jaxserve.engine.detokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
     TableDetokenizer,
     TokenTable,
     make_detokenizer,
 )
-from jaxserve.metrics import EngineMetrics
+from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.outputs import RequestMetrics, RequestOutput
-from jaxserve.request import FinishReason, Request
-from jaxserve.scheduler import Scheduler
-from jaxserve.scheduler_types import RequestUpdate
+from jaxserve.scheduling.request import FinishReason, Request
+from jaxserve.scheduling.scheduler import Scheduler
+from jaxserve.scheduling.types import RequestUpdate
 
-logger = logging.getLogger("jaxserve.engine")
+logger = logging.getLogger("jaxserve.engine.core")
 
 
 @dataclasses.dataclass

@@ -25,8 +25,8 @@ import logging
 import jax
 import numpy as np
 
-from jaxserve.batch import StepBatch, pack_chunks
-from jaxserve.sampling import SamplingBatch
+from jaxserve.models.step_batch import StepBatch, pack_chunks
+from jaxserve.runtime.sampling import SamplingBatch
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,8 @@ Concurrency:
   receives the error at once and new requests are refused. `shutdown()` aborts the requests
   left (so the engine is idle, its pages free, and it can be reused) and ends open streams the
   same way. Nothing hangs.
-- Multi-host (jaxserve/multihost.py): each step the engine thread runs also goes to the other
+- Multi-host (jaxserve/runtime/multihost.py): each step the engine thread runs also goes to the
+other
   processes. An AsyncEngine that built its Engine releases them (`runner.stop_followers()`, a
   no-op on one host) from the engine thread as it ends, after closing the streams; given an
   Engine, the caller owns it and releases them.
@@ -46,11 +47,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from jaxserve.engine import Engine
+from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.slo_policy import save_served_scale
+from jaxserve.scheduling.slo_policy import save_served_scale
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import ModelConfig
+from jaxserve.models.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Any, NamedTuple
 
-from jaxserve.request import FinishReason, Request
+from jaxserve.scheduling.request import FinishReason, Request
 
 POLICIES = ("fcfs", "priority")
 BATCHING_MODES = ("continuous", "static", "dynamic")

@@ -1,9 +1,11 @@
 """Replays a workload through the real scheduler on a virtual clock: hours of traffic in seconds.
 
-`simulate` drives `jaxserve.scheduler.Scheduler`, configured from an `EngineConfig` as the engine
+`simulate` drives `jaxserve.scheduling.scheduler.Scheduler`, configured from an `EngineConfig` as
+the engine
 configures it, the way `bench.runner.run_offline` drives an engine: requests join at their
 arrival times, each step is planned by the scheduler, and instead of running on a device the
-clock advances by the step's time predicted by a measured cost model (jaxserve/cost_model.py).
+clock advances by the step's time predicted by a measured cost model
+(jaxserve/scheduling/cost_model.py).
 The loop is `Engine.step`'s: with asynchronous scheduling (the default) step t+1 is planned
 while step t runs, before step t's tokens are applied and before the requests that arrive
 during step t are admitted, so a request arriving mid-step starts one step later than a
@@ -23,13 +25,13 @@ from __future__ import annotations
 import collections
 import math
 
-from jaxserve import slo_policy
 from jaxserve.bench.runner import RequestRecord, RunResult, Timeline, prompt_for, sampling_for
 from jaxserve.bench.workload import Workload
-from jaxserve.cost_model import CostModel
 from jaxserve.engine_config import EngineConfig
-from jaxserve.request import Request
-from jaxserve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
+from jaxserve.scheduling import slo_policy
+from jaxserve.scheduling.cost_model import CostModel
+from jaxserve.scheduling.request import Request
+from jaxserve.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StepResult
 
 FAKE_TOKEN = 3  # any id: outputs ignore EOS, so their values never matter
 DEFAULT_VOCAB = 32000  # prompt ids only matter to the prefix cache, which sees equal ones equal

@@ -12,13 +12,13 @@ import math
 from collections.abc import Callable
 
 from checkpoints import LoadedModel, load_model
-from jaxserve.buckets import bucket_ladder
-from jaxserve.config import ModelConfig
 from jaxserve.engine_config import EngineConfig
-from jaxserve.kv_pages import kv_bytes_per_page, pages_that_fit
-from jaxserve.model_runner import ModelRunner, RunnerConfig, enable_compilation_cache
-from jaxserve.multihost import agree_min
-from jaxserve.sharding import ShardingPlan, make_mesh
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.kv_pool import kv_bytes_per_page, pages_that_fit
+from jaxserve.models.sharding import ShardingPlan, make_mesh
+from jaxserve.runtime.buckets import bucket_ladder
+from jaxserve.runtime.model_runner import ModelRunner, RunnerConfig, enable_compilation_cache
+from jaxserve.runtime.multihost import agree_min
 
 DEFAULT_MAX_MODEL_LEN = 4096
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.config import ModelConfig, RopeConfig
+from jaxserve.models.config import ModelConfig, RopeConfig
 from jaxserve.models.loaded import (
     LoadedModel,
     abstract_params,

@@ -28,20 +28,20 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jaxserve.builder import build_runner
+from jaxserve.engine.metrics import EngineMetrics, PhaseClock
+from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine_config import EngineConfig
-from jaxserve.input_batch import InputBatch
-from jaxserve.metrics import EngineMetrics, PhaseClock
-from jaxserve.model_runner import ModelRunner
 from jaxserve.models.loaded import LoadedModel
-from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput, TokenLogprob
-from jaxserve.request import FinishReason, Request
-from jaxserve.sampling import SamplingBatch
+from jaxserve.runtime.builder import build_runner
+from jaxserve.runtime.input_batch import InputBatch
+from jaxserve.runtime.model_runner import ModelRunner
+from jaxserve.runtime.sampling import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler, SchedulerOutput, StepResult
-from jaxserve.scheduler_types import RequestUpdate
-from jaxserve.slo_policy import attach_to_engine
+from jaxserve.scheduling.request import FinishReason, Request
+from jaxserve.scheduling.scheduler import Scheduler, SchedulerOutput, StepResult
+from jaxserve.scheduling.slo_policy import attach_to_engine
+from jaxserve.scheduling.types import RequestUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class Engine:
             raise ValueError(
                 f"beam_width={params.beam_width} asks for a beam search, which runs over the "
                 f"engine rather than inside one request: use LLM.beam_search or "
-                f"jaxserve.beam_search."
+                f"jaxserve.engine.beam_search."
             )
         if params.seed is None:  # drawn now, so a preempted request resamples the same tokens
             params = dataclasses.replace(params, seed=random.getrandbits(32))

@@ -62,7 +62,7 @@ PER_BUCKET = frozenset({"tokens", "decode_keys"})
 # decode key is not priced as a 64-slot one.
 PER_SLOT = frozenset({"decode_keys"})
 # The CPU attention's loop sizes (xla_blocked: _DECODE_KEYS, _DECODE_KEYS_ONE_SEQ, _TILE_ROWS,
-# _TILE_KEYS), here without JAX; tests/kernels/test_xla_tiled.py checks they agree.
+# _TILE_KEYS), here without JAX; tests/kernels/test_xla_blocked.py checks they agree.
 DECODE_KEYS, DECODE_KEYS_ONE_SEQ, TILE_ROWS, TILE_KEYS = 32, 128, 64, 128
 # A step this many times slower than predicted was not the step's doing (a compile, a swap):
 # refit without it. Milder slowdowns (a busy neighbour) stay in: serving meets them too.

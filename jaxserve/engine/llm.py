@@ -6,9 +6,9 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from jaxserve import beam_search
-from jaxserve.beam_search import Beam
-from jaxserve.engine import Engine
+from jaxserve.engine import beam_search
+from jaxserve.engine.beam_search import Beam
+from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import RequestMetrics, TokenLogprob
 from jaxserve.sampling_params import SamplingParams
@@ -109,7 +109,7 @@ class LLM:
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
     ) -> list[list[Beam]]:
-        """Every beam of a beam search per prompt (best score first; jaxserve/beam_search.py
+        """Every beam of a beam search per prompt (best score first; jaxserve/engine/beam_search.py
         has the rule), in the prompts' order. beam_width=1 is greedy decoding; stop_token_ids
         end a beam as EOS does."""
         params = SamplingParams(

@@ -2,7 +2,7 @@
 
 The knobs (token budget, max sequences, chunked prefill, policy, SLO-aware scheduling) trade
 TTFT against TPOT in ways that depend on the model, the machine and the traffic. `tune`
-simulates every combination of a grid (jaxserve/simulator.py, a few hundred milliseconds each)
+simulates every combination of a grid (jaxserve/bench/simulator.py, a few hundred milliseconds each)
 and ranks them by goodput under the SLO, then by lower TTFT p50; `serve_command` prints the
 `jaxserve serve` line of the winner. The ranking is only as good as the cost model: measure the
 winner for real (docs/benchmarks.md does) before trusting a small margin.
@@ -15,10 +15,10 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from jaxserve.bench.metrics import SLO, summarize
+from jaxserve.bench.simulator import simulate
 from jaxserve.bench.workload import Workload
-from jaxserve.cost_model import CostModel
 from jaxserve.engine_config import EngineConfig
-from jaxserve.simulator import simulate
+from jaxserve.scheduling.cost_model import CostModel
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

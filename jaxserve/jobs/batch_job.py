@@ -7,7 +7,7 @@ A line without an id gets `line-N`, N its line number (stable as long as the fil
 Output: one JSON object a line as each request finishes, in completion order:
 `{"id", "text", "prompt_tokens", "output_tokens", "finish_reason"}` (+ `token_ids` if asked).
 
-Beam search: a line with `beam_width` > 1 runs a beam search (jaxserve/beam_search.py) beside
+Beam search: a line with `beam_width` > 1 runs a beam search (jaxserve/engine/beam_search.py) beside
 the other lines' requests on the same engine. Its output line has the best beam in the usual
 fields (`output_tokens` counts its tokens) and every beam, best first, in `beams`: `{"text",
 "token_ids", "cumulative_logprob", "score", "finish_reason"}`. A search whose request failed has
@@ -44,11 +44,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxserve import beam_search
+from jaxserve.engine import beam_search
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # not at run time: a Ray driver reads and writes without importing JAX
-    from jaxserve.engine import Engine
+    from jaxserve.engine.core import Engine
 
 _SAMPLING_KEYS = (
     "temperature",
@@ -479,7 +479,7 @@ def __getattr__(name: str):
     # The Ray path lives in batch_ray.py (it needs the optional `ray`); found here too, beside
     # run_batch, without importing it until asked.
     if name in ("run_ray", "BatchPredictor", "RayBatchSummary"):
-        from jaxserve import batch_ray
+        from jaxserve.jobs import ray_replicas as batch_ray
 
         return getattr(batch_ray, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -54,9 +54,9 @@ import itertools
 import numbers
 import time
 
-from jaxserve.kv_cache_manager import KVCacheManager, PageHasher
-from jaxserve.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
-from jaxserve.scheduler_types import (  # noqa: F401 - re-exported: the scheduler's API
+from jaxserve.scheduling.kv_cache_manager import KVCacheManager, PageHasher
+from jaxserve.scheduling.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
+from jaxserve.scheduling.types import (  # noqa: F401 - re-exported: the scheduler's API
     BATCHING_MODES,
     POLICIES,
     QueueFull,

@@ -7,7 +7,8 @@ its TPOT target. `SloPolicy` is consulted by the scheduler once per step (`Sched
 and returns the step's token budget:
 
 - no decodes running, or no TPOT target: the whole budget (no one's TPOT to protect);
-- otherwise the largest token bucket whose predicted step time (jaxserve/cost_model.py), with
+- otherwise the largest token bucket whose predicted step time (jaxserve/scheduling/cost_model.py),
+with
   one token per decode and the rest prefill, stays within the step's allowance: `headroom *
   tpot_s` plus the slack of the decoding rows, the least time any of them has saved on its
   earlier steps (its TPOT target is a mean over its tokens, as goodput scores it: a row whose
@@ -75,7 +76,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from jaxserve.cost_model import (
+from jaxserve.scheduling.cost_model import (
     CostModel,
     CostModelError,
     StepWork,
@@ -84,7 +85,7 @@ from jaxserve.cost_model import (
     prefill_blocks,
     work_of,
 )
-from jaxserve.request import FinishReason, Request
+from jaxserve.scheduling.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
 
@@ -447,7 +448,8 @@ def attach_to_engine(engine) -> SloPolicy | None:
 
     The cost model is `config.cost_model`'s file when it was measured for this model, dtype,
     device kind and bucket ladder, in the terms of this engine's attention. Otherwise, unless
-    `calibrate_cost_model` is False, it is measured now (jaxserve/calibration.py) and saved to
+    `calibrate_cost_model` is False, it is measured now (jaxserve/engine/calibration.py) and saved
+    to
     that path for the next start; a file that does not apply is then replaced, with a warning
     that says why. With
     `calibrate_cost_model` False such a file is an error; with True the model is measured even
@@ -457,7 +459,7 @@ def attach_to_engine(engine) -> SloPolicy | None:
     calibrate = config.calibrate_cost_model
     if not (config.cost_model or config.slo_scheduling or calibrate):
         return None
-    from jaxserve import calibration  # the engine's path only: it imports jax
+    from jaxserve.engine import calibration  # the engine's path only: it imports jax
 
     cost, source = None, "file"
     if config.cost_model and calibrate is not True:

@@ -1,0 +1,2 @@
+"""Runtime: what runs a step on the device: the runner, the input batch, sampling, buckets, the
+builder, multi-host."""

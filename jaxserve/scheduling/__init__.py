@@ -1,0 +1,1 @@
+"""Scheduling: which requests run how many tokens each step, on the host, without jax."""

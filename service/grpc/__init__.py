@@ -1,0 +1,1 @@
+"""The gRPC front end: the servicer, wire conversion and a Python client."""
