@@ -249,7 +249,7 @@ class JaxServeServer:
     async def _start_http(self) -> None:
         """The OpenAI-compatible API on its own port, over the same engine, state and drain."""
         from service.http import HttpListener
-        from service.http.app import OpenAIFrontEnd
+        from service.http.serving import OpenAIFrontEnd
 
         opts = self.options
         self.http_app = OpenAIFrontEnd(self.lifecycle, self.options, self.registry)
