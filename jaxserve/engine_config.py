@@ -20,66 +20,103 @@ def default_compilation_cache_dir() -> str | None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """How one engine serves one model. Defaults suit the CPU and the embedded model."""
+    """How one engine serves one model. Defaults suit the CPU and the embedded model.
 
-    model: str | None = None  # folder or named random shape; None: the embedded default
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on accelerators
-    seed: int = 0  # weight seed of named random shapes
-    max_num_seqs: int = 32  # slots: rows of the decode batch
-    max_num_batched_tokens: int = 256  # token budget of one iteration (largest token bucket)
-    max_model_len: int | None = None  # None: the model's context, capped at 4096
+    Each field's docstring is its meaning and the help of its command-line flag, which
+    jaxserve/engine_args.py declares for every command (`jaxserve serve --help`).
+    """
+
+    model: str | None = None
+    """Model folder (Hugging Face, or written by `jaxserve convert`) or named random-weight shape
+    (llama-tiny, qwen3-tiny, smollm2-135m, llama3.2-1b, qwen3-0.6b); None: the embedded
+    stories260k."""
+    dtype: str | None = None
+    """Parameter dtype; None: float32 on the CPU, bfloat16 on accelerators."""
+    seed: int = 0
+    """Weight seed of named random shapes."""
+    max_num_seqs: int = 32
+    """Slots: rows of the decode batch."""
+    max_num_batched_tokens: int = 256
+    """Token budget of one iteration (the largest token bucket)."""
+    max_model_len: int | None = None
+    """Context of a request, prompt and output, in tokens; None: the model's, capped at 4096."""
     page_size: int = 16
-    num_pages: int | None = None  # None: sized from free device memory (or kv_cache_memory_gb)
-    kv_cache_memory_gb: float = 1.0  # per device, where JAX reports no device memory (the CPU)
-    kv_cache_memory_fraction: float = 0.9  # of each device's memory free once params are placed
-    tensor_parallel: int = 1  # devices the model is split over (jaxserve/models/sharding.py)
-    mesh_shape: tuple[int, int] | None = None  # (data, model); given, it wins over tensor_parallel
+    """Tokens per KV-cache page."""
+    num_pages: int | None = None
+    """KV-cache pages; None: sized from free device memory (or kv_cache_memory_gb)."""
+    kv_cache_memory_gb: float = 1.0
+    """KV-cache memory per device, where JAX reports no device memory (the CPU)."""
+    kv_cache_memory_fraction: float = 0.9
+    """Share of each device's memory, free once params are placed, that the KV cache takes."""
+    tensor_parallel: int = 1
+    """Devices the model is split over (jaxserve/models/sharding.py)."""
+    mesh_shape: tuple[int, int] | None = None
+    """Device mesh (data, model); given, it wins over tensor_parallel."""
     enable_chunked_prefill: bool = True
-    # Plan step t+1 while the device runs step t, its sampled tokens fed on the device (engine
-    # module docstring). Off: each step is planned once the last one's tokens are on the host.
+    """Split prompts longer than the token budget over steps; off: each prompt runs whole in one
+    step (needs a budget of max_model_len tokens)."""
     async_scheduling: bool = True
-    # Reuse the KV of full pages a request shares with one served before (a system prompt, a
-    # chat's history): admission skips them, and freed pages stay cached until needed.
+    """Plan step t+1 while the device runs step t, its sampled tokens fed on the device (engine
+    module docstring); off: each step is planned once the last one's tokens are on the host."""
     enable_prefix_caching: bool = True
+    """Reuse the KV of full pages a request shares with one served before (a system prompt, a
+    chat's history): admission skips them, and freed pages stay cached until needed."""
     policy: str = "fcfs"
-    # Priority policy: a waiting request gains one priority level per this many seconds, so low
-    # priorities are never starved (SchedulerConfig.priority_aging_s). None: strict priority.
+    """Order of admission: fcfs (arrival), or priority (a request's priority, then arrival)."""
     priority_aging_s: float | None = 10.0
+    """Priority policy: a waiting request gains one priority level per this many seconds, so low
+    priorities are never starved (SchedulerConfig.priority_aging_s); None: strict priority."""
     batching: str = "continuous"
-    batch_size: int | None = None  # static/dynamic group size; None: max_num_seqs
+    """continuous (any waiting request joins any step), static (groups of batch_size run until
+    all members finish) or dynamic (static, but a group waits to be full unless its oldest
+    request has waited dynamic_timeout_s); static and dynamic are kept for comparison."""
+    batch_size: int | None = None
+    """Group size of static and dynamic batching; None: max_num_seqs."""
     dynamic_timeout_s: float = 0.05
+    """Dynamic batching: seconds a short group's oldest request waits before the group starts."""
     max_waiting_requests: int = 4096
-    attention_backend: str = "auto"  # xla on the CPU, the Pallas kernel on TPU/GPU
-    min_token_bucket: int = 1  # decode-only steps then run exactly as many tokens as seqs
+    """Waiting requests beyond which new ones are refused as the queue is full."""
+    attention_backend: str = "auto"
+    """auto: xla on the CPU, the Pallas kernel on TPU/GPU; or one of
+    jaxserve/models/attention.py's ATTENTION_BACKENDS (reference, xla, pallas, ...)."""
+    min_token_bucket: int = 1
+    """Smallest token bucket; 1: decode-only steps run exactly as many tokens as sequences."""
     token_bucket_factor: int = 2
-    # Token buckets grow by at most this many tokens (model_runner.bucket_ladder): less padding
-    # for large steps, more buckets to compile. None: geometric by token_bucket_factor.
+    """Token buckets grow geometrically by this factor, up to max_num_batched_tokens."""
     token_bucket_step: int | None = None
+    """Token buckets grow by at most this many tokens (model_runner.bucket_ladder): less padding
+    for large steps, more buckets to compile; None: geometric by token_bucket_factor."""
     seq_bucket_factor: int = 2
+    """Sequence buckets (rows of a step) grow geometrically by this factor."""
     precompile: bool = True
-    # JAX's persistent compilation cache: a restart (or another engine of the same shapes)
-    # loads its buckets instead of compiling them again. None or "" turns it off.
+    """Compile every bucket at start-up, so that no request waits for a compile."""
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=default_compilation_cache_dir
     )
+    """JAX's persistent compilation cache: a restart (or another engine of the same shapes)
+    loads its buckets instead of compiling them again; $JAXSERVE_COMPILATION_CACHE sets the
+    default; None or "" turns it off."""
     show_progress: bool = True
-    ttft_slo_s: float | None = None  # goodput targets: a request meeting both counts as good
+    """Progress bars while buckets compile."""
+    ttft_slo_s: float | None = None
+    """Time-to-first-token target, seconds: a request meeting both targets counts toward
+    goodput; None: no target."""
     tpot_slo_s: float | None = None
-    # SLO-aware scheduling (jaxserve/scheduling/slo_policy.py): each step's prefill is sized so the
-    # step's
-    # predicted time keeps decodes within tpot_slo_s, by the step-cost model (cost_model.py).
+    """Time-per-output-token target, seconds (see ttft_slo_s)."""
     slo_scheduling: bool = False
-    # The cost model's JSON file (`jaxserve bench --profile steps`, or an earlier engine's
-    # calibration): loaded when it was measured for this model, dtype, device kind and buckets.
+    """SLO-aware scheduling (jaxserve/scheduling/slo_policy.py): each step's prefill is sized so
+    that the step's predicted time keeps decodes within tpot_slo_s, by the step-cost model
+    (cost_model.py)."""
     cost_model: str | None = None
-    # Measure the cost model at warm-up (jaxserve/engine/calibration.py: a few timed steps per
-    # bucket,
-    # after precompile), saved to `cost_model` when a path is given. None: only when
-    # slo_scheduling has no file that applies; True: always; False: never (a file must apply).
+    """The step-cost model's JSON file (`jaxserve bench --profile steps`, or an earlier engine's
+    calibration): loaded when it was measured for this model, dtype, device kind and buckets."""
     calibrate_cost_model: bool | None = None
-    # With slo_scheduling and a TTFT target: refuse (finish reason "refused") a waiting request
-    # that would miss ttft_slo_s even if started now, rather than spend capacity on one lost.
+    """Measure the cost model at warm-up (jaxserve/engine/calibration.py: a few timed steps per
+    bucket, after precompile), saved to cost_model when a path is given. None: only when
+    slo_scheduling has no file that applies; True: always; False: never (a file must apply)."""
     shed_late: bool = False
+    """With slo_scheduling and a TTFT target: refuse (finish reason "refused") a waiting request
+    that would miss ttft_slo_s even if started now, rather than spend capacity on one lost."""
 
     def __post_init__(self):
         for name in (

@@ -1,11 +1,11 @@
 """The server's life, shared by its front ends: the state, the engine once warm, who may come
 in, the calls in flight, tokenizing off the loop, and the engine's death.
 
-The gRPC servicer (servicer.py) and the HTTP front end (http/app.py) hold this object, not the
-server: they read the state and the engine here, admit and count their calls here, tokenize on
-its threads, and report an engine death here. The server (server.py) drives it through WARMING
--> SERVING -> DRAINING -> STOPPED, or FAILED, and owns health, ports and signals. Everything runs
-on the server's event loop.
+The gRPC servicer (grpc/servicer.py) and the HTTP front end (http/routes.py) hold this object,
+not the server: they read the state and the engine here, admit and count their calls here,
+tokenize on its threads, and report an engine death here. The server (server.py) drives it
+through WARMING -> SERVING -> DRAINING -> STOPPED, or FAILED, and owns health, ports and signals.
+Everything runs on the server's event loop.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from jaxserve.engine.async_engine import EngineDeadError
 
 if TYPE_CHECKING:
     from jaxserve.engine.async_engine import AsyncEngine
-    from service.grpc.convert import PromptLimit
+    from service.validation import PromptLimit
 
 
 class State(enum.Enum):

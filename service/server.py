@@ -18,9 +18,10 @@ Concurrency:
   threads, then await their AsyncEngine stream. A client sending megabytes costs the loop the
   parse of its message, not seconds of tokenizing.
 - One engine thread (AsyncEngine) owns the Engine. Handlers reach it only through
-  `AsyncEngine.generate()` and read it only through values fixed at start-up (model config,
-  limits) and `snapshot()`. The tokenizer is the exception: the tokenizer threads encode while
-  the engine thread decodes; the Rust tokenizer takes shared borrows for both.
+  `AsyncEngine.generate()` and read it only through values fixed at start-up
+  (`AsyncEngine.info`: the model's name, vocabulary and limits) and `snapshot()`. The tokenizer
+  is the exception: the tokenizer threads encode while the engine thread decodes; the Rust
+  tokenizer takes shared borrows for both.
 - Warm-up (model load, bucket compilation) runs on its own daemon thread so the loop keeps
   answering health checks meanwhile, and a SIGTERM during warm-up is not held up by it.
 - prometheus_client serves /metrics from its own HTTP thread; the registries it reads are
@@ -28,7 +29,7 @@ Concurrency:
 - A cancelled, disconnected or expired call cancels its handler task; closing the handler's
   engine stream posts an abort, and the engine frees the slot and pages at its next iteration.
 - Bounded: a request message (max_message_bytes; beyond it INVALID_ARGUMENT, and beyond 4x it
-  gRPC itself refuses it unread), the text worth tokenizing (convert.PromptLimit), the engine's
+  gRPC itself refuses it unread), the text worth tokenizing (validation.PromptLimit), the engine's
   waiting queue (max_waiting_requests, beyond it RESOURCE_EXHAUSTED) and one output queue per
   open stream, holding at most that request's tokens.
 """
@@ -50,8 +51,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from jaxserve.engine.async_engine import AsyncEngine
+from service import validation
 from service.auth import BearerTokenInterceptor
-from service.grpc import convert
 from service.grpc.servicer import SERVICE_NAME, JaxServeServicer
 from service.lifecycle import Lifecycle, State
 from service.logs import configure_logging, log
@@ -129,7 +130,7 @@ class JaxServeServer:
         self.metrics_port: int | None = None
         self.http_port: int | None = None
         self._http = None  # service.http.HttpListener, with options.http_port
-        self.http_app = None  # service.http.app.OpenAIFrontEnd, with options.http_port
+        self.http_app = None  # service.http.routes.OpenAIFrontEnd, with options.http_port
         self._ready = asyncio.Event()  # serving, or warm-up failed
         self._force = asyncio.Event()  # end the drain now
         self.failed = asyncio.Event()  # set once the engine has died while serving
@@ -248,11 +249,17 @@ class JaxServeServer:
 
     async def _start_http(self) -> None:
         """The OpenAI-compatible API on its own port, over the same engine, state and drain."""
+        # Imported here, so that a server without HTTP never loads FastAPI and uvicorn.
         from service.http import HttpListener
-        from service.http.serving import OpenAIFrontEnd
+        from service.http.routes import OpenAIFrontEnd
 
         opts = self.options
-        self.http_app = OpenAIFrontEnd(self.lifecycle, self.options, self.registry)
+        self.http_app = OpenAIFrontEnd(
+            self.lifecycle,
+            self.registry,
+            auth_token=opts.auth_token,
+            health_without_auth=opts.health_without_auth,
+        )
         self._http = HttpListener(
             self.http_app.app,
             opts.host,
@@ -344,7 +351,9 @@ class JaxServeServer:
             await asyncio.to_thread(engine.shutdown)
             return
         # Read from the vocabulary once, off the loop (health checks keep being answered).
-        self.lifecycle.prompt_limit = await asyncio.to_thread(convert.prompt_limit, engine.engine)
+        self.lifecycle.prompt_limit = await asyncio.to_thread(
+            validation.prompt_limit, engine.tokenizer, engine.info.max_model_len
+        )
         if self.state is not State.WARMING:
             await asyncio.to_thread(engine.shutdown)
             return
@@ -352,15 +361,14 @@ class JaxServeServer:
         for name in ("", SERVICE_NAME):
             await self._health.set(name, _SERVING)
         self._serving_gauge.set(1)
-        e = engine.engine
         _log(
             logging.INFO,
             "serving",
-            model=str(e.model.source),
+            model=engine.info.model,
             warmup_s=round(warmup_s, 3),
-            max_model_len=e.max_model_len,
+            max_model_len=engine.info.max_model_len,
             max_prompt_bytes=self.lifecycle.prompt_limit.max_bytes,
-            compiles=e.runner.num_compiles,
+            compiles=engine.num_compiles,
         )
         self._spawn(self._watch_engine())
         self._ready.set()
@@ -403,7 +411,7 @@ class _EngineCollector:
     def collect(self):
         engine = self._server.engine
         if engine is not None:
-            yield from engine.engine.metrics.registry.collect()
+            yield from engine.metrics_registry.collect()
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

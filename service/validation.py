@@ -1,12 +1,13 @@
 """The checks every front end runs on a request before it reaches the engine thread.
 
 gRPC (service/grpc/convert.py) and the OpenAI-compatible HTTP API (service/http/) both call these,
-so
-a bad value is refused with the same sentence whichever way it came: each check raises
+so a bad value is refused with the same sentence whichever way it came: each check raises
 `InvalidRequest` naming the field (as the caller's protocol spells it) and the value. A bad
 request costs the engine nothing and the client learns exactly what to fix. `SamplingParams`
 keeps the final word on sampling values (its own messages name them too); the checks here are
-the ones that need the model: the vocabulary, the context length, the tokenizer.
+the ones that need the model: the vocabulary, the context length, the tokenizer. They read the
+model only through the engine's `EngineInfo` (jaxserve/engine/info.py), plain values fixed at
+start-up, so they run on any thread and a test can hand them a made-up one.
 
 Text is refused before it is tokenized when it has more bytes than any prompt that fits the
 context could have (`PromptLimit`): tokenizing megabytes only to learn they do not fit would
@@ -18,9 +19,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.engine.info import EngineInfo
 
 DEFAULT_MAX_TOKENS = next(
     f.default for f in dataclasses.fields(SamplingParams) if f.name == "max_tokens"
@@ -80,26 +84,25 @@ class PromptLimit:
             )
 
 
-def prompt_limit(engine) -> PromptLimit:
-    """The engine's PromptLimit, from its tokenizer's vocabulary (a few ms for 150k tokens)."""
-    tokenizer = engine.tokenizer
+def prompt_limit(tokenizer, max_model_len: int) -> PromptLimit:
+    """The PromptLimit of a tokenizer's vocabulary (a few ms for 150k tokens) and a context."""
     if tokenizer is None:  # text is refused anyway; only token ids can be sent
-        return PromptLimit(engine.max_model_len, 1)
+        return PromptLimit(max_model_len, 1)
     ids = list(range(len(tokenizer)))
     # Both forms, since each can be the longer: the vocabulary's own strings ('▁the', 'Ġthe',
     # '<0xE3>') and what a token decodes to alone (special tokens such as '<|endoftext|>').
     pieces = [*tokenizer.convert_ids_to_tokens(ids), *tokenizer.batch_decode([[i] for i in ids])]
     longest = max((len(p.encode("utf-8", "surrogatepass")) for p in pieces if p), default=1)
-    return PromptLimit(engine.max_model_len, max(longest, 4))  # 4: any one character fits
+    return PromptLimit(max_model_len, max(longest, 4))  # 4: any one character fits
 
 
-def check_text(field: str, text: str, engine, limit: PromptLimit) -> None:
+def check_text(field: str, text: str, info: EngineInfo, limit: PromptLimit) -> None:
     """Raises InvalidRequest for a text that is empty, cannot be tokenized, or cannot fit."""
     if not text:
         raise InvalidRequest(f"{field}='' is empty: send some text.", field)
-    if engine.tokenizer is None:
+    if not info.has_tokenizer:
         raise InvalidRequest(
-            f"{field}={short(text)} cannot be tokenized: model {engine.model.source} "
+            f"{field}={short(text)} cannot be tokenized: model {info.model} "
             "has no tokenizer; send token ids instead.",
             field,
         )
@@ -118,19 +121,21 @@ def check_vocab(field: str, ids: Sequence[int], vocab_size: int) -> None:
         )
 
 
-def check_token_ids(field: str, ids: Sequence[int], engine) -> None:
+def check_token_ids(field: str, ids: Sequence[int], info: EngineInfo) -> None:
     """Raises InvalidRequest for a token-id prompt that is empty or leaves the vocabulary."""
     if not ids:
         raise InvalidRequest(f"{field}=[] is empty: send at least one token id.", field)
-    check_vocab(field, ids, engine.model.config.vocab_size)
+    check_vocab(field, ids, info.vocab_size)
 
 
-def check_prompt_fits(what: str, ids: Sequence[int], engine, field: str | None = None) -> None:
+def check_prompt_fits(
+    what: str, ids: Sequence[int], info: EngineInfo, field: str | None = None
+) -> None:
     """Raises InvalidRequest when the prompt leaves no room for an output token.
 
     `what` says which prompt it was in the message (e.g. "text='Once upon'", "token_ids").
     """
-    context = engine.max_model_len
+    context = info.max_model_len
     if len(ids) >= context:
         raise InvalidRequest(
             f"The prompt ({what}) has {len(ids)} tokens, beyond the context: max_model_len="
@@ -154,7 +159,7 @@ def sampling_params(
     fields: Mapping[str, Any],
     *,
     num_prompt_tokens: int,
-    engine,
+    info: EngineInfo,
     prefix: str = "",
 ) -> SamplingParams:
     """SamplingParams from the fields a client set (absent ones take the defaults).
@@ -164,7 +169,7 @@ def sampling_params(
     it. max_tokens defaults to what the context leaves room for, at most the usual default.
     """
     kwargs = dict(fields)
-    context = engine.max_model_len
+    context = info.max_model_len
     room = context - num_prompt_tokens
     max_tokens = kwargs.get("max_tokens")
     if max_tokens is None:
@@ -191,7 +196,7 @@ def sampling_params(
                 f"{prefix}stop",
             )
     kwargs["stop"] = stop
-    vocab = engine.model.config.vocab_size
+    vocab = info.vocab_size
     check_vocab(f"{prefix}stop_token_ids", list(kwargs.get("stop_token_ids", ())), vocab)
     check_vocab(f"{prefix}logit_bias", [int(t) for t in kwargs.get("logit_bias", {})], vocab)
     try:

@@ -116,19 +116,30 @@ def plan(dry_run: bool) -> dict:
     )
 
 
-def engine_config(p: dict, backend: str, cache_dir: str, **overrides):
-    """The EngineConfig every stage builds its engines from (one set of buckets per backend)."""
-    from jaxserve.engine_config import EngineConfig
+# JAX's persistent compilation cache the stages share, unless --compilation-cache-dir is given.
+CACHE_DIR = os.path.join(tempfile.gettempdir(), "jaxserve-accelerator-check-xla")
 
-    return EngineConfig(
+
+def plan_engine(p: dict) -> dict:
+    """The plan's engine fields: what the engine flags not given are here."""
+    return dict(
         model=p["model"],
         dtype=p["dtype"],
-        attention_backend=backend,
         token_bucket_factor=4,
         seq_bucket_factor=4,
-        compilation_cache_dir=cache_dir,
-        show_progress=False,
-        **{**p["engine"], **overrides},
+        compilation_cache_dir=CACHE_DIR,
+        **p["engine"],
+    )
+
+
+def engine_config(args, p: dict, backend: str, **overrides):
+    """The EngineConfig every stage builds its engines from (one set of buckets per backend):
+    the plan's, but for the engine flags given. The attention backend is what the stages
+    compare, so it is the stage's to set, whatever --attention-backend says."""
+    from jaxserve.engine_args import engine_config_from_args
+
+    return engine_config_from_args(
+        args, plan_engine(p), attention_backend=backend, show_progress=False, **overrides
     )
 
 
@@ -288,13 +299,13 @@ def stage_engine_correctness(s: Stage) -> None:
 
 def _correctness_of(s: Stage, backend: str) -> list[list[int]]:
     """One backend's engine: built, asked for greedy tokens, its pool and compiles recorded."""
-    from jaxserve.engine.core import Engine
+    from jaxserve.engine.build import build_engine
     from jaxserve.models.kv_pool import kv_bytes_per_page, pages_that_fit
 
     p = s.plan
     before = device_memory()
     start, cpu = time.perf_counter(), time.process_time()
-    engine = Engine(engine_config(p, backend, s.args.cache_dir))
+    engine = build_engine(engine_config(s.args, p, backend))
     build = {
         "build_s": round(time.perf_counter() - start, 2),
         "build_cpu_s": round(time.process_time() - cpu, 2),
@@ -346,7 +357,7 @@ def stage_tiny_f32_vs_cpu(s: Stage) -> None:
         "--tiny-cpu-tokens",
         str(cpu_out),
     ]
-    cmd += ["--cache-dir", s.args.cache_dir] + (["--dry-run"] if s.args.dry_run else [])
+    cmd += _engine_flags(s.args) + (["--dry-run"] if s.args.dry_run else [])
     log_path = s.path.with_name("tiny_cpu.log")
     with open(log_path, "w") as log:  # a file, not a pipe nobody reads while the device runs
         cpu = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -356,7 +367,7 @@ def stage_tiny_f32_vs_cpu(s: Stage) -> None:
     # set on the CPU, where it is the default anyway and would only change the cache key.)
     on_cpu = jax.default_backend() == "cpu"
     with contextlib.nullcontext() if on_cpu else jax.default_matmul_precision("highest"):
-        here = tiny_tokens(p, s.args.cache_dir, backend="auto")
+        here = tiny_tokens(s.args, p, backend="auto")
     s.put("device_backend", jax.default_backend())
     s.put("device_tokens", here)
     if cpu.wait() != 0:
@@ -367,11 +378,12 @@ def stage_tiny_f32_vs_cpu(s: Stage) -> None:
     s.put("tokens_equal", compare_tokens(here, theirs))
 
 
-def tiny_tokens(p: dict, cache_dir: str, backend: str) -> list[list[int]]:
-    from jaxserve.engine.core import Engine
+def tiny_tokens(args, p: dict, backend: str) -> list[list[int]]:
+    from jaxserve.engine.build import build_engine
 
-    cfg = engine_config(p, backend, cache_dir, **p["tiny_engine"])
-    engine = Engine(cfg.replace(model="llama-tiny", dtype="float32"))
+    # The stage's own small engine, whatever the engine flags say: the same on both halves.
+    tiny = dict(p["tiny_engine"], model="llama-tiny", dtype="float32")
+    engine = build_engine(engine_config(args, p, backend, **tiny))
     prompts = prompt_ids(p["tiny_prompt_lens"], engine.model.config.vocab_size, "tiny")
     return greedy_tokens(engine, prompts, p["tiny_tokens"])
 
@@ -380,13 +392,13 @@ def stage_speed(s: Stage) -> None:
     """Per backend: single stream (TPOT, MBU), bursts, the mixed profile at saturation."""
     import gc
 
-    from jaxserve.engine.core import Engine
+    from jaxserve.engine.build import build_engine
 
     failed = []
     for backend in s.plan["backends"]:
         result: dict = {}
         try:
-            engine = Engine(engine_config(s.plan, backend, s.args.cache_dir))
+            engine = build_engine(engine_config(s.args, s.plan, backend))
             speed_of(engine, s.plan, result, lambda b=backend, r=result: s.put(b, r))
         except Exception as e:  # keep the other backend's numbers
             failed.append(backend)
@@ -497,7 +509,7 @@ def stage_peer(s: Stage) -> None:
     dry = s.args.dry_run
     device = "cpu" if dry or not torch.cuda.is_available() else "cuda"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    mc = NAMED_SHAPES[s.plan["model"]]
+    mc = NAMED_SHAPES[engine_config(s.args, s.plan, "xla").model]  # the engines' model
     model = _hf_model(mc, device, dtype)
     s.put("device", torch.cuda.get_device_name() if device == "cuda" else "cpu")
     s.put("dtype", str(dtype))
@@ -655,7 +667,7 @@ def run_stage_process(name: str, args, limit_s: float) -> dict:
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     else:
         cmd = [sys.executable, "-m", "jaxserve.bench.accelerator_check", "--stage", name]
-        cmd += ["--work-dir", str(args.work_dir), "--cache-dir", args.cache_dir]
+        cmd += ["--work-dir", str(args.work_dir), *_engine_flags(args)]
         cmd += ["--dry-run"] if args.dry_run else []
         env = dict(os.environ, JAX_PLATFORMS="cpu") if args.dry_run else dict(os.environ)
     log_path = args.work_dir / f"{name}.log"
@@ -693,6 +705,13 @@ def run_stage_process(name: str, args, limit_s: float) -> dict:
         return record | {"status": "error", "error": error, "log_tail": tail}
     status = "error" if "error" in result else "ok"
     return record | {"status": status, **({"error": result["error"]} if "error" in result else {})}
+
+
+def _engine_flags(args) -> list[str]:
+    """The engine flags of this command line, for a stage's process to build the same engines."""
+    from jaxserve.engine_args import engine_argv, engine_values
+
+    return engine_argv(engine_values(args))
 
 
 def _children_cpu_s() -> float:
@@ -923,8 +942,12 @@ def _stage_main(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    from jaxserve.engine_args import HelpFormatter, add_engine_args, engine_argv
+
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--out", type=Path, help="folder for report.json, summary.md, stages.log")
     parser.add_argument(
         "--dry-run", action="store_true", help="on the CPU: tiny model, interpret kernel"
@@ -936,11 +959,6 @@ def main(argv: list[str] | None = None) -> int:
         "--stages", type=lambda s: s.split(","), help="only these (comma-separated)"
     )
     parser.add_argument(
-        "--cache-dir",
-        default=os.path.join(tempfile.gettempdir(), "jaxserve-accelerator-check-xla"),
-        help="JAX's persistent compilation cache the stages share",
-    )
-    parser.add_argument(
         "--work-dir",
         type=Path,
         help="each stage's own JSON and full log (default: a new temporary folder); --out gets "
@@ -948,9 +966,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--stage", choices=sorted(STAGE_FNS), help=argparse.SUPPRESS)
     parser.add_argument("--tiny-cpu-tokens", type=Path, help=argparse.SUPPRESS)
+    device, dry = (" ".join(engine_argv(plan_engine(plan(d)))) for d in (False, True))
+    add_engine_args(
+        parser,
+        note=f"Here, unless given, the plan's: {device} (with --dry-run: {dry}). The stages "
+        "set --attention-backend themselves: the backends are what they compare.",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.tiny_cpu_tokens:  # the CPU half of tiny_f32_vs_cpu
-        tokens = tiny_tokens(plan(args.dry_run), args.cache_dir, backend="xla")
+        tokens = tiny_tokens(args, plan(args.dry_run), backend="xla")
         args.tiny_cpu_tokens.write_text(json.dumps(tokens))
         return 0
     if args.stage:

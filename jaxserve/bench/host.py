@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.engine.build import build_engine
 from jaxserve.engine.core import Engine
 from jaxserve.engine.metrics import HOST_PHASES
 from jaxserve.engine_config import EngineConfig
@@ -185,7 +186,7 @@ def host_engine(
     runner_class = functools.partial(
         HostOnlyRunner, step_time_s=step_time_s, next_tokens=next_tokens
     )
-    return Engine(config, runner=build_runner(config, model, runner_class))
+    return build_engine(config, runner=build_runner(config, model, runner_class))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

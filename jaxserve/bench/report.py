@@ -91,48 +91,6 @@ def format_table(summaries: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n(latencies in ms; goodput in requests/s meeting both targets)"
 
 
-def format_markdown(summaries: Sequence[dict]) -> str:
-    """The headline columns as a Markdown table, for docs/benchmarks.md."""
-    head = [
-        "configuration",
-        "workload",
-        "out tok/s",
-        "req/s",
-        "TTFT p50 (ms)",
-        "TTFT p99 (ms)",
-        "TPOT p50 (ms)",
-        "TPOT p99 (ms)",
-        "goodput (req/s)",
-        "refused",
-        "KV peak",
-        "preemptions",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for s in summaries:
-        kv = s["kv_cache"]["peak_use"]
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    s["label"],
-                    s["workload"],
-                    _num(s["output_token_throughput"], ".1f"),
-                    _num(s["request_throughput"]),
-                    _ms(s["ttft"]["p50"]),
-                    _ms(s["ttft"]["p99"]),
-                    _ms(s["tpot"]["p50"]),
-                    _ms(s["tpot"]["p99"]),
-                    _num(s["goodput"]),
-                    str(s.get("num_refused", 0)),
-                    "-" if kv is None else f"{100 * kv:.0f}%",
-                    str(s["preemptions"]),
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(lines)
-
-
 def write_json(
     path: Path, meta: dict, summaries: Sequence[dict], results: Sequence[RunResult]
 ) -> None:

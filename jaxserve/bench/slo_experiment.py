@@ -173,6 +173,7 @@ def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
     from jaxserve.bench.runner import run_offline
     from jaxserve.bench.suite import needed_model_len
     from jaxserve.engine import calibration
+    from jaxserve.engine.build import build_engine
     from jaxserve.engine.core import Engine
     from jaxserve.scheduling import slo_policy
 
@@ -202,7 +203,7 @@ def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
 
     def build(config: EngineConfig) -> Engine:
         t = time.perf_counter()
-        engine = Engine(config, model=model)
+        engine = build_engine(config, model=model)
         log(f"built an engine in {time.perf_counter() - t:.1f}s")
         return engine
 
@@ -261,7 +262,7 @@ def run(plan: Plan, log: Callable[[str], None] = _log) -> str:
         recorded[f"{label} ({_slo_name(slo)})"] = [
             [s.seconds, c] for s, c in zip(steps, spans, strict=True)
         ]
-        today.scheduler.step_budget = None
+        today.scheduler.budget_policy = None
         log(f"real {label} ({_slo_name(slo)}): {time.perf_counter() - t:.1f}s")
         # 3. The simulator on the same workload, configuration and cost model; and once more
         # with each step as long as this run's own steps were (a model fitted to them), which

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine import calibration
+from jaxserve.engine.build import build_engine
 from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.kv_pool import kv_bytes_per_page
@@ -85,7 +86,7 @@ def run_steps(spec: StepsSpec, log: Callable[[str], None] = print) -> dict[str, 
     max_model_len = min(context, max(max(prompt_lens) + 1, decode_len))
     page = EngineConfig().page_size
     num_pages = max(math.ceil(max_model_len / page), max(spec.batches) * -(-decode_len // page))
-    engine = Engine(
+    engine = build_engine(
         EngineConfig(
             max_num_seqs=max(spec.batches),
             max_num_batched_tokens=budget,
@@ -146,7 +147,7 @@ def measure_cost_model(model, spec: StepsSpec, log: Callable[[str], None] = prin
         seed=spec.seed,
     )
     seqs = spec.cost_seqs
-    engine = Engine(
+    engine = build_engine(
         EngineConfig(
             max_num_seqs=seqs,
             max_num_batched_tokens=max(spec.max_num_batched_tokens, seqs),

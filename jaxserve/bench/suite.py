@@ -1,11 +1,12 @@
 """`jaxserve bench`: every configuration against every load, in one run, on one model.
 
 The model, its precision, the machine and the request lengths are fixed for the whole run; only
-the scheduling configuration changes (batching mode, max_num_seqs, max_num_batched_tokens,
-chunked prefill, policy: the product of the lists given). All engines are built first, sharing
-one set of weights (and, through JAX's persistent compilation cache, their compiled buckets);
-then loads run in order and, within a load, every configuration back to back, so slow drift in
-a shared machine's background load spreads over all configurations instead of biasing one.
+the engine's configuration changes (batching mode, max_num_seqs, chunked prefill, policy...: the
+product of the engine flags given as comma-separated lists, jaxserve/engine_args.py). All
+engines are built first, sharing one set of weights (and, through JAX's persistent compilation
+cache, their compiled buckets); then loads run in order and, within a load, every
+configuration back to back, so slow drift in a shared machine's background load spreads over
+all configurations instead of biasing one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from jaxserve.bench import report
@@ -35,19 +36,8 @@ from jaxserve.bench.workload import (
     mixed_workloads,
     shared_prefix_workloads,
 )
+from jaxserve.engine_args import engine_config_from_args, engine_values
 from jaxserve.engine_config import EngineConfig
-
-# The axes a bench compares; each takes a comma-separated list on the command line.
-AXES = {
-    "batching": "batching",
-    "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens",
-    "chunked_prefill": "enable_chunked_prefill",
-    "policy": "policy",
-    "prefix_caching": "enable_prefix_caching",
-    "slo_scheduling": "slo_scheduling",
-    "shed_late": "shed_late",
-}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,91 +98,59 @@ def build_workloads(args) -> list[Workload]:
 
 
 def build_configs(
-    args, max_model_len: int, parallel: dict | None = None
+    args, max_model_len: int, defaults: Mapping | None = None
 ) -> list[tuple[str, EngineConfig]]:
-    """The product of the compared axes; labels name only the axes that vary. `parallel`: the
-    device mesh fields (tensor_parallel, mesh_shape), held fixed like the model."""
-    values = {
-        "batching": parse_list(args.batching, str),
-        "max_num_seqs": parse_list(args.max_num_seqs, int),
-        "max_num_batched_tokens": parse_list(args.max_num_batched_tokens, int),
-        "chunked_prefill": [
-            _on_off(v, "--chunked-prefill") for v in parse_list(args.chunked_prefill, str)
-        ],
-        "policy": parse_list(args.policy, str),
-        # shared-prefix compares the cache on and off unless told otherwise.
-        "prefix_caching": [
-            _on_off(v, "--prefix-caching")
-            for v in parse_list(
-                args.prefix_caching or ("on,off" if args.profile == "shared-prefix" else "on"),
-                str,
-            )
-        ],
-        "slo_scheduling": [
-            _on_off(v, "--slo-scheduling") for v in parse_list(args.slo_scheduling, str)
-        ],
-        "shed_late": [_on_off(v, "--shed-late") for v in parse_list(args.shed_late, str)],
-    }
-    varying = [k for k, v in values.items() if len(v) > 1]
-    base = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=max_model_len,
-        num_pages=args.num_pages,
-        dynamic_timeout_s=args.dynamic_timeout,
-        compilation_cache_dir=args.compile_cache,
-        show_progress=False,
-        ttft_slo_s=args.ttft_slo,
-        tpot_slo_s=args.tpot_slo,
-        cost_model=args.cost_model,
-        seed=args.seed,
-        **(parallel or {}),
-        # Bucket ladders: the engine's defaults unless given (they are held fixed, not compared).
-        **{
-            k: getattr(args, k)
-            for k in (
-                "min_token_bucket",
-                "token_bucket_factor",
-                "token_bucket_step",
-                "seq_bucket_factor",
-            )
-            if getattr(args, k) is not None
-        },
-    )
+    """One configuration per combination of the engine flags given as lists (`jaxserve bench`
+    adds them so), the other engine flags held fixed; labels name only the fields that vary.
+    `max_model_len` and `defaults`: fields' values where their flags are not given."""
+    lists = {f: v for f, v in engine_values(args).items() if isinstance(v, list)}
+    if args.profile == "shared-prefix":  # compares the cache on and off unless told otherwise
+        lists.setdefault("enable_prefix_caching", [True, False])
+    varying = [f for f, v in lists.items() if len(v) > 1]
+    defaults = {"max_model_len": max_model_len, **(defaults or {})}
     configs = []
-    for combo in itertools.product(*values.values()):
-        chosen = dict(zip(values, combo, strict=True))
-        if chosen["shed_late"] and not chosen["slo_scheduling"]:
+    for combo in itertools.product(*lists.values()):
+        chosen = dict(zip(lists, combo, strict=True))
+        if chosen.get("shed_late") and not chosen.get("slo_scheduling"):
             continue  # shedding is part of SLO-aware scheduling
-        config = base.replace(**{AXES[k]: v for k, v in chosen.items()})
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        config = engine_config_from_args(
+            args, defaults, seed=args.seed, show_progress=False, **chosen
+        )
+        if (
+            not config.enable_chunked_prefill
+            and config.max_num_batched_tokens < config.max_model_len
+        ):
             raise ValueError(
                 f"Chunked prefill off needs max_num_batched_tokens "
-                f"({config.max_num_batched_tokens}) >= max_model_len ({max_model_len}): a "
+                f"({config.max_num_batched_tokens}) >= max_model_len ({config.max_model_len}): a "
                 f"whole prompt must fit one step."
             )
-        configs.append((_label(chosen, varying), config))
+        configs.append((_label(config, varying), config))
+    if not configs:
+        raise ValueError("--shed-late needs --slo-scheduling: no configuration is left to run.")
     return configs
 
 
-def _label(chosen: dict, varying: list[str]) -> str:
-    short = {
-        "max_num_seqs": "seqs",
-        "max_num_batched_tokens": "tokens",
-        "chunked_prefill": "chunked",
-        "prefix_caching": "prefix cache",
-        "slo_scheduling": "slo",
-        "shed_late": "shed",
-    }
+_SHORT = {
+    "max_num_seqs": "seqs",
+    "max_num_batched_tokens": "tokens",
+    "enable_chunked_prefill": "chunked",
+    "enable_prefix_caching": "prefix cache",
+    "slo_scheduling": "slo",
+    "shed_late": "shed",
+}
+
+
+def _label(config: EngineConfig, varying: list[str]) -> str:
     parts = []
-    for k in varying or ["batching"]:
-        v = chosen[k]
-        if k in ("batching", "policy"):
-            parts.append(str(v))
-        elif k in ("chunked_prefill", "prefix_caching", "slo_scheduling", "shed_late"):
-            parts.append(f"{short[k]}={'on' if v else 'off'}")
+    for field in varying or ["batching"]:
+        value = getattr(config, field)
+        if field in ("batching", "policy"):
+            parts.append(str(value))
+        elif isinstance(value, bool):
+            parts.append(f"{_SHORT.get(field, field)}={'on' if value else 'off'}")
         else:
-            parts.append(f"{short[k]}={v}")
+            parts.append(f"{_SHORT.get(field, field)}={value}")
     return " ".join(parts)
 
 
@@ -212,14 +170,6 @@ def parse_range(text: str, flag: str) -> tuple[int, int]:
     except ValueError:
         raise ValueError(f"{flag} {text!r} must look like LOW:HIGH, e.g. 32:128.") from None
     return lo, hi
-
-
-def _on_off(text: str, flag: str) -> bool:
-    if text.lower() in ("on", "true", "1", "yes"):
-        return True
-    if text.lower() in ("off", "false", "0", "no"):
-        return False
-    raise ValueError(f"{flag} values must be on or off, not {text!r}.")
 
 
 def needed_model_len(workloads: Sequence[Workload], page_size: int = 16) -> int:
@@ -300,7 +250,8 @@ def replot(out_dir: Path) -> list[dict]:
 
 def _run_all_offline(spec: BenchSpec, log) -> list[RunResult]:
     from checkpoints import load_model
-    from jaxserve.engine.core import Engine, freeze_heap
+    from jaxserve.engine.build import build_engine
+    from jaxserve.engine.core import freeze_heap
     from jaxserve.models.sharding import make_mesh
 
     cache_dir = spec.compile_cache or tempfile.mkdtemp(prefix="jaxserve-bench-cc-")
@@ -311,7 +262,7 @@ def _run_all_offline(spec: BenchSpec, log) -> list[RunResult]:
         engines = []
         for label, config in spec.configs:
             t = time.perf_counter()
-            engine = Engine(config.replace(compilation_cache_dir=cache_dir), model=model)
+            engine = build_engine(config.replace(compilation_cache_dir=cache_dir), model=model)
             log(
                 f"built {label!r}: {len(engine.runner.config.buckets())} buckets, "
                 f"{engine.runner.config.num_pages} KV pages, {time.perf_counter() - t:.1f}s"

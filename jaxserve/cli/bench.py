@@ -8,13 +8,42 @@ import json
 import sys
 from pathlib import Path
 
-from jaxserve.cli import (
+from jaxserve.cli.common import (
+    GOODPUT_TARGETS,
     UserError,
-    _add_model_args,
-    _add_parallel_args,
-    _joins_cluster,
-    _load,
-    _parallel,
+    add_multihost_args,
+    join_cluster,
+    joins_cluster,
+    load_for,
+)
+from jaxserve.engine_args import (
+    ENGINE_FLAGS,
+    add_engine_args,
+    engine_argv,
+    engine_config_from_args,
+    engine_values,
+)
+
+# Held fixed across the configurations a bench compares: one model loaded once into one mesh,
+# one pair of goodput targets for the whole table, one compilation cache for all its engines.
+# Every other engine flag takes a comma-separated list here.
+FIXED = (
+    "model",
+    "dtype",
+    "tensor_parallel",
+    "mesh_shape",
+    "ttft_slo_s",
+    "tpot_slo_s",
+    "compilation_cache_dir",
+)
+COMPARED = tuple(f.field for f in ENGINE_FLAGS if f.field not in FIXED)
+BENCH_NOTE = (
+    f"Here every engine flag but {', '.join(f.name for f in ENGINE_FLAGS if f.field in FIXED)} "
+    "takes a comma-separated list (booleans: on,off), and bench compares every combination. "
+    "Unless given here: --max-model-len is the longest request, rounded up to a page; "
+    f"{' '.join(engine_argv(GOODPUT_TARGETS))} are the goodput targets; --profile shared-prefix "
+    "compares --enable-prefix-caching on,off; with the compilation cache off, the run's "
+    "engines share a temporary one."
 )
 
 
@@ -50,7 +79,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"Redrew {', '.join(report.PLOTS)} in {args.out} from its bench.json.")
         return 0
     # Every engine a bench builds would need its own followers: there is no multi-host bench.
-    if _joins_cluster(args):
+    if joins_cluster(args):
         raise UserError(
             "jaxserve bench runs in one process; to bench a multi-host mesh, serve it with "
             "`jaxserve serve` and bench that with --online."
@@ -59,20 +88,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         args.online = args.url or args.online
         if not args.online:
             raise UserError("--backend openai needs --url http://HOST:PORT of the server.")
-    parallel = _parallel(args)  # before any device is touched
     try:
         workloads = build_workloads(args)
-        max_model_len = args.max_model_len or needed_model_len(workloads)
-        configs = [] if args.online else build_configs(args, max_model_len, parallel)
+        needed = needed_model_len(workloads)
+        configs = [] if args.online else build_configs(args, needed, GOODPUT_TARGETS)
+        targets = {**GOODPUT_TARGETS, **engine_values(args)}  # never lists: held fixed
+        fixed = configs[0][1] if configs else None  # the same in every configuration
         spec = BenchSpec(
             workloads=tuple(workloads),
             configs=tuple(configs),
-            slo=SLO(args.ttft_slo, args.tpot_slo),
+            slo=SLO(targets["ttft_slo_s"], targets["tpot_slo_s"]),
             out_dir=Path(args.out),
-            model=args.model,
-            dtype=args.dtype,
+            model=fixed and fixed.model,
+            dtype=fixed and fixed.dtype,
             seed=args.seed,
-            compile_cache=args.compile_cache,
+            compile_cache=fixed and fixed.compilation_cache_dir,
             online=args.online,
             backend=args.backend,
             command=" ".join(["jaxserve", *sys.argv[1:]]),
@@ -93,14 +123,9 @@ def _cmd_steps(args: argparse.Namespace) -> int:
     from jaxserve.bench.steps import StepsSpec, format_steps, run_steps
     from jaxserve.bench.suite import parse_list
 
-    if args.online or _joins_cluster(args) or args.tensor_parallel != 1 or args.mesh:
+    config = _one_config(args, "--profile steps")
+    if args.online or joins_cluster(args) or config.tensor_parallel != 1 or config.mesh_shape:
         raise UserError("--profile steps times the in-process engine on one device.")
-    budgets = parse_list(args.max_num_batched_tokens, int)
-    if len(budgets) != 1:
-        raise UserError(
-            f"--profile steps runs one step budget: --max-num-batched-tokens="
-            f"{args.max_num_batched_tokens} lists {len(budgets)} values."
-        )
     # A shorter list of points measures less (a quick look, or CI); the defaults are the spec's.
     points = {}
     if args.steps_prompt_lens is not None:
@@ -111,15 +136,15 @@ def _cmd_steps(args: argparse.Namespace) -> int:
         raise UserError(f"--steps-prompt-lens and --steps-batches must be >= 1: {points}.")
     spec = StepsSpec(
         **points,
-        model=args.model,
-        dtype=args.dtype,
+        model=config.model,
+        dtype=config.dtype,
         seed=args.seed,
         decode_context=args.prompt_len,
         decode_steps=args.output_len,
-        max_num_batched_tokens=budgets[0],
-        compile_cache=args.compile_cache,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        compile_cache=config.compilation_cache_dir,
         command=" ".join(["jaxserve", *sys.argv[1:]]),
-        cost_seqs=max(parse_list(args.max_num_seqs, int)),  # the cost model's engine rows
+        cost_seqs=config.max_num_seqs,  # the cost model's engine rows
         cost_model=not args.no_cost_model,
     )
     report = run_steps(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -136,7 +161,8 @@ def _cmd_host(args: argparse.Namespace) -> int:
     from jaxserve.bench.host import HostSpec, format_host, run_host
     from jaxserve.bench.suite import parse_list
 
-    if args.online or _joins_cluster(args) or args.tensor_parallel != 1 or args.mesh:
+    config = _one_config(args, "--profile host")
+    if args.online or joins_cluster(args) or config.tensor_parallel != 1 or config.mesh_shape:
         raise UserError("--profile host times the in-process engine on one device.")
     try:
         running = parse_list(args.running, int)
@@ -148,12 +174,12 @@ def _cmd_host(args: argparse.Namespace) -> int:
             f"{args.step_time} must be >= 0."
         )
     spec = HostSpec(
-        model=args.model,
+        model=config.model,
         running=tuple(running),
         context=args.prompt_len,
         steps=args.output_len,
         step_time_s=args.step_time,
-        async_scheduling=not args.sync_scheduling,
+        async_scheduling=config.async_scheduling,
         detokenize=args.detokenize,
         seed=args.seed,
         command=" ".join(["jaxserve", *sys.argv[1:]]),
@@ -169,37 +195,18 @@ def _cmd_soak(args: argparse.Namespace) -> int:
     exit status 1 if it leaked, compiled, or answered anything unexpected."""
 
     from jaxserve.bench.soak import SoakError, SoakSpec, format_report, run_soak
-    from jaxserve.bench.suite import parse_list, parse_range
+    from jaxserve.bench.suite import parse_range
     from jaxserve.bench.workload import LengthMix
 
-    if args.online or _joins_cluster(args):
+    if args.online or joins_cluster(args):
         raise UserError("--soak starts its own `jaxserve serve` on loopback; drop --online.")
-    flags = [f"--model={args.model}"] if args.model else []
-    flags += [f"--dtype={args.dtype}"] if args.dtype else []
-    for name in ("max_num_seqs", "max_num_batched_tokens", "policy"):  # one value each here
-        values = parse_list(getattr(args, name), str)
-        if len(values) != 1:
-            raise UserError(f"--soak serves one configuration: --{name.replace('_', '-')}="
-                            f"{getattr(args, name)} lists {len(values)} values.")  # fmt: skip
-        flags.append(f"--{name.replace('_', '-')}={values[0]}")
-    for name, flag in (
-        ("max_model_len", "--max-model-len"),
-        ("min_token_bucket", "--min-token-bucket"),
-        ("token_bucket_factor", "--token-bucket-factor"),
-        ("seq_bucket_factor", "--seq-bucket-factor"),
-        ("compile_cache", "--compilation-cache-dir"),
-        ("soak_max_waiting", "--max-waiting-requests"),
-    ):
-        if getattr(args, name) is not None:
-            flags.append(f"{flag}={getattr(args, name)}")
-    if args.tensor_parallel != 1 or args.mesh:
-        flags += [f"--tensor-parallel={args.tensor_parallel}"]
-        flags += [f"--mesh={args.mesh}"] if args.mesh else []
+    _one_config(args, "--soak")  # a bad flag fails here, not in the server it starts
+    given = {f: v[0] if isinstance(v, list) else v for f, v in engine_values(args).items()}
     spec = SoakSpec(
         duration_s=args.soak,
         rate=args.soak_rate,
         probe_s=args.soak_probe,
-        serve_flags=tuple(flags),
+        serve_flags=tuple(engine_argv(given)),
         mix=LengthMix(
             prompt_range=parse_range(args.prompt_range, "--prompt-range"),
             output_range=parse_range(args.output_range, "--output-range"),
@@ -245,21 +252,16 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _batch_config(args: argparse.Namespace, **parallel):
-    from jaxserve.engine_config import EngineConfig
+def _batch_config(args: argparse.Namespace):
+    return engine_config_from_args(args, show_progress=not args.no_progress)
 
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        min_token_bucket=args.min_token_bucket,
-        seq_bucket_factor=args.seq_bucket_factor,
-        compilation_cache_dir=args.compile_cache,
-        show_progress=not args.no_progress,
-        **parallel,
-    )
+
+def _one_config(args: argparse.Namespace, what: str):
+    """The one engine configuration of a bench mode that runs one, or a UserError."""
+    several = {f: v for f, v in engine_values(args).items() if isinstance(v, list) and len(v) > 1}
+    if several:
+        raise UserError(f"{what} runs one configuration: {' '.join(engine_argv(several))}.")
+    return engine_config_from_args(args, show_progress=False)
 
 
 def _batch_defaults(args: argparse.Namespace):
@@ -270,16 +272,13 @@ def _batch_defaults(args: argparse.Namespace):
 
 def _batch_here(args: argparse.Namespace, src, dst):
     """One engine in this process (one mesh, maybe over several hosts)."""
-    from jaxserve.engine.core import Engine
+    from jaxserve.engine.build import build_engine
     from jaxserve.jobs.batch_job import BatchInputError, OutputCorrupt, run_batch
-
-    defaults = _batch_defaults(args)
-    parallel = _parallel(args)  # before the model loads: a cluster must be joined first
-    from jaxserve.models.sharding import make_mesh
     from jaxserve.runtime import multihost
 
-    model = _load(args, mesh=make_mesh(parallel["tensor_parallel"], parallel["mesh_shape"]))
-    engine = Engine(_batch_config(args, **parallel), model=model)
+    defaults, config = _batch_defaults(args), _batch_config(args)
+    join_cluster(args)  # before the model loads: a cluster must be joined first
+    engine = build_engine(config, model=load_for(config))
     if engine.runner.lockstep is not None and not multihost.is_leader():
         engine.runner.follow()  # multi-host: the other processes run process 0's steps
         return None
@@ -307,10 +306,11 @@ def _batch_on_ray(args: argparse.Namespace, src, dst):
         import_ray()  # before any work: without Ray, one line saying how to get it
     except RayMissing as e:
         raise UserError(str(e)) from e
-    if args.tensor_parallel != 1 or args.mesh or _joins_cluster(args):
+    config = _batch_config(args)
+    if config.tensor_parallel != 1 or config.mesh_shape or joins_cluster(args):
         raise UserError(
             "With --ray, each replica's devices are --devices-per-replica; --tensor-parallel, "
-            "--mesh and the --distributed flags are for one engine without Ray."
+            "--mesh-shape and the --distributed flags are for one engine without Ray."
         )
     if args.replicas < 1 or args.devices_per_replica < 1:
         raise UserError(
@@ -324,7 +324,7 @@ def _batch_on_ray(args: argparse.Namespace, src, dst):
         return run_ray(
             src,
             dst,
-            config=_batch_config(args),
+            config=config,
             replicas=args.replicas,
             devices_per_replica=args.devices_per_replica,
             address=args.ray or None,
@@ -341,11 +341,10 @@ def _add_bench_parser(sub) -> None:
     b = sub.add_parser(
         "bench",
         help="compare scheduling configurations on one model under the same traffic",
-        description="Runs every configuration (the product of the comma-separated lists) at "
-        "every load of a traffic profile, holding model, precision and lengths fixed; prints a "
-        "table and writes bench.json and PNG plots to --out.",
+        description="Runs every configuration (the product of the engine flags given as "
+        "comma-separated lists) at every load of a traffic profile, holding model, precision "
+        "and lengths fixed; prints a table and writes bench.json and PNG plots to --out.",
     )
-    _add_model_args(b)
     t = b.add_argument_group("traffic")
     t.add_argument(
         "--profile",
@@ -359,8 +358,8 @@ def _add_bench_parser(sub) -> None:
         "128/512/2048-token prompts and decode ms/step at batches 1/16/64/256 beside the "
         "machine's matmul and bandwidth ceilings (steps.json in --out); host: the engine's host "
         "microseconds per step by phase over a device call that costs nothing, at --running "
-        "decode requests of --prompt-len context, --output-len steps timed (host.json in --out) "
-        "(default: mixed)",
+        "decode requests of --prompt-len context, --output-len steps timed (host.json in --out; "
+        "--no-async-scheduling for comparison) (default: mixed)",
     )
     t.add_argument(
         "--steps-prompt-lens",
@@ -425,79 +424,8 @@ def _add_bench_parser(sub) -> None:
         action="store_true",
         help="host: outputs carry text through the model's tokenizer (default: token ids only)",
     )
-    t.add_argument(
-        "--sync-scheduling",
-        action="store_true",
-        help="host: plan each step after the last one's tokens reach the host (the engine's "
-        "asynchronous scheduling off), for comparison",
-    )
     t.add_argument("--seed", type=int, default=0, help="traffic and weight seed")
-    c = b.add_argument_group("configurations compared (comma-separated lists)")
-    c.add_argument("--batching", default="continuous,static,dynamic")
-    c.add_argument("--max-num-seqs", default="16")
-    c.add_argument("--max-num-batched-tokens", default="256")
-    c.add_argument("--chunked-prefill", default="on", help="on, off or on,off")
-    c.add_argument("--policy", default="fcfs", help="fcfs, priority (mixed: shorter outputs first)")
-    c.add_argument(
-        "--prefix-caching",
-        default=None,
-        help="on, off or on,off (default: on,off for shared-prefix, else on)",
-    )
-    e = b.add_argument_group("held fixed")
-    e.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="default: the longest request, rounded up to a page",
-    )
-    e.add_argument(
-        "--num-pages",
-        type=int,
-        default=None,
-        help="KV pool pages (default: sized from max_num_seqs and max_model_len)",
-    )
-    e.add_argument(
-        "--dynamic-timeout",
-        type=float,
-        default=0.05,
-        help="dynamic batching: seconds a partial batch waits to fill",
-    )
-    e.add_argument("--min-token-bucket", type=int, default=None, help="default: the engine's")
-    e.add_argument("--token-bucket-factor", type=int, default=None, help="default: the engine's")
-    e.add_argument(
-        "--token-bucket-step",
-        type=int,
-        default=None,
-        help="token buckets grow by at most this many tokens (default: geometric)",
-    )
-    e.add_argument("--seq-bucket-factor", type=int, default=None, help="default: the engine's")
-    e.add_argument(
-        "--compile-cache",
-        default=None,
-        help="persistent compilation cache folder "
-        "(default: a temporary one shared by this run's engines)",
-    )
-    o = b.add_argument_group("targets and output")
-    o.add_argument("--ttft-slo", type=float, default=1.0, help="goodput TTFT target, seconds")
-    o.add_argument("--tpot-slo", type=float, default=0.1, help="goodput TPOT target, seconds")
-    o.add_argument(
-        "--slo-scheduling",
-        default="off",
-        help="on, off or on,off: size prefill to keep decodes within --tpot-slo "
-        "(the step-cost model: --cost-model, else measured at each engine's warm-up)",
-    )
-    o.add_argument(
-        "--cost-model",
-        default=None,
-        metavar="FILE",
-        help="from `jaxserve bench --profile steps` or an earlier warm-up",
-    )
-    o.add_argument(
-        "--shed-late",
-        default="off",
-        help="on, off or on,off (with --slo-scheduling on): refuse waiting requests that can no "
-        "longer meet --ttft-slo",
-    )
+    o = b.add_argument_group("output")
     o.add_argument("--out", default="bench-out", help="folder for bench.json and the PNGs")
     o.add_argument(
         "--online",
@@ -539,8 +467,8 @@ def _add_bench_parser(sub) -> None:
     k.add_argument(
         "--soak-probe", type=float, metavar="SECONDS", help="capacity probe (default: 5-30 s)"
     )
-    k.add_argument("--soak-max-waiting", type=int, metavar="N", help="serve's waiting limit")
-    _add_parallel_args(b)
+    add_engine_args(b, lists=COMPARED, note=BENCH_NOTE)
+    add_multihost_args(b)
     b.set_defaults(func=_cmd_bench)
 
 
@@ -555,24 +483,19 @@ def _add_batch_parser(sub) -> None:
     )
     b.add_argument("input", metavar="INPUT.jsonl")
     b.add_argument("output", metavar="OUTPUT.jsonl")
-    _add_model_args(b)
     b.add_argument("--max-tokens", type=int, default=256, help="default for lines without one")
     b.add_argument(
         "--temperature", type=float, default=0.0, help="default for lines without one (0: greedy)"
     )
-    b.add_argument("--max-num-seqs", type=int, default=32)
-    b.add_argument("--max-num-batched-tokens", type=int, default=256)
-    b.add_argument("--max-model-len", type=int, default=None)
-    b.add_argument("--min-token-bucket", type=int, default=8)
-    b.add_argument("--seq-bucket-factor", type=int, default=2)
-    b.add_argument("--compile-cache", default=None, help="persistent compilation cache folder")
     b.add_argument(
         "--stop-on-error",
         action="store_true",
         help="stop at the first bad input line (default: report it and skip it)",
     )
     b.add_argument("--token-ids", action="store_true", help="also write the output token ids")
-    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (the job's, the compiles')"
+    )
     r = b.add_argument_group(
         "Ray: data parallel over engine replicas (pip install 'jaxserve[ray]')"
     )
@@ -593,7 +516,8 @@ def _add_batch_parser(sub) -> None:
         metavar="K",
         help="GPUs or TPU chips per replica, its model split over them (tensor parallel)",
     )
-    _add_parallel_args(b)
+    add_engine_args(b)
+    add_multihost_args(b)
     b.set_defaults(func=_cmd_batch)
 
 

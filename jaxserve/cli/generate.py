@@ -6,18 +6,22 @@ import argparse
 import dataclasses
 import sys
 
-from jaxserve.cli import UserError, _add_model_args, _add_parallel_args, _load, _parallel
+from jaxserve.cli.common import UserError, add_multihost_args, join_cluster, load, load_for
+from jaxserve.engine_args import add_engine_args, engine_argv, engine_config_from_args
+
+# One prompt: its buckets compile as they are first used rather than all of them at start-up.
+GENERATE_DEFAULTS = dict(precompile=False)
 
 
 def register(sub) -> None:
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt")
-    _add_model_args(gen)
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    _add_parallel_args(gen)
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    add_engine_args(gen, note=f"Here, unless given: {' '.join(engine_argv(GENERATE_DEFAULTS))}.")
+    add_multihost_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
     conv = sub.add_parser("convert", help="convert a Hugging Face folder to an orbax checkpoint")
@@ -28,31 +32,20 @@ def register(sub) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from jaxserve.engine.core import Engine
-    from jaxserve.engine_config import EngineConfig
+    from jaxserve.engine.build import build_engine
+    from jaxserve.runtime import multihost
     from jaxserve.sampling_params import SamplingParams
 
     # Checked before the model loads, so a bad flag fails at once.
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
-    parallel = _parallel(args)  # before the model loads: a cluster must be joined first
-    from jaxserve.models.sharding import make_mesh
-    from jaxserve.runtime import multihost
-
-    model = _load(args, mesh=make_mesh(parallel["tensor_parallel"], parallel["mesh_shape"]))
+    config = engine_config_from_args(args, GENERATE_DEFAULTS, show_progress=False)
+    join_cluster(args)  # before the model loads: a cluster must be joined first
+    model = load_for(config)
     if model.tokenizer is None:
         raise UserError(f"Model {model.source} has random weights and no tokenizer to read text.")
-    engine = Engine(
-        EngineConfig(
-            max_num_seqs=1,
-            max_num_batched_tokens=256,
-            precompile=False,
-            show_progress=False,
-            **parallel,
-        ),
-        model=model,
-    )
+    engine = build_engine(config, model=model)
     if engine.runner.lockstep is not None and not multihost.is_leader():
         engine.runner.follow()  # multi-host: the other processes run process 0's steps
         return 0
@@ -84,7 +77,7 @@ def _generate(engine, args: argparse.Namespace, params) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from checkpoints import save_orbax
 
-    model = _load(args, spec=args.hf_dir)
+    model = load(args.hf_dir, dtype=args.dtype)
     try:
         out = save_orbax(model, args.out_dir)
     except FileExistsError as e:

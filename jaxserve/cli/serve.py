@@ -11,13 +11,8 @@ import argparse
 import logging
 import sys
 
-from jaxserve.cli import (
-    UserError,
-    _add_model_args,
-    _add_parallel_args,
-    _is_follower,
-    _parallel,
-)
+from jaxserve.cli.common import UserError, add_multihost_args, is_follower, join_cluster
+from jaxserve.engine_args import add_engine_args, engine_config_from_args
 
 
 def register(sub) -> None:
@@ -26,7 +21,6 @@ def register(sub) -> None:
         help="serve a model over gRPC (health, reflection, metrics) and/or an OpenAI-compatible "
         "HTTP API (--http-port)",
     )
-    _add_model_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     srv.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     srv.add_argument(
@@ -70,66 +64,8 @@ def register(sub) -> None:
         "instead of draining and exiting with status 3 for a supervisor to restart",
     )
     srv.add_argument("--log-format", choices=["json", "text"], default="json")
-    eng = srv.add_argument_group("engine (default: EngineConfig's)")
-    for flag, kind in (
-        ("--max-num-seqs", int),
-        ("--max-num-batched-tokens", int),
-        ("--max-model-len", int),
-        ("--max-waiting-requests", int),
-        ("--kv-cache-memory-gb", float),
-        ("--min-token-bucket", int),
-        ("--token-bucket-factor", int),
-        ("--token-bucket-step", int),
-        ("--seq-bucket-factor", int),
-        ("--compilation-cache-dir", str),
-    ):
-        eng.add_argument(flag, type=kind, default=None)
-    eng.add_argument("--policy", choices=["fcfs", "priority"], default=None)
-    eng.add_argument(
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        default=None,
-        help="recompute every prompt instead of reusing the KV of prefixes served before",
-    )
-    eng.add_argument(
-        "--priority-aging-s",
-        type=float,
-        default=None,
-        help="priority policy: a waiting request gains one level per this many seconds (10)",
-    )
-    eng.add_argument(
-        "--no-chunked-prefill",
-        dest="enable_chunked_prefill",
-        action="store_false",
-        default=None,
-        help="run each prompt whole in one step (needs a budget of max-model-len tokens)",
-    )
-    slo = srv.add_argument_group("latency targets (goodput; SLO-aware scheduling)")
-    slo.add_argument("--ttft-slo", dest="ttft_slo_s", type=float, default=None, metavar="S")
-    slo.add_argument("--tpot-slo", dest="tpot_slo_s", type=float, default=None, metavar="S")
-    slo.add_argument(
-        "--slo-scheduling",
-        action="store_true",
-        default=None,
-        help="size each step's prefill so decodes keep --tpot-slo (the step-cost model: "
-        "--cost-model, else measured at warm-up)",
-    )
-    slo.add_argument(
-        "--cost-model",
-        default=None,
-        metavar="FILE",
-        help="from `jaxserve bench --profile steps` or an earlier warm-up; one that does not "
-        "apply to this model, dtype, device, buckets and attention is measured again and "
-        "replaced",
-    )
-    slo.add_argument(
-        "--shed-late",
-        action="store_true",
-        default=None,
-        help="with --slo-scheduling: refuse waiting requests that can no longer meet --ttft-slo",
-    )
-    _add_parallel_args(srv)
+    add_engine_args(srv)
+    add_multihost_args(srv)
     srv.set_defaults(func=_cmd_serve)
 
     cli = sub.add_parser("client", help="stream a completion from a jaxserve server")
@@ -158,35 +94,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from service.server import ServeError, ServerOptions, configure_logging, serve
 
     configure_logging(args.log_format, logging.DEBUG if args.verbose else logging.INFO)
-    parallel = _parallel(args)  # before the engine is built: a cluster must be joined first
-    engine_flags = {
-        name: getattr(args, name)
-        for name in (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_model_len",
-            "max_waiting_requests",
-            "kv_cache_memory_gb",
-            "policy",
-            "priority_aging_s",
-            "min_token_bucket",
-            "token_bucket_factor",
-            "token_bucket_step",
-            "seq_bucket_factor",
-            "compilation_cache_dir",
-            "enable_prefix_caching",
-            "enable_chunked_prefill",
-            "ttft_slo_s",
-            "tpot_slo_s",
-            "slo_scheduling",
-            "cost_model",
-            "shed_late",
-        )
-        if getattr(args, name) is not None
-    }
-    config = _engine_config(
-        model=args.model, dtype=args.dtype, show_progress=False, **engine_flags, **parallel
-    )
+    join_cluster(args)  # before the engine is built: a cluster must be joined first
+    config = engine_config_from_args(args, show_progress=False)  # serve logs JSON lines instead
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UserError("TLS needs both --tls-cert and --tls-key.")
     if args.no_grpc and args.http_port is None:
@@ -205,7 +114,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         stay_up_on_engine_failure=args.stay_up_on_engine_failure,
     )
-    if _is_follower(args):
+    if is_follower(args):
         return _follow(config)
 
     def build_engine():  # runs during warm-up, while the port already answers health checks
@@ -223,20 +132,14 @@ def _follow(config) -> int:
     """Multi-host, processes other than 0: the same engine as process 0's, running its steps
     until its engine thread releases them."""
     from checkpoints import ModelLoadError
-    from jaxserve.engine.core import Engine
+    from jaxserve.engine.build import build_engine
 
     try:
-        engine = Engine(config)
+        engine = build_engine(config)
     except ModelLoadError as e:
         raise UserError(str(e)) from e
     engine.runner.follow()
     return 0
-
-
-def _engine_config(**fields):
-    from jaxserve.engine_config import EngineConfig
-
-    return EngineConfig(**fields)
 
 
 def _read_file(path: str | None) -> bytes | None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxserve.cli import UserError
-from jaxserve.cli.simulate import add_engine_args, add_traffic_args, engine_config, load_inputs
+from jaxserve.cli.common import UserError
+from jaxserve.cli.simulate import SIMULATE_NOTE, add_traffic_args, load_inputs
+from jaxserve.engine_args import add_engine_args, on_off
 
 
 def register(sub) -> None:
@@ -16,12 +17,13 @@ def register(sub) -> None:
         "tune",
         help="search scheduling knobs for goodput in the simulator",
         description="Simulates every combination of the lists below on the traffic and the cost "
-        "model, ranks them by goodput under --ttft-slo/--tpot-slo, and prints the best with "
-        "its predicted metrics and the `jaxserve serve` command line. The single-valued engine "
-        "flags (--max-num-seqs, ...) are replaced by the lists searched.",
+        "model, ranks them by goodput under --ttft-slo-s/--tpot-slo-s, and prints the best with "
+        "its predicted metrics and the `jaxserve serve` command line. The engine flags of the "
+        "knobs searched (--max-num-batched-tokens, --max-num-seqs, --enable-chunked-prefill, "
+        "--policy, --slo-scheduling, --shed-late) are replaced by the lists searched.",
     )
     add_traffic_args(p)
-    add_engine_args(p)
+    add_engine_args(p, note=SIMULATE_NOTE)
     g = p.add_argument_group("searched (comma-separated lists)")
     g.add_argument("--budgets", default=None, help="token budgets (default: the cost model's "
                    "buckets from 64 up)")  # fmt: skip
@@ -30,7 +32,6 @@ def register(sub) -> None:
     g.add_argument("--policies", default="fcfs,priority")
     g.add_argument("--slo-aware", default="off,on", help="SLO-aware scheduling: on, off or both")
     g.add_argument("--shed", default="off", help="--shed-late (with SLO-aware): on, off or both")
-    p.add_argument("--model", default=None, help="named in the printed serve command")
     p.add_argument("--top", type=int, default=5, help="configurations shown")
     p.set_defaults(func=_cmd_tune)
 
@@ -38,10 +39,10 @@ def register(sub) -> None:
 def _cmd_tune(args: argparse.Namespace) -> int:
     from jaxserve.bench import report
     from jaxserve.bench.metrics import SLO
-    from jaxserve.bench.suite import _on_off, parse_list
+    from jaxserve.bench.suite import parse_list
     from jaxserve.bench.tuner import Grid, label, serve_command, tune
 
-    workloads, max_model_len, cost = load_inputs(args)
+    workloads, base, cost = load_inputs(args)
     try:
         budgets = (
             parse_list(args.budgets, int)
@@ -51,26 +52,23 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         grid = Grid(
             max_num_batched_tokens=tuple(budgets),
             max_num_seqs=tuple(parse_list(args.seqs, int)),
-            enable_chunked_prefill=tuple(
-                _on_off(v, "--chunked") for v in parse_list(args.chunked, str)
-            ),
+            enable_chunked_prefill=_on_offs(args.chunked, "--chunked"),
             policy=tuple(parse_list(args.policies, str)),
-            slo_scheduling=tuple(
-                _on_off(v, "--slo-aware") for v in parse_list(args.slo_aware, str)
-            ),
-            shed_late=tuple(_on_off(v, "--shed") for v in parse_list(args.shed, str)),
+            slo_scheduling=_on_offs(args.slo_aware, "--slo-aware"),
+            shed_late=_on_offs(args.shed, "--shed"),
         )
     except ValueError as e:
         raise UserError(str(e)) from e
-    base = engine_config(args, max_model_len).replace(slo_scheduling=False, shed_late=False)
-    slo = SLO(args.ttft_slo, args.tpot_slo)
+    # The grid sets the knobs it searches; shedding without SLO-aware scheduling is invalid.
+    base = base.replace(slo_scheduling=False, shed_late=False)
+    slo = SLO(base.ttft_slo_s, base.tpot_slo_s)
     trials = tune(
         workloads,
         base,
         cost,
         slo,
         grid,
-        max_model_len=max_model_len,
+        max_model_len=base.max_model_len,
         seed=args.seed,
         log=lambda m: print(m, file=sys.stderr, flush=True),
     )
@@ -86,5 +84,14 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         f"\nBest of {len(trials)} for goodput (predicted {best.goodput:.2f} req/s, TTFT p50 "
         f"{best.ttft_p50 * 1e3:.0f} ms): {label(best.config)}"
     )
-    print(serve_command(best.config, args.model))
+    print(serve_command(best.config, base.model))
     return 0
+
+
+def _on_offs(text: str, flag: str) -> tuple[bool, ...]:
+    from jaxserve.bench.suite import parse_list
+
+    try:
+        return tuple(on_off(v) for v in parse_list(text, str))
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None

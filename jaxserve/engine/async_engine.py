@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import queue
@@ -47,11 +48,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 
+from jaxserve.engine.build import build_engine
+from jaxserve.engine.calibration import save_served_scale
 from jaxserve.engine.core import Engine
+from jaxserve.engine.info import EngineInfo
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduling.slo_policy import save_served_scale
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +92,7 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig | None = None, *, engine: Engine | None = None):
         self._owns_engine = engine is None  # built here: its followers are released here
-        self.engine = engine or Engine(config)
+        self.engine = engine or build_engine(config)
         self._lock = threading.Condition()
         self._commands: list[tuple] = []
         self._streams: dict[str, _Stream] = {}  # by internal id
@@ -388,6 +391,35 @@ class AsyncEngine:
             loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening
             logger.debug("dropped an output for a closed event loop")
+
+    # ---- what front ends read -------------------------------------------------------------
+
+    @functools.cached_property
+    def info(self) -> EngineInfo:
+        """The model and the engine's limits as plain values (jaxserve/engine/info.py), for the
+        service to read instead of reaching into the engine; fixed once built, any thread."""
+        return EngineInfo.of(self.engine)
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, None without one. Front ends tokenize on their own threads
+        while the output thread decodes; the Rust tokenizer takes shared borrows for both."""
+        return self.engine.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a text prompt, as `add_request` would make them (any thread)."""
+        return self.engine.encode(text)
+
+    @property
+    def num_compiles(self) -> int:
+        """Step compilations so far: the server logs it once serving (compiles after warm-up
+        should stay at this number)."""
+        return self.engine.runner.num_compiles
+
+    @property
+    def metrics_registry(self):
+        """The engine's prometheus registry, for the server to expose beside its own."""
+        return self.engine.metrics.registry
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

@@ -2,7 +2,7 @@
 
 `jaxserve bench --profile steps` runs it on an engine of its own (bench/steps.py), and an
 engine runs a shorter one at warm-up when SLO-aware scheduling has no cost model file that
-applies (`EngineConfig.calibrate_cost_model`, slo_policy.attach_to_engine). Both time steps as
+applies (`EngineConfig.calibrate_cost_model`, `slo_policy_for` below). Both time steps as
 the engine loop runs them (`recording_steps`) while requests of fresh random ids go through its
 public add_request / step: decode-only batches of every size of the ladder at a few contexts,
 then a stream of prompts whose chunks share steps with decodes, so every token bucket is
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -24,7 +25,9 @@ import jax
 import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduling import cost_model
+from jaxserve.scheduling import cost_model, slo_policy
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,3 +191,75 @@ def _request(engine, request_id: str, prompt_len: int, max_tokens: int, rng) -> 
     ids = rng.integers(3, engine.model.config.vocab_size, size=prompt_len).tolist()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return engine.add_request(ids, params, request_id=request_id)
+
+
+# ---- the SLO policy of an engine: its cost model loaded or measured here --------------------
+
+
+def slo_policy_for(engine) -> slo_policy.SloPolicy | None:
+    """The SLO policy an engine's config asks for, attached to its scheduler after the engine's
+    precompile; None when the config asks for none (nothing is loaded or measured). The engine
+    core calls it through `Engine(budget_policy=...)`, so the core knows nothing of calibration.
+
+    The cost model is `config.cost_model`'s file when it was measured for this model, dtype,
+    device kind and bucket ladder, in the terms of this engine's attention. Otherwise, unless
+    `calibrate_cost_model` is False, it is measured now (`calibrate`, the warm-up one) and saved
+    to that path for the next start; a file that does not apply is then replaced, with a warning
+    that says why. With `calibrate_cost_model` False such a file is an error; with True the model
+    is measured even without SLO-aware scheduling (its stats alone).
+    """
+    config = engine.config
+    calibrate_now = config.calibrate_cost_model
+    if not (config.cost_model or config.slo_scheduling or calibrate_now):
+        return None
+    cost, source = None, "file"
+    if config.cost_model and calibrate_now is not True:
+        try:
+            cost = cost_model.CostModel.load(
+                config.cost_model, expect=cost_key(engine), features=feature_set(engine)
+            )
+        except cost_model.CostModelError as e:
+            if calibrate_now is False or not config.slo_scheduling:
+                raise  # told not to measure one, or nothing needs one
+            logger.warning("%s Measuring a cost model at warm-up instead.", e)
+    if cost is None:
+        check_single_host()
+        cost, source = calibrate(engine, log=logger.info), "calibrated"
+        forget(engine)  # the stats count served requests only
+        if config.cost_model:
+            cost.save(config.cost_model)
+    saved = cost.to_json()
+    engine.metrics.stats.cost_model = {
+        "path": config.cost_model,
+        "source": source,
+        **saved["key"],
+        "fit_error": saved["fit_error"],
+        "buckets": saved["buckets"],
+    }
+    rel_rms = cost.fit_error.get("rel_rms")
+    engine.metrics.set_gauges(cost_model_fit_rel_rms=-1.0 if rel_rms is None else rel_rms)
+    return slo_policy.attach(engine.scheduler, config, cost)
+
+
+# Fewer served steps than this say too little about the machine's pace to replace the scale.
+MIN_SERVED_STEPS = 200
+
+
+def save_served_scale(engine) -> cost_model.CostModel | None:
+    """Saves, to the engine's `--cost-model` file, its cost model with the serving scale its SLO
+    policy measured on the steps it served (at least MIN_SERVED_STEPS), so that the next start
+    and the simulator plan served steps; returns that model, or None when nothing was saved.
+    Called when the engine stops."""
+    policy = engine.slo_policy
+    path = engine.config.cost_model
+    if not isinstance(policy, slo_policy.SloPolicy) or not path:
+        return None
+    measured = policy.served_scale()
+    if measured is None or measured[1] < MIN_SERVED_STEPS:
+        return None
+    cost = policy.cost.with_serving_scale(*measured)
+    cost.save(path)
+    logger.info(
+        "cost model: served steps ran x%.2f of calibration's; saved to %s", measured[0], path
+    )
+    return cost

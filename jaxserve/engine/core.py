@@ -23,7 +23,7 @@ import gc
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -40,7 +40,6 @@ from jaxserve.runtime.sampling import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduling.request import FinishReason, Request
 from jaxserve.scheduling.scheduler import Scheduler, SchedulerOutput, StepResult
-from jaxserve.scheduling.slo_policy import attach_to_engine
 from jaxserve.scheduling.types import RequestUpdate
 
 logger = logging.getLogger(__name__)
@@ -69,9 +68,26 @@ class Engine:
         model: LoadedModel | None = None,
         *,
         runner: ModelRunner | None = None,
+        budget_policy: Callable[[Engine], object | None] | None = None,
     ):
-        """Builds the runner (builder.py) unless one built from this config is given."""
+        """Builds the runner (builder.py) unless one built from this config is given.
+
+        `budget_policy(engine)`, called once the buckets are compiled, returns the policy the
+        scheduler sizes steps by (the SLO policy, attached to the scheduler) or None. The core
+        knows no policy of its own: `jaxserve.engine.build.build_engine` passes the one the
+        config asks for (calibration.slo_policy_for), which may time steps of this engine.
+        """
         self.config = config = config or EngineConfig()
+        if budget_policy is None and (
+            config.slo_scheduling or config.cost_model or config.calibrate_cost_model
+        ):
+            raise ValueError(
+                f"EngineConfig asks for SLO-aware scheduling or a cost model "
+                f"(slo_scheduling={config.slo_scheduling}, cost_model={config.cost_model!r}, "
+                f"calibrate_cost_model={config.calibrate_cost_model}), which an Engine built "
+                "without a budget policy cannot serve; build it with "
+                "jaxserve.engine.build.build_engine(config)."
+            )
         # The model on its mesh, the KV pool sized.
         self.runner = runner or build_runner(config, model)
         self.model, self.sharding = self.runner.model, self.runner.sharding
@@ -109,7 +125,7 @@ class Engine:
             logger.info("compiled %d buckets in %.1fs", len(self.runner.config.buckets()), seconds)
         # SLO-aware scheduling, when configured; after precompile, since measuring the step-cost
         # model at warm-up times steps of the compiled buckets.
-        self.slo_policy = attach_to_engine(self)
+        self.slo_policy = budget_policy(self) if budget_policy is not None else None
         self._warm_compiles = self.runner.num_compiles
         self._refresh_gauges()
         _freeze_heap_once()

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from jaxserve.engine import beam_search
 from jaxserve.engine.beam_search import Beam
+from jaxserve.engine.build import build_engine
 from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
 from jaxserve.outputs import RequestMetrics, TokenLogprob
@@ -36,7 +37,7 @@ class LLM:
     """Runs batches of prompts to completion, with continuous batching underneath."""
 
     def __init__(self, config: EngineConfig | None = None, *, engine: Engine | None = None):
-        self.engine = engine or Engine(config)
+        self.engine = engine or build_engine(config)
 
     def generate(
         self,

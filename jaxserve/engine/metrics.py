@@ -52,7 +52,7 @@ class EngineStats:
     )  # host seconds per phase of Engine.step(), summed over host_steps
     finished: dict[str, int] = dataclasses.field(default_factory=dict)
     good_requests: int = 0  # met both SLO targets (or every finished one when none are set)
-    # The step-cost model SLO-aware scheduling plans with (slo_policy.attach_to_engine): its
+    # The step-cost model SLO-aware scheduling plans with (calibration.slo_policy_for): its
     # file, source ("file" or "calibrated" at warm-up), key, fits and fit error; None without.
     cost_model: dict | None = None
     cost_model_fit_rel_rms: float = -1.0  # its fit's relative RMS error; -1: no cost model

@@ -473,13 +473,3 @@ def run_batch(
     if job.stop_error is not None:
         raise job.stop_error
     return job.summary
-
-
-def __getattr__(name: str):
-    # The Ray path lives in batch_ray.py (it needs the optional `ray`); found here too, beside
-    # run_batch, without importing it until asked.
-    if name in ("run_ray", "BatchPredictor", "RayBatchSummary"):
-        from jaxserve.jobs import ray_replicas as batch_ray
-
-        return getattr(batch_ray, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

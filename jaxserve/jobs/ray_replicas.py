@@ -89,9 +89,9 @@ class _Replica:
     """The body of one replica actor: an engine and the lines queued on it."""
 
     def __init__(self, config: EngineConfig, include_token_ids: bool):
-        from jaxserve.engine.core import Engine
+        from jaxserve.engine.build import build_engine
 
-        self.engine = Engine(config)
+        self.engine = build_engine(config)
         self.feed = EngineFeed(self.engine, include_token_ids)
 
     def info(self) -> dict:
@@ -381,9 +381,9 @@ class BatchPredictor:
         defaults: SamplingParams | None = None,
         include_token_ids: bool = False,
     ):
-        from jaxserve.engine.core import Engine
+        from jaxserve.engine.build import build_engine
 
-        self.engine = Engine(config or EngineConfig(show_progress=False))
+        self.engine = build_engine(config or EngineConfig(show_progress=False))
         self.feed = EngineFeed(self.engine, include_token_ids)
         self.defaults = defaults or SamplingParams(max_tokens=256, temperature=0.0)
         self.queue = 2 * self.engine.config.max_num_seqs

@@ -29,7 +29,8 @@ query block of device (i, j) is i * rep + j, which reads KV block i).
 
 The "data" axis is kept in the mesh's name and shape for what comes later, but must be 1: data
 parallelism inside one engine would need a scheduler that keeps each request's pages on its data
-shard. More throughput comes from replicas behind a load balancer (DESIGN.md, "Scale-out").
+shard. More throughput comes from replicas behind a load balancer (docs/architecture.md,
+"Scale-out").
 """
 
 from __future__ import annotations
@@ -216,15 +217,6 @@ class ShardingPlan:
     def place(self, params: Any) -> Any:
         """Moves params into their shardings (a no-op for params loaded straight into them)."""
         return jax.device_put(params, self.params(params))
-
-
-def bytes_per_device(tree: Any) -> dict[jax.Device, int]:
-    """Bytes each device holds of a tree of arrays: to check that a split model is split."""
-    out: dict[jax.Device, int] = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
-    return out
 
 
 def attention_over_heads(fn: Callable[..., jax.Array], plan: ShardingPlan | None):

@@ -80,11 +80,6 @@ class InputBatch:
         """The request whose parameters slot `slot` holds (None before its first claim)."""
         return self._owner[slot]
 
-    def invalidate(self, slot: int) -> None:
-        """Forgets slot `slot`'s page table, which the next pack copies whole: for a table
-        changed in place rather than grown (KVCacheManager.copy_on_write)."""
-        self._table_of[slot] = None
-
     def _claim(self, slot: int, req: Request) -> None:
         """Slot `slot` now belongs to `req`: its sampling parameters in."""
         p = req.sampling_params

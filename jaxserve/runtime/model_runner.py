@@ -28,7 +28,6 @@ from jaxserve.models.llama import logits_of_rows, step_compiler_options
 from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for
 from jaxserve.models.sharding import ShardingPlan, make_mesh
 from jaxserve.models.step_batch import (
-    SeqChunk,
     StepBatch,
     StepWords,
     from_words,
@@ -263,19 +262,6 @@ class ModelRunner:
         """Process 0, at exit: lets the other processes' `follow` return (no-op on one host)."""
         if self.lockstep is not None and is_leader():
             self.lockstep.stop()
-
-    def pack(self, chunks: Sequence[SeqChunk]) -> StepBatch:
-        """Pads host chunks to the smallest bucket that holds them."""
-        num_tokens = pick_bucket(self.config.token_buckets, sum(len(c.token_ids) for c in chunks))
-        num_seqs = self.config.seq_bucket_for(num_tokens)
-        return pack_chunks(
-            chunks,
-            page_size=self.config.page_size,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            pages_per_seq=self.config.pages_per_seq,
-            num_pages=self.config.num_pages,
-        )
 
     def precompile(self, progress: bool = True) -> float:
         """Compiles every bucket now (or loads it from the persistent cache); returns seconds."""

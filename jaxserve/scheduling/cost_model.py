@@ -117,11 +117,6 @@ class StepSample:
     seconds: float
 
 
-def attended_pairs(spans: Iterable[tuple[int, int]]) -> int:
-    """Pairs attended by chunks of (start_pos, num_tokens): causal, each token sees itself."""
-    return work_of(spans).attended
-
-
 def decode_keys(longest: int, tokens: int) -> int:
     """Keys the CPU attention's decode loop runs to in a step of `tokens` tokens whose longest
     decoding context is `longest`: whole key blocks (larger ones for a one-slot step)."""

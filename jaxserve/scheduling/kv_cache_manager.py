@@ -1,11 +1,11 @@
 """Host bookkeeping of the paged KV pool: page tables, reference counts and the prefix cache.
 
-The device pool (`kv_pages.KVPages`) is one preallocated array; this class only hands out page
-numbers 0..num_pages-1 and records each sequence's page table, so admission and preemption are
-list operations that cost microseconds. Plain Python, no jax.
+The device pool (`models/kv_pool.KVPages`) is one preallocated array; this class only hands out
+page numbers 0..num_pages-1 and records each sequence's page table, so admission and preemption
+are list operations that cost microseconds. Plain Python, no jax.
 
-Pages are shared, not copied (DESIGN.md, decision 8). Every page has a reference count: the
-number of page tables listing it. A full page whose keys and values are computed can be
+Pages are shared, not copied (docs/architecture.md, Decision 9). Every page has a reference
+count: the number of page tables listing it. A full page whose keys and values are computed can be
 *published* under a hash chained over its tokens (`PageHasher`): a later sequence with the same
 tokens up to the end of that page reuses it instead of recomputing it. A page is in exactly one
 of three states:
@@ -15,10 +15,10 @@ of three states:
   least recently freed first, only when a fresh page is needed and the free list is empty;
 - free: no table lists it and it holds nothing worth keeping.
 
-so `used + cached + free == num_pages` always. Sequences fork from a parent by sharing its pages
-(`fork`: the `n > 1` samples of one prompt, beams of a beam search); the page a sequence will
-write next is made private first if another table lists it (`copy_on_write`), so a shared page is
-never written. Published pages are full and never written again, so they need no copy.
+so `used + cached + free == num_pages` always. Only published pages are shared, and they are full
+and never written again, so no page is ever copied. The `n > 1` samples of one prompt and the
+beams of a beam search share a prompt's full pages this way (scheduling/prefix_sharing.py); each
+computes the prompt's last, partial page itself.
 """
 
 from __future__ import annotations
@@ -121,17 +121,9 @@ class KVCacheManager:
     def num_used_pages(self) -> int:
         return self.num_pages - len(self._free) - len(self._cached)
 
-    @property
-    def usage(self) -> float:
-        """Share of the pool in use, for the KV-cache-use metric (cached pages are not in use)."""
-        return self.num_used_pages / self.num_pages
-
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` cache slots."""
         return -(-num_tokens // self.page_size)
-
-    def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= self.num_free_pages
 
     def num_pages_of(self, seq_id: str) -> int:
         return len(self._tables.get(seq_id, ()))
@@ -151,10 +143,10 @@ class KVCacheManager:
     def table_of(self, seq_id: str) -> list[int]:
         """The sequence's live page table, not a copy: read it, never change it.
 
-        It only grows while the sequence holds it (`allocate`), except for the entry that
-        `copy_on_write` replaces; `free` drops it from the manager but leaves the list as it
-        was, so a plan that holds it still reads the pages it was planned with. The scheduler
-        hands it to every step instead of copying up to max_pages_per_seq ints per row.
+        It only grows while the sequence holds it (`allocate`); `free` drops it from the
+        manager but leaves the list as it was, so a plan that holds it still reads the pages it
+        was planned with. The scheduler hands it to every step instead of copying up to
+        max_pages_per_seq ints per row.
         """
         return self._tables[seq_id]
 
@@ -285,53 +277,6 @@ class KVCacheManager:
                 self._hash_of[page] = h
                 self._page_of[h] = page
         self._published[seq_id] = full
-
-    # ---- sharing between sequences --------------------------------------------------------
-
-    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
-        """Starts `child_id`'s table with the parent's pages covering `num_tokens` slots, shared.
-
-        For the samples of one prompt and the beams of a beam search: nothing is copied now.
-        Before the child (or the parent) writes into a page the other also lists, it calls
-        `copy_on_write`.
-        """
-        if child_id in self._tables:
-            raise ValueError(f"Sequence {child_id!r} already has a page table; cannot fork.")
-        parent = self._tables.get(parent_id)
-        n = self.pages_for(num_tokens)
-        if parent is None or n > len(parent):
-            raise ValueError(
-                f"Sequence {parent_id!r} holds {len(parent or ())} pages, fewer than the {n} "
-                f"that {num_tokens} tokens fill."
-            )
-        table = self._tables[child_id] = parent[:n]
-        for page in table:
-            self._refs[page] += 1
-        self._published[child_id] = min(self._published[parent_id], n)
-
-    def copy_on_write(self, seq_id: str, pos: int) -> tuple[int, int] | None:
-        """Makes the page holding slot `pos` of the sequence private before it is written.
-
-        Returns None when no other table lists it, else `(src, dst)`: the sequence's table now
-        lists the fresh page `dst`, and the caller must copy page `src`'s keys and values into
-        it on the device before the write. Raises when no page is free or evictable: the caller
-        checks `can_allocate(1)` first, as for any growth. The engine's `InputBatch` copies
-        tables by their growth only: after a copy, `InputBatch.invalidate` the sequence's slot.
-        """
-        table = self._tables[seq_id]
-        i = pos // self.page_size
-        src = table[i]
-        if self._refs[src] == 1:
-            return None
-        if not self.can_allocate(1):
-            raise ValueError(
-                f"No free page to copy page {src} of {seq_id!r} into; check can_allocate first."
-            )
-        dst = self._fresh_page()
-        self._refs[src] -= 1  # still >= 1: another table lists it
-        table[i] = dst
-        self._published[seq_id] = min(self._published[seq_id], i)
-        return src, dst
 
     def check_invariants(self) -> None:
         """Raises AssertionError unless the books agree: ref counts match the tables, every page

@@ -167,7 +167,3 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
-
-    def is_stop_token(self, token_id: int) -> bool:
-        """EOS (unless ignore_eos) or one of the request's stop_token_ids."""
-        return token_id in self.stop_ids

@@ -3,8 +3,8 @@
 Continuous batching puts prefill chunks in the same steps as decodes, so every token a prompt
 gets in a step slows the output of every running request. Under load the default (fill the
 token budget) makes each decode step as slow as a full prefill step, and every request misses
-its TPOT target. `SloPolicy` is consulted by the scheduler once per step (`Scheduler.step_budget`)
-and returns the step's token budget:
+its TPOT target. `SloPolicy` is consulted by the scheduler once per step
+(`Scheduler.budget_policy`) and returns the step's token budget:
 
 - no decodes running, or no TPOT target: the whole budget (no one's TPOT to protect);
 - otherwise the largest token bucket whose predicted step time (jaxserve/scheduling/cost_model.py),
@@ -72,13 +72,11 @@ Plain Python (no JAX), called with the scheduler's running list and waiting queu
 from __future__ import annotations
 
 import bisect
-import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 
 from jaxserve.scheduling.cost_model import (
     CostModel,
-    CostModelError,
     StepWork,
     decode_keys,
     decode_work,
@@ -86,8 +84,6 @@ from jaxserve.scheduling.cost_model import (
     work_of,
 )
 from jaxserve.scheduling.request import FinishReason, Request
-
-logger = logging.getLogger(__name__)
 
 
 class SloPolicy:
@@ -437,80 +433,5 @@ def attach(scheduler, config, cost: CostModel | None) -> SloPolicy | None:
         lag=1 if getattr(config, "async_scheduling", False) else 0,
         max_model_len=scheduler.config.max_model_len,
     )
-    scheduler.step_budget = policy
+    scheduler.budget_policy = policy
     return policy
-
-
-def attach_to_engine(engine) -> SloPolicy | None:
-    """`attach` for an Engine, after its precompile: finds the cost model (below), shows it in
-    the engine's stats and attaches the policy. Returns the policy, or None when the config asks
-    for none (nothing is loaded or measured).
-
-    The cost model is `config.cost_model`'s file when it was measured for this model, dtype,
-    device kind and bucket ladder, in the terms of this engine's attention. Otherwise, unless
-    `calibrate_cost_model` is False, it is measured now (jaxserve/engine/calibration.py) and saved
-    to
-    that path for the next start; a file that does not apply is then replaced, with a warning
-    that says why. With
-    `calibrate_cost_model` False such a file is an error; with True the model is measured even
-    without SLO-aware scheduling (its stats alone).
-    """
-    config = engine.config
-    calibrate = config.calibrate_cost_model
-    if not (config.cost_model or config.slo_scheduling or calibrate):
-        return None
-    from jaxserve.engine import calibration  # the engine's path only: it imports jax
-
-    cost, source = None, "file"
-    if config.cost_model and calibrate is not True:
-        try:
-            cost = CostModel.load(
-                config.cost_model,
-                expect=calibration.cost_key(engine),
-                features=calibration.feature_set(engine),
-            )
-        except CostModelError as e:
-            if calibrate is False or not config.slo_scheduling:
-                raise  # told not to measure one, or nothing needs one
-            logger.warning("%s Measuring a cost model at warm-up instead.", e)
-    if cost is None:
-        calibration.check_single_host()
-        cost, source = calibration.calibrate(engine, log=logger.info), "calibrated"
-        calibration.forget(engine)  # the stats count served requests only
-        if config.cost_model:
-            cost.save(config.cost_model)
-    saved = cost.to_json()
-    engine.metrics.stats.cost_model = {
-        "path": config.cost_model,
-        "source": source,
-        **saved["key"],
-        "fit_error": saved["fit_error"],
-        "buckets": saved["buckets"],
-    }
-    rel_rms = cost.fit_error.get("rel_rms")
-    engine.metrics.set_gauges(cost_model_fit_rel_rms=-1.0 if rel_rms is None else rel_rms)
-    return attach(engine.scheduler, config, cost)
-
-
-# Fewer served steps than this say too little about the machine's pace to replace the scale.
-MIN_SERVED_STEPS = 200
-
-
-def save_served_scale(engine) -> CostModel | None:
-    """Saves, to the engine's `--cost-model` file, its cost model with the serving scale its SLO
-    policy measured on the steps it served (at least MIN_SERVED_STEPS), so that the next start
-    and the simulator plan served steps; returns that model, or None when nothing was saved.
-    Called when the engine stops."""
-    policy = getattr(engine.scheduler, "step_budget", None)
-    path = engine.config.cost_model
-    if not isinstance(policy, SloPolicy) or not path:
-        return None
-    measured = policy.served_scale()
-    if measured is None or measured[1] < MIN_SERVED_STEPS:
-        return None
-    cost = policy.cost.with_serving_scale(*measured)
-    cost.save(path)
-    logger.info(
-        "cost model: served steps ran x%.2f of calibration's; saved to %s", measured[0], path
-    )
-    return cost

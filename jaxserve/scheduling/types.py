@@ -30,14 +30,14 @@ class SchedulerConfig:
     # Priority policy: waiting ages a request by one priority level per this many seconds, so
     # it is ordered as if it had arrived `priority * priority_aging_s` seconds later. A request
     # of priority p therefore waits at most (p - q) * priority_aging_s behind later arrivals of
-    # priority q (see Scheduler). None: strict priority, which can starve low priorities.
+    # priority q (see request_queue.py). None: strict priority, which can starve low priorities.
     priority_aging_s: float | None = 10.0
     batching: str = "continuous"  # 'continuous', or 'static' / 'dynamic' groups for comparison
     batch_size: int | None = None  # group size of static/dynamic batching; None: max_num_seqs
     dynamic_timeout_s: float = 0.05  # dynamic: start a short group once its oldest waited this
     # The runner's token buckets (model_runner.bucket_ladder). Given, the step's last prefill
     # chunk may be trimmed so that the step lands on a bucket instead of padding up to the next
-    # (Scheduler._land_on_bucket). None: steps take whatever the budget allows.
+    # (bucket_landing.py). None: steps take whatever the budget allows.
     token_buckets: tuple[int, ...] | None = None
     # None: unbounded; else QueueFull beyond this many waiting requests that no free slot will
     # take at the next step (Scheduler.num_queued_beyond_free_slots).

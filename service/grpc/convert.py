@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import numpy as np
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
@@ -34,9 +34,11 @@ from service.validation import (
     check_request_id,
     check_text,
     check_token_ids,
-    prompt_limit,  # noqa: F401 (the server and tests reach it here)
     short,
 )
+
+if TYPE_CHECKING:
+    from jaxserve.engine.info import EngineInfo
 
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -67,26 +69,28 @@ class MalformedRequest:
     message: str
 
 
-def prompt_text(request: pb.GenerateRequest, engine, limit: PromptLimit) -> str | None:
+def prompt_text(request: pb.GenerateRequest, info: EngineInfo, limit: PromptLimit) -> str | None:
     """The request's text prompt, checked to be worth tokenizing; None for a token-id prompt."""
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise InvalidRequest("The request has no prompt: set text or token_ids.", "prompt")
     if kind != "text":
         return None
-    check_text("text", request.text, engine, limit)
+    check_text("text", request.text, info, limit)
     return request.text
 
 
-def prompt_ids(request: pb.GenerateRequest, engine, text_ids: list[int] | None) -> list[int]:
+def prompt_ids(
+    request: pb.GenerateRequest, info: EngineInfo, text_ids: list[int] | None
+) -> list[int]:
     """The prompt's token ids (`text_ids`: its text's, tokenized), checked against the
     vocabulary and the context."""
     if text_ids is not None:
         ids, what, field = text_ids, f"text={short(request.text)}", "text"
     else:
         ids, what, field = list(request.token_ids.ids), "token_ids", "token_ids.ids"
-        check_token_ids(field, ids, engine)
-    check_prompt_fits(what, ids, engine, field)
+        check_token_ids(field, ids, info)
+    check_prompt_fits(what, ids, info, field)
     return ids
 
 
@@ -95,7 +99,9 @@ def request_id(request: pb.GenerateRequest) -> str | None:
     return check_request_id("request_id", request.request_id)
 
 
-def sampling_params(options: pb.SamplingOptions, num_prompt_tokens: int, engine) -> SamplingParams:
+def sampling_params(
+    options: pb.SamplingOptions, num_prompt_tokens: int, info: EngineInfo
+) -> SamplingParams:
     """SamplingParams of the request; unset fields take the engine's defaults."""
     fields = {
         name: getattr(options, name) for name in _SAMPLING_OPTIONALS if options.HasField(name)
@@ -111,7 +117,7 @@ def sampling_params(options: pb.SamplingOptions, num_prompt_tokens: int, engine)
             logit_bias=dict(options.logit_bias),
         ),
         num_prompt_tokens=num_prompt_tokens,
-        engine=engine,
+        info=info,
         prefix="sampling.",
     )
 
@@ -153,25 +159,25 @@ def response(
     return msg
 
 
-def model_info(engine) -> pb.ModelInfo:
-    cfg, mc = engine.config, engine.model.config
+def model_info(info: EngineInfo) -> pb.ModelInfo:
+    """GetModelInfo's answer: the engine's description and the limits a request must keep."""
     return pb.ModelInfo(
-        model=str(engine.model.source),
-        architecture=mc.architecture,
-        context_length=engine.max_model_len,
-        vocab_size=mc.vocab_size,
-        eos_token_ids=list(mc.eos_token_ids),
-        dtype=str(np.dtype(engine.model.dtype)),
+        model=info.model,
+        architecture=info.architecture,
+        context_length=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids),
+        dtype=info.dtype,
         limits=pb.EngineLimits(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_waiting_requests=cfg.max_waiting_requests,
-            num_kv_pages=engine.runner.config.num_pages,
-            page_size=cfg.page_size,
+            max_num_seqs=info.max_num_seqs,
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            max_waiting_requests=info.max_waiting_requests,
+            num_kv_pages=info.num_pages,
+            page_size=info.page_size,
             max_stop_strings=MAX_STOP_STRINGS,
             max_stop_string_chars=MAX_STOP_STRING_CHARS,
             max_logprobs=MAX_LOGPROBS,
-            policy=cfg.policy,
+            policy=info.policy,
         ),
     )
 

@@ -173,17 +173,15 @@ class JaxServeServicer:
 
     async def _encode(self, text: str) -> list[int]:
         """Token ids of a checked text, computed off the event loop."""
-        return await self.lifecycle.off_loop(self.lifecycle.engine.engine.encode, text)
+        return await self.lifecycle.off_loop(self.lifecycle.engine.encode, text)
 
     async def _stream(self, request: pb.GenerateRequest, call: _Call):
         async_engine = self.lifecycle.engine
-        engine = async_engine.engine
+        info = async_engine.info
         # Refuses a text that cannot fit.
-        text = convert.prompt_text(request, engine, self.lifecycle.prompt_limit)
-        ids = convert.prompt_ids(
-            request, engine, None if text is None else await self._encode(text)
-        )
-        params = convert.sampling_params(request.sampling, len(ids), engine)
+        text = convert.prompt_text(request, info, self.lifecycle.prompt_limit)
+        ids = convert.prompt_ids(request, info, None if text is None else await self._encode(text))
+        params = convert.sampling_params(request.sampling, len(ids), info)
         request_id = convert.request_id(request) or f"grpc-{uuid.uuid4().hex[:16]}"
         call.fields.update(
             request_id=request_id, prompt_tokens=len(ids), max_tokens=params.max_tokens
@@ -215,12 +213,12 @@ class JaxServeServicer:
         return convert.response(last, token_ids=ids, text="".join(text), logprobs=logprobs)
 
     async def _tokenize(self, request, context, call: _Call) -> pb.TokenizeResponse:
-        engine = self.lifecycle.engine.engine
-        convert.check_text("text", request.text, engine, self.lifecycle.prompt_limit)
+        info = self.lifecycle.engine.info
+        convert.check_text("text", request.text, info, self.lifecycle.prompt_limit)
         return pb.TokenizeResponse(token_ids=await self._encode(request.text))
 
     async def _model_info(self, request, context, call: _Call) -> pb.ModelInfo:
-        return convert.model_info(self.lifecycle.engine.engine)
+        return convert.model_info(self.lifecycle.engine.info)
 
 
 def _raise_if_refused(out) -> None:

@@ -1,6 +1,11 @@
-"""The OpenAI-compatible HTTP API beside the gRPC service: the app (app.py), its request and
-response bodies (protocol.py), and `HttpListener`, which runs it with uvicorn on the gRPC
-server's event loop (see service/server.py for the lifecycle both follow)."""
+"""The OpenAI-compatible HTTP API beside the gRPC service, and `HttpListener`, which runs it with
+uvicorn on the gRPC server's event loop (see service/server.py for the lifecycle both follow).
+
+The modules, after vLLM's entrypoints/openai, from the top down: routes.py (the FastAPI app and
+its route table), completions.py and chat.py (serving each endpoint), beams.py (vLLM's
+`use_beam_search`), pumps.py (a call's engine streams), serving.py (request building both
+endpoints share), streaming.py (server-sent events) and protocol.py (request and response
+bodies). None of them imports the server: it hands the app what it needs."""
 
 from __future__ import annotations
 

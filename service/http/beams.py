@@ -22,6 +22,7 @@ parameters), and clients that want beams send its fields, so the conventions are
   one last response. Errors before that (a full queue, a bad value) are the call's status code.
 
 A client that disconnects cancels the searches; closing their requests' streams aborts them.
+`respond` runs such a call for completions.py and chat.py alike.
 """
 
 from __future__ import annotations
@@ -29,13 +30,20 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+from fastapi import Request
 
 from jaxserve.engine import beam_search
 from jaxserve.engine.beam_search import Beam, BeamSearchOutput
 from jaxserve.sampling_params import MAX_BEAM_WIDTH, SamplingParams
 from service import validation
-from service.http import protocol
+from service.http import protocol, pumps
+from service.http.serving import HttpError, OpenAIServing, include_usage
 from service.validation import InvalidRequest
+
+if TYPE_CHECKING:
+    from jaxserve.engine.info import EngineInfo
 
 
 def beam_width(body: protocol._Sampling) -> int | None:
@@ -80,7 +88,7 @@ def beam_width(body: protocol._Sampling) -> int | None:
 
 
 def beam_params(
-    sampling: dict, width: int, body: protocol._Sampling, num_prompt_tokens: int, engine
+    sampling: dict, width: int, body: protocol._Sampling, num_prompt_tokens: int, info: EngineInfo
 ) -> SamplingParams:
     """The search's SamplingParams, checked by the shared validation; a conflict (temperature
     0.7, logprobs, ...) is refused naming use_beam_search and the values."""
@@ -88,9 +96,7 @@ def beam_params(
     if body.length_penalty is not None:
         fields["length_penalty"] = body.length_penalty
     try:
-        return validation.sampling_params(
-            fields, num_prompt_tokens=num_prompt_tokens, engine=engine
-        )
+        return validation.sampling_params(fields, num_prompt_tokens=num_prompt_tokens, info=info)
     except InvalidRequest as e:
         if e.param != "beam_width":
             raise
@@ -98,6 +104,39 @@ def beam_params(
             f"use_beam_search=true (a beam search of width {width}) cannot run as sent. {e}",
             "use_beam_search",
         ) from None
+
+
+async def respond(
+    serving: OpenAIServing, request: Request, body, prompts, sampling: dict, width, fields
+):
+    """A call with use_beam_search: one search per prompt, its best n beams the choices; the
+    response (or its stream) once every search has ended. `prompts` are (token ids, text or
+    None); `fields` is the call's log line."""
+    chat = isinstance(body, protocol.ChatCompletionRequest)
+    params = [beam_params(sampling, width, body, len(ids), serving.info) for ids, _ in prompts]
+    cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    fields.update(id=cid, prompts=len(prompts), n=body.n, beam_width=width, stream=body.stream)
+    prompt_ids = [ids for ids, _ in prompts]
+    search = search_all(serving.engine, prompt_ids, params, body.priority)
+    outs = await pumps.unless_gone(request, search)
+    for out in outs:
+        if out.error is not None:  # a beam's request failed or was aborted: no result
+            raise HttpError(500, out.error, "internal_error")
+    choices = []
+    for out, (ids, text) in zip(outs, prompts, strict=True):
+        echo = ""
+        if not chat and body.echo:
+            echo = serving.echo_text(ids, text)
+        for beam in out.beams[: body.n]:
+            if chat:
+                choices.append(chat_choice(len(choices), beam))
+            else:
+                choices.append(completion_choice(len(choices), beam, echo))
+    head = serving.head(cid, "chat.completion" if chat else "text_completion")
+    usage_ = usage(prompt_ids, outs, body.n)
+    if body.stream:
+        return events(head, choices, usage_ if include_usage(body) else None)
+    return {**head, "choices": choices, "usage": usage_}
 
 
 async def search_all(

@@ -49,7 +49,7 @@ def _batch(inp, out):
         str(inp),
         str(out),
         *TINY_FLAGS,
-        *(["--compile-cache", cache] if cache else []),
+        *(["--compilation-cache-dir", cache] if cache else []),
     ]
 
 

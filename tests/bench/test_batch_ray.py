@@ -35,7 +35,7 @@ CLI_FLAGS = [
     "--seq-bucket-factor", "4", "--max-model-len", "128", "--no-progress",
 ]  # fmt: skip
 if CONFIG.compilation_cache_dir:
-    CLI_FLAGS += ["--compile-cache", default_compilation_cache_dir()]
+    CLI_FLAGS += ["--compilation-cache-dir", default_compilation_cache_dir()]
 
 
 def _write_input(path, n, max_tokens=None):

@@ -12,15 +12,15 @@ import pytest
 
 from jaxserve.cli import main
 from jaxserve.engine.llm import LLM
-from jaxserve.engine_config import default_compilation_cache_dir
 from jaxserve.sampling_params import SamplingParams
 
 TINY_BENCH = [
+    "--batching", "continuous,static,dynamic",
     "--rates", "8,inf", "--num-requests", "5", "--burst", "2@0.05",
     "--prompt-range", "8:24", "--output-range", "3:10",
     "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
     "--min-token-bucket", "8", "--token-bucket-factor", "2", "--seq-bucket-factor", "4",
-    "--ttft-slo", "30", "--tpot-slo", "5",
+    "--ttft-slo-s", "30", "--tpot-slo-s", "5",
 ]  # fmt: skip
 METRICS = [
     "request_throughput", "output_token_throughput", "total_token_throughput", "goodput",
@@ -33,11 +33,9 @@ PLOTS = ("throughput_latency.png", "latency_distributions.png", "timeline.png")
 
 def test_bench_compares_batching_modes_and_writes_json_and_plots(tmp_path, capsys):
     out = tmp_path / "bench"
-    # The suite's compilation cache, not the bench's temporary one: a rerun loads its buckets.
-    cache = default_compilation_cache_dir()
+    # The engine's persistent compilation cache (the flag's default): a rerun loads its buckets.
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxserve.cli", "bench", *TINY_BENCH, "--out", str(out)]
-        + (["--compile-cache", cache] if cache else []),
+        [sys.executable, "-m", "jaxserve.cli", "bench", *TINY_BENCH, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,

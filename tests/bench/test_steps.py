@@ -27,7 +27,7 @@ def test_steps_profile_prints_and_writes_every_point(tmp_path):
     out = tmp_path / "steps"
     # The suite's compilation cache (as the engines of other tests use): a rerun loads its steps.
     cache = default_compilation_cache_dir()
-    cache_flag = ["--compile-cache", cache] if cache else []
+    cache_flag = ["--compilation-cache-dir", cache] if cache else []
     # Short decode contexts and few timed steps keep the fill of each batch to a few buckets.
     proc = subprocess.run(
         [

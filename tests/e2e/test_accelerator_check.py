@@ -23,7 +23,7 @@ def cache_dir(tmp_path_factory) -> str:
 def test_dry_run_writes_every_stage_with_equal_tokens_and_no_compiles(tmp_path, cache_dir):
     out = tmp_path / "report"
     cmd = [sys.executable, "-m", "jaxserve.bench.accelerator_check", "--out", str(out), "--dry-run"]
-    cmd += ["--cache-dir", cache_dir, "--budget-s", "1200"]
+    cmd += ["--compilation-cache-dir", cache_dir, "--budget-s", "1200"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # The device tool brings back 8 files at most from $OUT.
@@ -123,7 +123,7 @@ def test_a_backend_that_fails_is_recorded_and_the_other_still_runs(
     # would on the device. The xla engine must still run, and the stage must end in error.
     dry = ac.plan(dry_run=True)
     monkeypatch.setattr(ac, "plan", lambda dry_run: dry | {"backends": ("pallas", "xla")})
-    args = argparse.Namespace(dry_run=True, cache_dir=cache_dir)
+    args = argparse.Namespace(dry_run=True, compilation_cache_dir=cache_dir)
     stage = ac.Stage(tmp_path / "engine_correctness.json", args)
     ac.stage_engine_correctness(stage)
     saved = json.loads((tmp_path / "engine_correctness.json").read_text())

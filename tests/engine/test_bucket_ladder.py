@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from jaxserve.models.step_batch import SeqChunk, pack_chunks
 from jaxserve.runtime.model_runner import ModelRunner, bucket_ladder, pick_bucket
 
 
@@ -27,7 +28,6 @@ def test_bad_ladders_are_refused(args):
 
 
 def test_one_compiled_shape_per_token_bucket_holds_every_packable_step():
-    from jaxserve.models.step_batch import SeqChunk
     from jaxserve.runtime.model_runner import RunnerConfig
 
     config = RunnerConfig(
@@ -50,7 +50,15 @@ def test_one_compiled_shape_per_token_bucket_holds_every_packable_step():
             total = num_seqs * tokens_each
             if total > 64:
                 continue
-            batch = runner.pack(chunks)
+            tokens = pick_bucket(config.token_buckets, total)
+            batch = pack_chunks(
+                chunks,
+                page_size=runner.config.page_size,
+                num_tokens=tokens,
+                num_seqs=runner.config.seq_bucket_for(tokens),
+                pages_per_seq=runner.config.pages_per_seq,
+                num_pages=runner.config.num_pages,
+            )
             shape = (batch.token_ids.shape[0], batch.kv_lens.shape[0])
             assert shape in shapes, (num_seqs, tokens_each, shape)
             assert shape[0] == pick_bucket(config.token_buckets, total)

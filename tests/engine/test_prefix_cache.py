@@ -92,7 +92,7 @@ def test_prompts_sharing_0_1_several_or_all_full_pages_give_the_uncached_outputs
         expect = 0 if rid == "warm" else shares[name][1]
         if kind == "seeded":
             # Added just after the greedy query of the same prompt: it waits for that one's
-            # pages (computed once, scheduler._waits_for_prefix) and takes every full page that
+            # pages (computed once, PrefixSharing.waits) and takes every full page that
             # leaves its last prompt token to compute.
             expect = (len(shares[name][0]) - 1) // PAGE * PAGE
         assert num_cached == expect, rid

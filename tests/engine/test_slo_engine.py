@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxserve.engine.build import build_engine
 from jaxserve.engine.core import Engine
 from jaxserve.engine.llm import LLM
 from jaxserve.engine_config import EngineConfig
@@ -39,7 +40,8 @@ def _cost_file(
 def test_policy_caps_steps_beside_decodes_and_keeps_outputs(stories_engine, tmp_path):
     # Buckets 16/32/64 cost 2.6/4.2/7.4 ms; a 3.5 ms target (3.15 ms with headroom) allows 16.
     cost = _cost_file(stories_engine, tmp_path / "cost.json")
-    engine = Engine(EngineConfig(**SMALL, slo_scheduling=True, tpot_slo_s=3.5e-3, cost_model=cost))
+    config = EngineConfig(**SMALL, slo_scheduling=True, tpot_slo_s=3.5e-3, cost_model=cost)
+    engine = build_engine(config)
     assert engine.metrics.stats.cost_model["model"] == stories_engine.model.source
     steps = []
     schedule = engine.scheduler.schedule
@@ -74,7 +76,7 @@ def test_policy_caps_steps_beside_decodes_and_keeps_outputs(stories_engine, tmp_
 def test_cost_model_measured_for_something_else_is_refused(stories_engine, tmp_path, made, why):
     cost = _cost_file(stories_engine, tmp_path / "cost.json", **made)
     with pytest.raises(CostModelError, match=why):
-        Engine(
+        build_engine(
             EngineConfig(
                 **SMALL,
                 slo_scheduling=True,
@@ -100,7 +102,7 @@ def test_request_that_cannot_meet_its_ttft_is_refused_with_the_reason(stories_en
         calibrate_cost_model=False,
         precompile=False,  # one bucket runs, at the end
     )
-    engine = Engine(config, model=stories_engine.model)
+    engine = build_engine(config, model=stories_engine.model)
     late = engine.add_request([5] * 40, SamplingParams(max_tokens=4))
     outs = drain(engine)
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [(late, True, "refused")]
@@ -122,7 +124,7 @@ def test_calibration_at_warm_up_fits_every_bucket_saves_and_reloads(stories_engi
     config = EngineConfig(
         **SMALL, slo_scheduling=True, tpot_slo_s=0.05, cost_model=str(path), precompile=False
     )
-    engine = Engine(config, model=stories_engine.model)
+    engine = build_engine(config, model=stories_engine.model)
     stats = engine.metrics.stats
     assert stats.cost_model["source"] == "calibrated" and path.exists()
     buckets = tuple(engine.runner.config.token_buckets)
@@ -134,28 +136,28 @@ def test_calibration_at_warm_up_fits_every_bucket_saves_and_reloads(stories_engi
     assert stats.finished == {} and stats.num_steps == 0 and engine.scheduler.num_preemptions == 0
     assert engine.slo_policy is not None and engine.slo_policy.cost.key.token_buckets == buckets
     # A second engine of the same key loads the file instead of measuring again.
-    again = Engine(config, model=stories_engine.model)
+    again = build_engine(config, model=stories_engine.model)
     assert again.metrics.stats.cost_model["source"] == "file"
     assert again.slo_policy.cost.fits == engine.slo_policy.cost.fits
     # A file measured elsewhere is refused, says why, and is measured again and replaced.
     other = _cost_file(engine, tmp_path / "other.json", device_kind="TPU v9")
-    replaced = Engine(config.replace(cost_model=other), model=stories_engine.model)
+    replaced = build_engine(config.replace(cost_model=other), model=stories_engine.model)
     assert replaced.metrics.stats.cost_model["source"] == "calibrated"
     assert CostModel.load(other).key.device_kind == jax.devices()[0].device_kind
 
 
 def test_async_engine_saves_the_serving_scale_it_measured_when_it_stops(stories_engine, tmp_path):
     """The serving scale the SLO policy measures over served steps reaches the --cost-model
-    file at shutdown (slo_policy.save_served_scale), so the next start plans served steps."""
+    file at shutdown (calibration.save_served_scale), so the next start plans served steps."""
     import asyncio
 
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.scheduling.slo_policy import MIN_SERVED_STEPS
+    from jaxserve.engine.calibration import MIN_SERVED_STEPS
 
     path = tmp_path / "cost.json"
     _cost_file(stories_engine, path)  # 2.6 ms for a 16-token step: near, never exactly, served
     config = EngineConfig(**SMALL, slo_scheduling=True, tpot_slo_s=1.0, cost_model=str(path))
-    engine = Engine(config, model=stories_engine.model)
+    engine = build_engine(config, model=stories_engine.model)
     served = AsyncEngine(engine=engine)
     # Twice the steps needed: on a busy machine a stalled step (over 10x its prediction) is not
     # measured, and with 20 spare steps this failed at 192 and 194 measured of 200.
@@ -188,3 +190,12 @@ def test_step_recordings_nest_and_give_each_steps_chunks(stories_engine):
     assert len(outer) > len(inner) > 0  # the outer one saw the inner one's steps too
     assert len(spans) == len(outer)
     assert [cost_model.work_of(c) for c in spans] == [s.work for s in outer]
+
+
+def test_the_engine_core_refuses_an_slo_config_without_a_policy():
+    """The core knows no calibration: an SLO config reaches it only through build_engine, and a
+    bare Engine says so instead of serving without the policy it was asked for."""
+    from jaxserve.engine.core import Engine
+
+    with pytest.raises(ValueError, match="build_engine"):
+        Engine(EngineConfig(**SMALL, slo_scheduling=True, tpot_slo_s=0.1))

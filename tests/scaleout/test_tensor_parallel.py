@@ -21,7 +21,7 @@ from checkpoints.config_json import abstract_params, unstack_layers
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import init_kv_pages
 from jaxserve.models.llama import resolve_layer_loop
-from jaxserve.models.sharding import ShardingPlan, bytes_per_device, make_mesh
+from jaxserve.models.sharding import ShardingPlan, make_mesh
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
 
 LLAMA, QWEN3 = NAMED_SHAPES["llama-tiny"], NAMED_SHAPES["qwen3-tiny"]
@@ -40,6 +40,15 @@ PROMPTS = [[5, 17, 300, 42, 9, 77, 1000, 3, 64], [8, 400, 401, 2], [999, 11, 12]
 DECODE_STEPS = 6
 KERNEL_STD = 0.1
 BUCKET = dict(page_size=4, num_tokens=16, num_seqs=4, pages_per_seq=5, num_pages=17)
+
+
+def bytes_per_device(tree) -> dict[jax.Device, int]:
+    """Bytes each device holds of a tree of arrays: to check that a split model is split."""
+    out: dict[jax.Device, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
 
 
 def _logits_step(module, params, kv, batch):

@@ -79,7 +79,7 @@ def test_width_three_returns_the_beams_of_llm_beam_search(served, client):
     )
     _same_beams(got.choices, want)
     # Each choice's tokens are the beam's: its text tokenizes back to them after the prompt.
-    tokenizer = served[0].server.engine.engine.tokenizer
+    tokenizer = served[0].server.engine.tokenizer
     prompt_ids = tokenizer(PROMPTS[0])["input_ids"]
     for choice, beam in zip(got.choices, want, strict=True):
         ids = tokenizer(PROMPTS[0] + choice.text)["input_ids"]

@@ -39,7 +39,7 @@ def shedding(engine):
     try:
         yield policy
     finally:
-        engine.scheduler.step_budget = None
+        engine.scheduler.budget_policy = None
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ import urllib.request
 import grpc
 import pytest
 
+from service import validation
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
-from service.grpc import convert
 from service.grpc.client import make_request
 from tests.service.conftest import serving
 
@@ -41,7 +41,7 @@ def _calls_metric(server, method: str, code: str) -> float:
 def test_prompt_limit_bounds_the_bytes_of_any_tokenized_text(engine):
     """Whatever the text, its bytes never exceed its tokens times the limit's bytes per token,
     so refusing beyond max_model_len * bytes_per_token never refuses a prompt that fits."""
-    limit = convert.prompt_limit(engine)
+    limit = validation.prompt_limit(engine.tokenizer, engine.max_model_len)
     assert limit.max_model_len == engine.max_model_len
     rng = random.Random(0)
     alphabet = "ab cd\n\t.,!é漢字😀\u200b" + "".join(map(chr, range(32, 127)))

@@ -90,7 +90,7 @@ def reference_output(req: Request) -> list[int]:
         token = fake_next_token(history)
         history.append(token)
         out.append(token)
-        if req.is_stop_token(token):
+        if token in req.stop_ids:
             break
     return out
 

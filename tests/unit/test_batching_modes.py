@@ -7,8 +7,9 @@ import pytest
 from jaxserve.scheduling.scheduler import StepResult
 from tests.unit.helpers import add_all, make_request, make_requests, make_scheduler, step
 
-# The batch is full with A, B and C either because they hold every slot, or (DESIGN.md decision
-# 2: admission also checks pages) because they hold every KV page while a fourth slot is free.
+# The batch is full with A, B and C either because they hold every slot, or (docs/architecture.md,
+# Decision 2: admission also checks pages) because they hold every KV page while a fourth slot is
+# free.
 FULL_BY = {
     "slots": dict(max_num_seqs=3, num_pages=64, page_size=4),
     "pages": dict(max_num_seqs=4, num_pages=3, page_size=8),

@@ -13,7 +13,6 @@ from jaxserve.scheduling.cost_model import (
     CostModelError,
     StepSample,
     StepWork,
-    attended_pairs,
     fit,
     plan_features,
     serving_scale,
@@ -49,9 +48,9 @@ def _samples(buckets=(8, 16, 32, 64), per_bucket=40, noise=0.02, seed=0):
 def test_attended_pairs_of_decode_and_prefill():
     # A decode at context 9 (8 cached + itself) attends 9; a 3-token chunk after 4 cached
     # tokens attends 5 + 6 + 7 = 18.
-    assert attended_pairs([(8, 1)]) == 9
-    assert attended_pairs([(4, 3)]) == 18
-    assert attended_pairs([(8, 1), (4, 3)]) == 27
+    assert work_of([(8, 1)]).attended == 9
+    assert work_of([(4, 3)]).attended == 18
+    assert work_of([(8, 1), (4, 3)]).attended == 27
 
 
 def test_plan_features_read_a_real_plan():

@@ -146,33 +146,6 @@ def test_two_sequences_computing_the_same_page_publish_it_once():
     kv.check_invariants()
 
 
-def test_fork_shares_pages_and_copy_on_write_makes_the_written_page_private():
-    kv, h = KVCacheManager(num_pages=8, page_size=4, max_pages_per_seq=4), PageHasher(4)
-    _admit(kv, h, "parent", list(range(1, 7)))  # 1 full page + a partial one (2 of 4 slots)
-    kv.fork("parent", "child", 6)
-    parent = kv.page_table("parent")
-    assert kv.page_table("child") == parent and [kv.ref_count(p) for p in parent] == [2, 2]
-    assert kv.copy_on_write("child", 3) is not None  # slot 3 is on the full page: still copied
-    kv.free("child")
-    kv.fork("parent", "child", 6)
-    src, dst = kv.copy_on_write("child", 6)  # the child's next write lands on the partial page
-    assert src == parent[1] and kv.page_table("child") == [parent[0], dst]
-    assert kv.ref_count(src) == 1 and kv.ref_count(dst) == 1
-    assert kv.copy_on_write("parent", 6) is None  # the parent holds its page alone again
-    assert kv.copy_on_write("child", 7) is None
-    kv.free("parent")
-    kv.free("child")
-    assert kv.num_used_pages == 0 and kv.num_cached_pages == 1
-    kv.check_invariants()
-
-
-def test_fork_refuses_more_pages_than_the_parent_holds():
-    kv = KVCacheManager(num_pages=8, page_size=4, max_pages_per_seq=4)
-    kv.allocate("p", 4)
-    with pytest.raises(ValueError, match="fewer than the 2 that 5 tokens fill"):
-        kv.fork("p", "c", 5)
-
-
 def test_a_corrupted_ref_count_is_detected():
     kv = KVCacheManager(num_pages=4, page_size=4, max_pages_per_seq=4)
     kv.allocate("a", 4)
@@ -186,7 +159,7 @@ def _manager_ops(draw):
     return draw(
         st.lists(
             st.tuples(
-                st.sampled_from(["admit", "grow", "finish", "abort", "fork", "cow"]),
+                st.sampled_from(["admit", "grow", "finish", "abort"]),
                 st.integers(0, 5),  # which sequence
                 st.integers(0, 3),  # which prefix family
                 st.integers(1, 12),  # a length
@@ -199,7 +172,7 @@ def _manager_ops(draw):
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=_manager_ops(), page_size=st.integers(1, 4), num_pages=st.integers(3, 16))
-def test_random_admits_finishes_aborts_and_forks_keep_the_books(ops, page_size, num_pages):
+def test_random_admits_grows_finishes_and_aborts_keep_the_books(ops, page_size, num_pages):
     """used + cached + free == total after every step, ref counts match the tables, no page is
     freed twice, and a matched page always holds the tokens its hash names."""
     kv, h = KVCacheManager(num_pages, page_size, max_pages_per_seq=8), PageHasher(page_size)
@@ -225,8 +198,6 @@ def test_random_admits_finishes_aborts_and_forks_keep_the_books(ops, page_size, 
         elif op == "grow" and sid in tokens and len(tokens[sid]) < cap:
             new = tokens[sid] + [7000 + n] * min(n, cap - len(tokens[sid]))
             pos = len(tokens[sid])
-            if kv.num_pages_of(sid) * page_size > pos and kv.can_allocate(1):
-                kv.copy_on_write(sid, pos)  # the page it writes next may be a forked one
             if kv.allocate(sid, len(new)):
                 table = kv.page_table(sid)
                 for j in range(pos // page_size, len(table)):
@@ -238,16 +209,6 @@ def test_random_admits_finishes_aborts_and_forks_keep_the_books(ops, page_size, 
             held = kv.num_pages_of(sid)
             assert kv.free(sid) == held and kv.free(sid) == 0  # a second free frees nothing
             del tokens[sid]
-        elif op == "fork" and sid in tokens:
-            child = f"s{(i + 1 + fam) % 6}"
-            if child not in tokens:
-                kv.fork(sid, child, len(tokens[sid]))
-                tokens[child] = list(tokens[sid])
-        elif op == "cow" and sid in tokens and kv.can_allocate(1):
-            pos = len(tokens[sid]) - 1
-            pair = kv.copy_on_write(sid, pos)
-            if pair is not None:
-                content[pair[1]] = content[pair[0]]  # the device copy the caller makes
         kv.check_invariants()
         assert kv.num_used_pages + kv.num_cached_pages + len(kv._free) == num_pages
     for sid in list(tokens):

@@ -46,7 +46,7 @@ def test_four_requests_with_one_prompt_compute_it_once(ahead, budget):
         while len(in_flight) > (1 if ahead and not plan.is_empty else 0):
             sched.update(*in_flight.popleft())
         sched.check_invariants()
-        assert len(sched._computing) <= 10
+        assert len(sched.prefix.computing) <= 10
     for req in [*same, other]:
         assert req.output_token_ids == reference_output(req)
     # s0 computes all 40; each other sample takes 9 pages from the cache and computes the last
@@ -54,7 +54,7 @@ def test_four_requests_with_one_prompt_compute_it_once(ahead, budget):
     # decode tokens, which start at position >= 40 only for the 40-token prompts.
     assert [r.num_cached_tokens for r in same] == [0, 36, 36, 36]
     assert computed == 40 + 3 * 4 + 10 + 5  # other's 5 decodes run at positions 10..14
-    assert not sched._computing and not sched._registered
+    assert not sched.prefix.computing and not sched.prefix.claims
 
 
 def test_a_request_computing_the_pages_that_is_preempted_releases_the_waiters():
@@ -68,10 +68,10 @@ def test_a_request_computing_the_pages_that_is_preempted_releases_the_waiters():
     sched.add_request(second)
     sched.update(plan := sched.schedule(), runner.execute(plan))
     assert [s.request_id for s in plan.seqs] == ["a"]  # b waits for a's pages
-    assert sched._computing and all(r is first for r in sched._computing.values())
+    assert sched.prefix.computing and all(r is first for r in sched.prefix.computing.values())
     sched.abort_request("a")
     sched.update(plan := sched.schedule(), runner.execute(plan))
-    assert [s.request_id for s in plan.seqs] == ["b"] and not sched._registered.get("a")
+    assert [s.request_id for s in plan.seqs] == ["b"] and not sched.prefix.claims.get("a")
     while sched.has_unfinished():
         sched.update(plan := sched.schedule(), runner.execute(plan))
         sched.check_invariants()

@@ -42,12 +42,12 @@ def test_token_slices_match_all_token_ids():
 
 def test_stop_tokens_respect_ignore_eos_but_not_stop_token_ids():
     plain = Request(request_id="a", prompt_token_ids=[1], eos_token_ids=(2,))
-    assert plain.is_stop_token(2) and not plain.is_stop_token(3)
+    assert plain.stop_ids == {2}
     params = SamplingParams(ignore_eos=True, stop_token_ids=(3,))
     ignoring = Request(
         request_id="b", prompt_token_ids=[1], eos_token_ids=(2,), sampling_params=params
     )
-    assert not ignoring.is_stop_token(2) and ignoring.is_stop_token(3)
+    assert ignoring.stop_ids == {3}
 
 
 @pytest.mark.parametrize(

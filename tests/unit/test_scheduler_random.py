@@ -184,5 +184,5 @@ def test_random_workloads_keep_invariants_and_outputs(ahead, data):
             assert req.output_token_ids == ref[: spec["stop_string_at"]]
         else:
             assert req.output_token_ids == ref
-            expected = FinishReason.STOP if req.is_stop_token(ref[-1]) else FinishReason.LENGTH
+            expected = FinishReason.STOP if ref[-1] in req.stop_ids else FinishReason.LENGTH
             assert req.finish_reason == expected

@@ -10,12 +10,13 @@ import pytest
 from jaxserve.bench.metrics import SLO, summarize
 from jaxserve.bench.simulator import build_scheduler, simulate
 from jaxserve.bench.workload import LengthMix, Workload, mixed_workloads
+from jaxserve.engine.calibration import MIN_SERVED_STEPS, save_served_scale
 from jaxserve.engine_config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduling.cost_model import CostModel, StepWork
 from jaxserve.scheduling.request import FinishReason, Request
 from jaxserve.scheduling.scheduler import StepResult
-from jaxserve.scheduling.slo_policy import MIN_SERVED_STEPS, SloPolicy, attach, save_served_scale
+from jaxserve.scheduling.slo_policy import SloPolicy, attach
 from tests.unit.helpers import make_request, make_scheduler
 from tests.unit.test_simulator import BUCKETS, fake_cost
 
@@ -91,7 +92,7 @@ def test_without_slo_scheduling_plans_are_unchanged():
     off = RecordingCost(COST)
     simulate(w, BASE, off)
     sched = build_scheduler(BASE, COST, 256)
-    assert sched.step_budget is None and attach(sched, BASE, COST) is None
+    assert sched.budget_policy is None and attach(sched, BASE, COST) is None
     # A target so loose that the cap never binds must not change a single plan either.
     loose = RecordingCost(COST)
     simulate(w, BASE.replace(slo_scheduling=True, tpot_slo_s=10.0), loose)
@@ -239,7 +240,7 @@ def test_pace_paired_with_the_wrong_step_drifts():
     config = BASE.replace(slo_scheduling=True)
     for asynchronous in (False, True):
         sched = build_scheduler(config.replace(async_scheduling=asynchronous), COST, 256)
-        assert sched.step_budget.lag == int(asynchronous)
+        assert sched.budget_policy.lag == int(asynchronous)
 
 
 def test_a_request_that_cannot_meet_its_ttft_is_refused_with_the_reason():
@@ -313,8 +314,8 @@ def test_the_served_pace_is_saved_with_the_cost_model(tmp_path):
     path = tmp_path / "cost.json"
     config = BASE.replace(slo_scheduling=True, cost_model=str(path), async_scheduling=False)
     sched = build_scheduler(config, COST, 256)
-    policy = sched.step_budget
-    engine = types.SimpleNamespace(scheduler=sched, config=config)
+    policy = sched.budget_policy
+    engine = types.SimpleNamespace(scheduler=sched, config=config, slo_policy=policy)
     decodes = _running_decodes(4, 20)
     now = 0.0
     policy(decodes, [], now=now)
@@ -434,7 +435,7 @@ def test_the_policy_sees_the_queue_in_the_order_the_scheduler_starts_it():
         seen.append([r.request_id for r in waiting])
         return 64
 
-    sched.step_budget = budget
+    sched.budget_policy = budget
     for i, priority in enumerate([1, 2, 3, 0]):  # the queue's heap holds them as r3 r0 r2 r1
         sched.add_request(make_request(f"r{i}", arrival_time=float(i), priority=priority))
     plan = sched.schedule(now=10.0)

@@ -1,0 +1,25 @@
+"""Engines as their config asks for them: the core, and above it the SLO policy.
+
+The engine core (core.py) runs the loop and knows no calibration; an engine whose config asks
+for SLO-aware scheduling or a cost model gets its policy here, measured on the engine itself at
+warm-up when no saved cost model applies (calibration.py). Every front door (LLM, AsyncEngine,
+the commands, batch jobs, the benchmarks) builds its engine with `build_engine`.
+"""
+
+from __future__ import annotations
+
+from jaxserve.engine import calibration
+from jaxserve.engine.core import Engine
+from jaxserve.engine_config import EngineConfig
+from jaxserve.models.loaded import LoadedModel
+from jaxserve.runtime.model_runner import ModelRunner
+
+
+def build_engine(
+    config: EngineConfig | None = None,
+    model: LoadedModel | None = None,
+    *,
+    runner: ModelRunner | None = None,
+) -> Engine:
+    """An `Engine` for `config` (the default config when None), with the SLO policy it asks for."""
+    return Engine(config, model, runner=runner, budget_policy=calibration.slo_policy_for)

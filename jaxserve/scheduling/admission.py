@@ -1,0 +1,121 @@
+"""Admission: which waiting requests start, and whether a request may be queued at all.
+
+Waiting requests start in order of importance (request_queue.py) while a slot, the token budget
+and pages allow, each with its first prefill chunk; the head of the queue blocks the rest, since
+passing it for smaller ones could starve it. With the prefix cache a request starts after its
+cached pages (prefix_sharing.py), and the budget counts only what is left to compute. Under the
+priority policy a request that finds no room preempts less important running ones
+(preemption.py). `check_fits` refuses at submission what could never be admitted.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from jaxserve.scheduling.batching import ContinuousBatching
+from jaxserve.scheduling.kv_cache_manager import KVCacheManager
+from jaxserve.scheduling.preemption import Preemption
+from jaxserve.scheduling.prefix_sharing import PrefixSharing
+from jaxserve.scheduling.request import Request, RequestStatus
+from jaxserve.scheduling.step_plan import StepPlan
+from jaxserve.scheduling.types import RequestRejected, SchedulerConfig
+
+
+class Admission:
+    """Starts waiting requests: a slot, pages and a first chunk for each, in order."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        *,
+        prefix: PrefixSharing | None,
+        batching: ContinuousBatching,
+        preemption: Preemption,
+        running: list[Request],
+        free_slots: list[int],
+    ):
+        self.config = config
+        self.kv = kv
+        self.prefix = prefix  # None: the prefix cache is off
+        self.batching = batching
+        self.preemption = preemption
+        self.running = running  # the scheduler's, in admission order: admitted ones join it
+        self.free_slots = free_slots  # the scheduler's heap of free slots, lowest first
+        # Only a waiting request under the priority policy, continuously batched, preempts.
+        self._may_preempt = config.policy == "priority" and config.batching == "continuous"
+
+    def admit(self, plan: StepPlan, now: float) -> None:
+        """Starts waiting requests in order while a slot, the budget and pages allow."""
+        queue = self.batching.admitting()
+        if queue is None:
+            return
+        prefix = self.prefix
+        while queue and plan.budget > 0:
+            req = queue.peek()
+            # Made room in this step, or preempted while a step in flight samples for it (it
+            # recomputes its outputs, so it waits until they are known): not back yet.
+            if req.request_id in plan.preempted or req.num_pending:
+                return
+            hit = [] if prefix is None else prefix.match(req)
+            if prefix is not None and prefix.waits(req, hit):
+                return
+            computed = len(hit) * self.config.page_size
+            # The budget counts only the tokens still to compute, not those the cache serves.
+            n = plan.chunk_len(req, computed)
+            # Head of line blocks the rest: skipping it for smaller ones could starve it.
+            if not n or not self._make_room(req, computed + n, hit, plan):
+                return
+            queue.pop()
+            if prefix is not None:
+                prefix.admitted(req, len(hit))
+            req.num_computed_tokens = computed
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = min(computed, req.num_prompt_tokens)
+            req.status = RequestStatus.RUNNING
+            req.slot = heapq.heappop(self.free_slots)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.running.append(req)
+            plan.add_chunk(req, n)
+
+    def _make_room(self, req: Request, num_tokens: int, hit: list[int], plan: StepPlan) -> bool:
+        """A slot and the pages of `num_tokens` for waiting `req`, allocated, starting with the
+        cached pages `hit`; False changes nothing.
+
+        Under the priority policy (continuous batching) it may preempt running requests less
+        important than `req` (Preemption.victims_for).
+        """
+        need_slot = not self.free_slots
+        reclaimed = sum(self.kv.ref_count(p) == 0 for p in hit)  # cached: not free for others
+        need_pages = self.kv.pages_for(num_tokens) - len(hit) - (self.kv.num_free_pages - reclaimed)
+        if need_slot or need_pages > 0:
+            if not self._may_preempt:
+                return False
+            victims = self.preemption.victims_for(req, need_slot, need_pages, hit)
+            if victims is None:
+                return False
+            for victim in victims:
+                self.preemption.preempt(victim, plan)
+        allocated = self.kv.allocate(req.request_id, num_tokens, prefix=hit)
+        assert allocated, "the free pages were counted above"
+        return True
+
+
+def check_fits(req: Request, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    """Raises RequestRejected when `req` could never be admitted: longer than max_model_len,
+    or needing more pages than the whole pool."""
+    rid = req.request_id
+    if req.max_num_tokens > config.max_model_len:
+        raise RequestRejected(
+            f"Request {rid!r} asks for {req.num_prompt_tokens} prompt + "
+            f"{req.sampling_params.max_tokens} output tokens = {req.max_num_tokens}, more "
+            f"than max_model_len={config.max_model_len}."
+        )
+    # The last sampled token is never run through the model, so it needs no cache slot.
+    pages = kv.pages_for(req.max_num_tokens - 1)
+    if pages > config.num_pages:
+        raise RequestRejected(
+            f"Request {rid!r} may need {pages} KV pages of {config.page_size} tokens, more than "
+            f"the whole pool of num_pages={config.num_pages}."
+        )

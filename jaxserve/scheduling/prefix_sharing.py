@@ -1,0 +1,118 @@
+"""The scheduler's side of the prefix cache: match at admission, compute once, publish as computed.
+
+With the prefix cache on (the default), admission first looks up the longest run of whole pages
+whose tokens, and everything before them, a request already computed (kv_cache_manager): those
+pages join the new request's table shared, its prefill starts after them, and the token budget
+counts only what is left (always at least the last prompt token, whose logits are needed). As
+steps complete, each request publishes its newly full pages; freed and preempted requests leave
+theirs cached until a fresh page is needed, so a preempted request often resumes from its own.
+
+A page is also computed only once while it is being computed: a waiting request whose next
+uncached full page a running request is computing now waits for it and then takes it from the
+cache (the n samples of one prompt, a burst of requests with one system prompt).
+"""
+
+from __future__ import annotations
+
+from jaxserve.scheduling.kv_cache_manager import KVCacheManager, PageHasher
+from jaxserve.scheduling.request import Request, RequestStatus
+
+
+class PrefixSharing:
+    """Hashes requests' full pages, matches them against the cache, and tracks who computes
+    which page now, so that no page is computed twice at once."""
+
+    def __init__(self, kv: KVCacheManager, page_size: int, model_key: str = ""):
+        self.kv = kv
+        self.page_size = page_size
+        self.hasher = PageHasher(page_size, model_key)
+        # Full pages that a running request will compute and publish, by hash: read-only
+        # outside this class.
+        self.computing: dict[bytes, Request] = {}
+        # The (page index, hash) pairs each request claimed in `computing`, in page order, by
+        # request id; an entry goes once all its pages are published.
+        self.claims: dict[str, list[tuple[int, bytes]]] = {}
+
+    def match(self, req: Request) -> list[int]:
+        """Cached pages holding the longest prefix of `req`'s tokens.
+
+        None for a request asking for prompt logprobs: a cached token's logits are never
+        computed, and it needs every prompt token's.
+        """
+        if req.sampling_params.prompt_logprobs is not None:
+            return []
+        hashes = req.page_hashes
+        start = len(hashes) * self.page_size
+        if req.num_tokens - start >= self.page_size:
+            self.hasher.extend(hashes, req.token_ids(start, req.num_tokens), req.cache_salt)
+        return self.kv.match(hashes, req.num_tokens)
+
+    def waits(self, req: Request, hit: list[int]) -> bool:
+        """Whether another running request is computing `req`'s next uncached full page now.
+
+        Then `req` waits (and, at the head of the queue, so does everything behind it: no one
+        is passed) until that request publishes the page, and takes it from the cache: its
+        prompt is computed once, not once per request, at the price of starting a few steps
+        later. Computing it twice at once would cost the same steps on a busy device anyway.
+        """
+        hashes = req.page_hashes
+        if len(hit) >= len(hashes):
+            return False
+        owner = self.computing.get(hashes[len(hit)])
+        return owner is not None and owner is not req and owner.status == RequestStatus.RUNNING
+
+    def admitted(self, req: Request, num_hit: int) -> None:
+        """Counts `req`'s lookup (`num_hit` pages served) and claims the full pages it computes
+        from there on, those no one else computes already."""
+        self.kv.record_query(req.num_tokens, num_hit * self.page_size)
+        mine = [
+            (i, h)
+            for i, h in enumerate(req.page_hashes[num_hit:], num_hit)
+            if self.computing.setdefault(h, req) is req
+        ]
+        if mine:
+            self.claims[req.request_id] = mine
+
+    def release(self, req: Request) -> None:
+        """Ends every claim of `req`, which stops running: those waiting for it compute the
+        pages themselves."""
+        self._unclaim(req, self.claims.pop(req.request_id, ()))
+
+    def publish(self, req: Request) -> None:
+        """Offers `req`'s newly computed full pages to the cache (cheap when none filled)."""
+        ps = self.page_size
+        # Pending tokens have no value to hash yet; their pages are published by a later update.
+        full = min(req.num_computed_tokens, req.num_known_tokens) // ps
+        hashes = req.page_hashes
+        if full > len(hashes):
+            start = len(hashes) * ps
+            self.hasher.extend(hashes, req.token_ids(start, full * ps), req.cache_salt)
+        self.kv.publish(req.request_id, hashes, full * ps)
+        # Published now: others take them from the cache. Pages publish in order, so the claims
+        # to end are the first ones; the rest of a long request's life costs nothing here.
+        mine = self.claims.get(req.request_id)
+        if mine:
+            n = 0
+            while n < len(mine) and mine[n][0] < full:
+                n += 1
+            self._unclaim(req, mine[:n])
+            del mine[:n]
+            if not mine:
+                del self.claims[req.request_id]
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError unless every page being computed has a running owner that
+        claimed it."""
+        for h, owner in self.computing.items():
+            if owner.status != RequestStatus.RUNNING or h not in {
+                claim for _, claim in self.claims.get(owner.request_id, ())
+            }:
+                raise AssertionError(
+                    f"Request {owner.request_id!r} computes a page but is not running."
+                )
+
+    def _unclaim(self, req: Request, claimed) -> None:
+        """Ends `req`'s claim on the (page index, hash) pairs `claimed`."""
+        for _, h in claimed:
+            if self.computing.get(h) is req:
+                del self.computing[h]
