@@ -24,13 +24,26 @@ the output directly. Both choices are static, from the bucket shape and the tuni
 The new keys and values are written by XLA's scatter (`write_kv`) before the kernel, as for the
 TPU kernel (see tpu_kernel.py for why): this kernel only reads the pool.
 
-Limits: head_dim and page_size must be powers of 2 (Triton tensor shapes). Not yet run on a GPU:
-written and tested in interpret mode on the CPU, and lowered to Triton IR by the tests;
-`python -m pallas_kernels.gpu_check` runs the tests natively and times it on a GPU.
+Limits (`supports` states them; kernel_choice.py reads it): compute capability 8.0 or later;
+f32, bf16 or f16 pools; head_dim and page_size powers of 2 (Triton tensor shapes), head_dim at
+most 256 (what the tests compile); the SMEM Triton allocates within the GPU's per-block limit.
+That last one is a model (`smem_bound`), measured by compiling for sm_90a against a target with
+1 KiB of SMEM, where Triton reports what it asked for: two buffers per K and V block when
+pipelined (num_stages >= 2, whatever the number), one otherwise, plus a [rows, head_dim] tile
+(1.1-2x what Triton asked for, where it asked for more than 64 KiB). Where the tuning row's launch
+would not fit, the launch takes smaller key blocks, then one stage (`launch_shape`), rather than
+failing to compile: on an H100, f32 head_dim 256 runs 32-key blocks and bf16 head_dim 256 with
+128-key pages one stage; f32 head_dim 256 with 128-key pages is refused (the model's 321 KiB;
+Triton measured 192 KiB).
+
+Not yet run on a GPU: written and tested in interpret mode on the CPU, and compiled for sm_90a
+on the CPU by the tests (tests/kernels/test_gpu_aot.py); `python -m pallas_kernels.gpu_check`
+runs the tests natively and times it on a GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -39,10 +52,249 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.gpu_targets import parse_compute_capability
 from pallas_kernels.ragged_paged_attention import common, tuning
 
 # A finite "minus infinity", as in the reference (no inf - inf = NaN for rows with no keys).
 _MASKED = -1e30
+# The largest head_dim the tests compile (tests/kernels/test_gpu_aot.py).
+_MAX_HEAD_DIM = 256
+# Shared memory one block may opt into, by compute capability (CUDA's per-architecture limits):
+# 163 KiB on 8.0 and 8.7, 227 KiB on 9.0 and 10.x; 99 KiB on 8.6, 8.9, 12.x and anything unknown.
+_SMEM_PER_BLOCK = {(8, 0): 163 * 1024, (8, 7): 163 * 1024, (9, 0): 227 * 1024}
+_SMEM_PER_BLOCK_MAJOR = {10: 227 * 1024}
+_SMEM_FALLBACK = 99 * 1024
+# Slack for Triton's barriers and alignment beside the modelled buffers (measured: < 64 bytes).
+_SMEM_SLACK = 1024
+# Fewest keys per block the launch shrinks to before giving up the pipeline (tensor-core dots
+# want >= 16 per dimension).
+_MIN_PIPELINED_BLOCK = 32
+
+
+def supports(
+    compute_capability: str | None,
+    dtype,
+    *,
+    head_dim: int,
+    page_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    block_sizes: tuning.GpuBlockSizes,
+    num_tokens: int | None = None,
+    num_slots: int | None = None,
+    pages_per_seq: int | None = None,
+) -> str | None:
+    """None if the kernel compiles for this shape on a GPU of `compute_capability`, else why not.
+
+    The kernel's limits in one place, for kernel_choice.py. `block_sizes` must be those the kernel
+    will be called with. With the bucket (num_tokens, num_slots, pages_per_seq) the answer is
+    exact; without it, it holds for every bucket (the largest query tile the row allows).
+    """
+    bucket = (num_tokens, num_slots, pages_per_seq)
+    if any(x is None for x in bucket) and any(x is not None for x in bucket):
+        raise ValueError(
+            f"Give all of num_tokens, num_slots and pages_per_seq or none, got {bucket}."
+        )
+    version = parse_compute_capability(compute_capability)
+    if version is None or version < (8, 0):
+        return (
+            f"The Triton kernel needs compute capability 8.0 or later (what Pallas on Triton is "
+            f"tested on), got {compute_capability!r}."
+        )
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"The Triton kernel runs f32, bf16 and f16 pools, got {dtype.name}."
+    if reason := _shape_refusal(head_dim, page_size):
+        return reason
+    group = num_q_heads // num_kv_heads
+    if num_tokens is not None:
+        try:
+            launch_shape(
+                num_tokens,
+                num_slots,
+                num_kv_heads,
+                group,
+                pages_per_seq,
+                page_size,
+                head_dim,
+                dtype,
+                block_sizes,
+                compute_capability,
+            )
+        except NotImplementedError as e:
+            return str(e)
+        return None
+    # Any bucket: launch_shape shrinks to one page and one stage at worst; the query tile is at
+    # most the row's q_rows (or the group, if larger).
+    rows = max(16, tuning.next_power_of_2(group), block_sizes.q_rows)
+    need = smem_bound(rows, page_size, head_dim, dtype, 1)
+    if need > (budget := smem_budget(compute_capability)):
+        return _smem_message(need, budget, rows, page_size, head_dim, dtype, compute_capability)
+    return None
+
+
+def smem_budget(compute_capability: str | None) -> int:
+    """Bytes of shared memory one block may use on a GPU of `compute_capability`."""
+    version = parse_compute_capability(compute_capability)
+    if version is None:
+        return _SMEM_FALLBACK
+    if version in _SMEM_PER_BLOCK:
+        return _SMEM_PER_BLOCK[version]
+    return _SMEM_PER_BLOCK_MAJOR.get(version[0], _SMEM_FALLBACK)
+
+
+def smem_bound(rows: int, block_kv: int, head_dim: int, dtype, stages: int) -> int:
+    """An upper bound on the SMEM Triton allocates for this kernel (bytes), from its tiles.
+
+    Measured on the sm_90a compile (calibration in tests/kernels/test_gpu_aot.py): a pipelined
+    loop (stages >= 2, the same for 2, 3 or 4) double-buffers the K and V blocks, an unpipelined
+    one holds one of each, and a [rows, head_dim] tile (at most f32) comes on top. The measured
+    need was at most 0.9 of this over f32/bf16, head_dim 16-256, pages 1-128 and rows 16-128.
+    """
+    buffers = 2 if stages >= 2 else 1
+    size = jnp.dtype(dtype).itemsize
+    return 2 * buffers * block_kv * head_dim * size + rows * head_dim * 4 + _SMEM_SLACK
+
+
+def _shape_refusal(head_dim: int, page_size: int) -> str | None:
+    """Why Triton's tensor shapes cannot take this head_dim or page_size, or None."""
+    for name, value in (("head_dim", head_dim), ("page_size", page_size)):
+        if value < 1 or value & (value - 1):
+            return f"The Triton kernel needs {name}={value} a power of 2."
+    if head_dim > _MAX_HEAD_DIM:
+        return (
+            f"The Triton kernel is compiled and tested up to head_dim {_MAX_HEAD_DIM}, got "
+            f"{head_dim}."
+        )
+    return None
+
+
+def _smem_message(need, budget, rows, block_kv, head_dim, dtype, compute_capability) -> str:
+    return (
+        f"The Triton kernel needs about {need} bytes of SMEM even with one stage and one page per "
+        f"block (rows={rows}, block_kv={block_kv}, head_dim={head_dim}, "
+        f"{jnp.dtype(dtype).name}), more than the {budget} a block has on compute capability "
+        f"{compute_capability!r}."
+    )
+
+
+def _target_capability() -> str:
+    """The capability Pallas's Triton lowering itself compiles for: the first local GPU's, or 9.0
+    without one (its own fallback, e.g. when compiling ahead of time on a CPU)."""
+    try:
+        return str(jax.local_devices(backend="gpu")[0].compute_capability)
+    except RuntimeError:
+        return "9.0"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchShape:
+    """The static shape of one call: blocks, grid and pipeline depth, from the bucket's sizes."""
+
+    block_tokens: int  # query tokens per work item
+    rows: int  # query rows per program (block_tokens * group, a power of 2 >= 16)
+    num_items: int  # work-item slots: the grid's first axis
+    pages_per_block: int  # pages per key block
+    splits: int  # key splits ("flash decoding"): the grid's last axis
+    stages: int  # Triton's num_stages
+
+
+def launch_shape(
+    num_tokens: int,
+    num_slots: int,
+    num_kv_heads: int,
+    group: int,
+    pages_per_seq: int,
+    page_size: int,
+    head_dim: int,
+    dtype,
+    sizes: tuning.GpuBlockSizes,
+    compute_capability: str | None = None,
+) -> LaunchShape:
+    """The launch for a bucket (all static), its SMEM within `compute_capability`'s limit.
+
+    From the tuning row; where its blocks would not fit, key blocks halve (down to 32 keys), then
+    the pipeline goes (one stage), then blocks halve down to one page. NotImplementedError if even
+    that does not fit, or on shapes Triton cannot take. `compute_capability` None: the GPU Pallas
+    compiles for (`_target_capability`).
+    """
+    if reason := _shape_refusal(head_dim, page_size):
+        raise NotImplementedError(reason)
+    capability = compute_capability or _target_capability()
+    budget = smem_budget(capability)
+    block_tokens, rows = tuning.gpu_query_block(num_tokens, num_slots, group, sizes.q_rows)
+    pages_per_block = max(1, sizes.kv_tokens // page_size)
+    pages_per_block = min(pages_per_block, tuning.next_power_of_2(pages_per_seq))
+    stages = sizes.num_stages
+    while (need := smem_bound(rows, pages_per_block * page_size, head_dim, dtype, stages)) > budget:
+        if pages_per_block > 1 and pages_per_block * page_size > _MIN_PIPELINED_BLOCK:
+            pages_per_block //= 2
+        elif stages > 1:
+            stages = 1
+        elif pages_per_block > 1:
+            pages_per_block //= 2
+        else:
+            raise NotImplementedError(
+                _smem_message(need, budget, rows, page_size, head_dim, dtype, capability)
+            )
+    num_items = common.max_work_items(num_tokens, num_slots, block_tokens)
+    max_blocks = pl.cdiv(pages_per_seq, pages_per_block)
+    splits = common.num_kv_splits(num_items * num_kv_heads, max_blocks, sizes)
+    return LaunchShape(
+        block_tokens=block_tokens,
+        rows=rows,
+        num_items=num_items,
+        pages_per_block=pages_per_block,
+        splits=splits,
+        stages=stages,
+    )
+
+
+def cost_estimate(
+    shape: LaunchShape,
+    *,
+    num_kv_heads: int,
+    num_slots: int,
+    pages_per_seq: int,
+    page_size: int,
+    head_dim: int,
+    dtype,
+    sliding_window: int | None,
+) -> pl.CostEstimate:
+    """An upper bound on what one call of the kernel does, from the static shapes alone.
+
+    The used work items and the key lengths are only known at run time, so every item slot counts
+    as used and as reading its sequence's whole page table of keys (or, with a sliding window,
+    the window plus the item's own tokens, one block of misalignment included). Dots count whole
+    [rows, block_kv] tiles, masked rows included; the exps count each score and each row's
+    rescale per key block; K and V count whole blocks (the masked loads read fewer). (JAX 0.10's
+    Triton lowering drops the estimate, so XLA does not see it yet; this function is also what
+    callers can read it from.)
+    """
+    size = jnp.dtype(dtype).itemsize
+    block_kv = shape.pages_per_block * page_size
+    blocks = pl.cdiv(pages_per_seq, shape.pages_per_block)  # per item, all its splits together
+    if sliding_window is not None:
+        blocks = min(blocks, pl.cdiv(sliding_window + shape.block_tokens - 1, block_kv) + 1)
+    programs = shape.num_items * num_kv_heads * shape.splits
+    block_steps = shape.num_items * num_kv_heads * blocks  # (program, key block) pairs
+    flops = block_steps * 2 * (2 * shape.rows * block_kv * head_dim)  # Q K^T and P V
+    transcendentals = block_steps * shape.rows * (block_kv + 1)
+    kv_bytes = block_steps * 2 * block_kv * head_dim * size
+    q_bytes = programs * shape.rows * head_dim * size
+    out_tile = shape.num_items * num_kv_heads * shape.rows
+    if shape.splits == 1:
+        out_bytes = out_tile * head_dim * size
+    else:  # f32 numerators, row maxes and row sums per split
+        out_bytes = shape.splits * out_tile * (head_dim + 2) * 4
+    # i32 metadata: the scalars each program reads, and the page ids of each key block.
+    meta_bytes = 4 * (2 * num_slots + 2 * shape.num_items + 2)
+    meta_bytes += 4 * block_steps * shape.pages_per_block
+    return pl.CostEstimate(
+        flops=flops,
+        transcendentals=transcendentals,
+        bytes_accessed=kv_bytes + q_bytes + out_bytes + meta_bytes,
+    )
 
 
 def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
@@ -163,7 +415,14 @@ def _kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret")
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "sliding_window",
+        "block_sizes",
+        "compute_capability",
+        "interpret",
+    ),
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
@@ -178,29 +437,36 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     block_sizes: tuning.GpuBlockSizes | None = None,
+    compute_capability: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
     """The reference's attention as a Pallas Triton kernel (conventions in reference.py).
 
-    `block_sizes` defaults to this device kind's row of `tuning.GPU_TABLE`. `interpret=True`
-    runs the kernel on the CPU, for tests.
+    `block_sizes` defaults to this device kind's row of `tuning.GPU_TABLE`. `compute_capability`
+    is the target GPU's ("8.0", "9.0"), which bounds the SMEM a launch may take; pass the one the
+    kernel choice was made for (default: the GPU Pallas compiles for). `interpret=True` runs the
+    kernel on the CPU, for tests.
     """
     common.check_args(q, k_pool, v_pool, query_start, kv_lens, page_tables, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = k_pool.shape
     num_slots, pages_per_seq = page_tables.shape
-    for name, value in (("head_dim", head_dim), ("page_size", page_size)):
-        if value & (value - 1):
-            raise NotImplementedError(f"The Triton kernel needs {name}={value} a power of 2.")
     group = num_heads // num_kv_heads
     sizes = block_sizes or tuning.gpu_block_sizes()
-
-    block_tokens, rows = tuning.gpu_query_block(num_tokens, num_slots, group, sizes.q_rows)
-    pages_per_block = max(1, sizes.kv_tokens // page_size)
-    pages_per_block = min(pages_per_block, tuning.next_power_of_2(pages_per_seq))
-    num_items = common.max_work_items(num_tokens, num_slots, block_tokens)
-    max_blocks = pl.cdiv(pages_per_seq, pages_per_block)
-    splits = common.num_kv_splits(num_items * num_kv_heads, max_blocks, sizes)
+    shape = launch_shape(
+        num_tokens,
+        num_slots,
+        num_kv_heads,
+        group,
+        pages_per_seq,
+        page_size,
+        head_dim,
+        k_pool.dtype,
+        sizes,
+        compute_capability,
+    )
+    block_tokens, rows, num_items = shape.block_tokens, shape.rows, shape.num_items
+    pages_per_block, splits = shape.pages_per_block, shape.splits
     # Padded by a program's rows so the last item's [rows, D] tile stays in bounds.
     padded_tokens = num_tokens + pl.cdiv(rows, group)
     q_grouped = common.group_queries(q, num_kv_heads, padded_tokens)
@@ -229,10 +495,18 @@ def ragged_paged_attention(
         kernel,
         grid=(num_items, num_kv_heads, splits),
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=sizes.num_warps, num_stages=sizes.num_stages
-        ),
+        compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=shape.stages),
         interpret=interpret,
+        cost_estimate=cost_estimate(
+            shape,
+            num_kv_heads=num_kv_heads,
+            num_slots=num_slots,
+            pages_per_seq=pages_per_seq,
+            page_size=page_size,
+            head_dim=head_dim,
+            dtype=k_pool.dtype,
+            sliding_window=sliding_window,
+        ),
         name="ragged_paged_attention_gpu",
     )(
         jnp.reshape(layer, (1,)).astype(jnp.int32),

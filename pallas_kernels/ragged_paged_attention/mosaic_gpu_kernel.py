@@ -27,16 +27,22 @@ slots, and the grid is (work item, KV head, key split). One program = one warpgr
 The new keys and values are written by XLA's scatter (`write_kv`) before the kernel: it only reads
 the pool.
 
-Limits: 16-bit pools (bf16, f16) on a GPU: wgmma takes no transposed f32 operand, so f32 pools
-go to the Triton kernel (jaxserve/models/attention.py); interpret mode runs f32 too. page_size a
-multiple of 8 (SMEM tiles of 8 rows) that divides the 64-key block or is a multiple of it;
-group <= 64. head_dim 64 and 128 are what the tests lower.
+Limits (`supports` states them; kernel_choice.py reads it to route other shapes elsewhere):
+compute capability 9.x only (wgmma exists on sm_90a alone: Blackwell has none); 16-bit pools
+(bf16, f16), since wgmma takes no transposed f32 operand (interpret mode runs f32 too); head_dim
+rows of a multiple of 32 bytes (16 elements in 16-bit: wgmma takes no unswizzled tile), at most
+256 (wgmma's N); page_size a multiple of 8 (SMEM tiles of 8 rows) that divides the 64-key block or
+is a multiple of it, key blocks of at most 256 keys; group <= 64; the SMEM buffers within budget.
+Head dims below 64 in 16-bit (rows narrower than 128 bytes) work because P's SMEM tile takes V's
+smaller swizzle: wgmma needs the two operands of P V swizzled alike (`_p_swizzle`).
 
 Verified where: only on the CPU. In Mosaic GPU interpret mode (JAX's simulator of TMA copies,
 barriers, SMEM and wgmma) against the reference, except two things interpret mode cannot run:
 S = Q K^T is a plain dot there (its wgmma takes no transposed operand) and register layouts are
-left out; lowered to Mosaic GPU for CUDA by the tests (which checks those two). Not yet run on a
-GPU: `python -m pallas_kernels.gpu_check` runs the tests natively and times it there.
+left out; lowered to Mosaic GPU for CUDA by the tests (which checks those two), and compiled to
+sm_90a machine code on the CPU against an H100 compile target (tests/kernels/test_gpu_aot.py).
+Not yet run on a GPU: `python -m pallas_kernels.gpu_check` runs the tests natively and times it
+there.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gpu_targets import parse_compute_capability
 from pallas_kernels.ragged_paged_attention import common, tuning
 
 # A finite "minus infinity", as in the reference (no inf - inf = NaN for rows with no keys).
@@ -59,6 +66,10 @@ _MASKED = -1e30
 _ROWS = 64
 # SMEM for the buffers: Hopper's 227 KiB per block, less room for barriers and alignment.
 _SMEM_BYTES = 220 * 1024
+# wgmma's largest N: the PV product's head_dim and the QK product's keys per block.
+_MAX_WGMMA_N = 256
+# wgmma reads SMEM tiles swizzled by 32, 64 or 128 bytes, never unswizzled (16).
+_MIN_SWIZZLE = 32
 
 
 def interpret_params():
@@ -91,10 +102,87 @@ def supports_dtype(dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _smem_transforms(minor: int, dtype) -> tuple:
-    """Tiling and swizzle for an SMEM tile whose last dimension has `minor` elements."""
+def supports(
+    compute_capability: str | None,
+    dtype,
+    *,
+    head_dim: int,
+    page_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    block_sizes: tuning.GpuBlockSizes,
+    num_tokens: int | None = None,
+    num_slots: int | None = None,
+    pages_per_seq: int | None = None,
+) -> str | None:
+    """None if the kernel compiles for this shape on a GPU of `compute_capability`, else why not.
+
+    The kernel's limits in one place, for kernel_choice.py. `block_sizes` must be those the kernel
+    will be called with. With the bucket (num_tokens, num_slots, pages_per_seq) the answer is
+    exact, from the launch the kernel would make; without it, it holds for every bucket (the SMEM
+    check then assumes key splits, the larger case).
+    """
+    bucket = (num_tokens, num_slots, pages_per_seq)
+    if any(x is None for x in bucket) and any(x is not None for x in bucket):
+        raise ValueError(
+            f"Give all of num_tokens, num_slots and pages_per_seq or none, got {bucket}."
+        )
+    version = parse_compute_capability(compute_capability)
+    if version is None or version[0] != 9:
+        return (
+            f"The Mosaic GPU kernel needs compute capability 9.x (wgmma exists on sm_90a only), "
+            f"got {compute_capability!r}."
+        )
+    if not supports_dtype(dtype):
+        return (
+            f"The Mosaic GPU kernel runs 16-bit pools only (wgmma cannot take an f32 K^T), got "
+            f"{jnp.dtype(dtype).name}."
+        )
+    group = num_q_heads // num_kv_heads
+    if num_tokens is not None:
+        try:
+            launch_shape(
+                num_tokens,
+                num_slots,
+                num_kv_heads,
+                group,
+                pages_per_seq,
+                page_size,
+                head_dim,
+                dtype,
+                block_sizes,
+            )
+        except NotImplementedError as e:
+            return str(e)
+        return None
+    block_kv = _block_kv(page_size, dtype, block_sizes)
+    if reason := _shape_refusal(group, page_size, head_dim, dtype, block_kv):
+        return reason
+    # The fewest stages launch_shape falls back to, with the f32 split outputs if it may split.
+    return _smem_refusal(block_kv, head_dim, dtype, 2, block_sizes.max_kv_splits)
+
+
+def _swizzle(minor: int, dtype) -> int:
+    """The widest SMEM swizzle (bytes) for a tile whose last dimension has `minor` elements."""
+    return plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+
+
+def _p_swizzle(block_kv: int, head_dim: int, dtype) -> int:
+    """The swizzle of P's [64, block_kv] SMEM tile: its own widest, or V's if narrower.
+
+    wgmma swizzles both operands of one product alike. P V's operands are P ([64, block_kv], rows
+    of 128 bytes or more) and V ([block_kv, head_dim]); with head_dim below 64 in 16-bit, V's rows
+    are narrower than 128 bytes and take a 64- or 32-byte swizzle, so P takes the same (its
+    tiling follows). Q K^T's operands are both head_dim wide and always agree.
+    """
+    return min(_swizzle(block_kv, dtype), _swizzle(head_dim, dtype))
+
+
+def _smem_transforms(minor: int, dtype, swizzle: int | None = None) -> tuple:
+    """Tiling and swizzle for an SMEM tile whose last dimension has `minor` elements
+    (`swizzle` bytes; default the widest that fits)."""
     bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(minor * bits)
+    swizzle = swizzle or _swizzle(minor, dtype)
     return plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle)
 
 
@@ -316,17 +404,9 @@ def launch_shape(
     sizes: tuning.GpuBlockSizes,
 ) -> LaunchShape:
     """The launch for a bucket (all static); NotImplementedError on shapes wgmma cannot take."""
-    if group > _ROWS:
-        raise NotImplementedError(f"The Mosaic GPU kernel needs {group=} <= {_ROWS} (one tile).")
-    # wgmma's K dimension (keys, in the PV product) comes in whole swizzle tiles: 64 bf16, 32 f32.
-    min_block = 128 // jnp.dtype(dtype).itemsize
-    block_kv = max(sizes.kv_tokens, min_block, page_size)
-    if block_kv % page_size or block_kv % min_block or page_size % 8:
-        raise NotImplementedError(
-            f"The Mosaic GPU kernel needs page_size={page_size} a multiple of 8 dividing a key "
-            f"block of {block_kv} keys, itself a multiple of {min_block} for "
-            f"{jnp.dtype(dtype).name}."
-        )
+    block_kv = _block_kv(page_size, dtype, sizes)
+    if reason := _shape_refusal(group, page_size, head_dim, dtype, block_kv):
+        raise NotImplementedError(reason)
     block_tokens, rows = tuning.gpu_query_block(num_tokens, num_slots, group, _ROWS)
     num_items = common.max_work_items(num_tokens, num_slots, block_tokens)
     max_blocks = -(-pages_per_seq * page_size // block_kv)
@@ -335,11 +415,8 @@ def launch_shape(
     # Fewer stages where the SMEM buffers would not fit (big pages make big key blocks).
     while stages > 2 and _smem_bytes(block_kv, head_dim, dtype, stages, splits) > _SMEM_BYTES:
         stages -= 1
-    if (need := _smem_bytes(block_kv, head_dim, dtype, stages, splits)) > _SMEM_BYTES:
-        raise NotImplementedError(
-            f"The Mosaic GPU kernel's buffers need {need} bytes of SMEM with {block_kv=} and "
-            f"{head_dim=}, more than the {_SMEM_BYTES} it budgets."
-        )
+    if reason := _smem_refusal(block_kv, head_dim, dtype, stages, splits):
+        raise NotImplementedError(reason)
     return LaunchShape(
         block_tokens=block_tokens,
         rows=rows,
@@ -347,6 +424,50 @@ def launch_shape(
         block_kv=block_kv,
         splits=splits,
         stages=stages,
+    )
+
+
+def _block_kv(page_size: int, dtype, sizes: tuning.GpuBlockSizes) -> int:
+    """Keys per pipelined block: the tuning row's, at least one page and one swizzle tile of P."""
+    # wgmma's K dimension (keys, in the PV product) comes in whole 128-byte tiles: 64 bf16, 32 f32.
+    return max(sizes.kv_tokens, 128 // jnp.dtype(dtype).itemsize, page_size)
+
+
+def _shape_refusal(group: int, page_size: int, head_dim: int, dtype, block_kv: int) -> str | None:
+    """Why wgmma or the SMEM tiling cannot take this shape (bucket-independent), or None."""
+    dtype = jnp.dtype(dtype)
+    if group > _ROWS:
+        return f"The Mosaic GPU kernel needs group={group} <= {_ROWS} (one tile)."
+    row_bytes = head_dim * dtype.itemsize
+    if row_bytes % _MIN_SWIZZLE or head_dim > _MAX_WGMMA_N:
+        return (
+            f"The Mosaic GPU kernel needs head_dim={head_dim} at most {_MAX_WGMMA_N} and a "
+            f"multiple of {_MIN_SWIZZLE // dtype.itemsize} for {dtype.name} (rows of a multiple "
+            f"of {_MIN_SWIZZLE} bytes: wgmma takes no unswizzled tile)."
+        )
+    min_block = 128 // dtype.itemsize
+    if block_kv % page_size or block_kv % min_block or page_size % 8:
+        return (
+            f"The Mosaic GPU kernel needs page_size={page_size} a multiple of 8 dividing a key "
+            f"block of {block_kv} keys, itself a multiple of {min_block} for {dtype.name}."
+        )
+    if block_kv > _MAX_WGMMA_N:
+        return (
+            f"The Mosaic GPU kernel needs key blocks of at most {_MAX_WGMMA_N} keys (wgmma's N), "
+            f"but page_size={page_size} makes them {block_kv}."
+        )
+    return None
+
+
+def _smem_refusal(block_kv: int, head_dim: int, dtype, stages: int, splits: int) -> str | None:
+    """Why the SMEM buffers of this launch do not fit the budget, or None."""
+    need = _smem_bytes(block_kv, head_dim, dtype, stages, splits)
+    if need <= _SMEM_BYTES:
+        return None
+    return (
+        f"The Mosaic GPU kernel's buffers need {need} bytes of SMEM with block_kv={block_kv}, "
+        f"head_dim={head_dim}, {stages} stages and {splits} key splits, more than the "
+        f"{_SMEM_BYTES} it budgets."
     )
 
 
@@ -361,6 +482,52 @@ def _smem_bytes(block_kv: int, head_dim: int, dtype, stages: int, splits: int) -
         + _ROWS * block_kv * size
         + _ROWS * head_dim * out_size
         + stats
+    )
+
+
+def cost_estimate(
+    shape: LaunchShape,
+    *,
+    num_kv_heads: int,
+    num_slots: int,
+    pages_per_seq: int,
+    page_size: int,
+    head_dim: int,
+    dtype,
+    sliding_window: int | None,
+) -> pl.CostEstimate:
+    """An upper bound on what one call of the kernel does, from the static shapes alone.
+
+    The used work items and the key lengths are only known at run time, so every item slot counts
+    as used and as reading its sequence's whole page table of keys (or, with a sliding window,
+    the window plus the item's own tokens, one block of misalignment included). MMAs count whole
+    64-row tiles, as the tensor cores run them whatever the real rows; the exps count each score
+    and each row's rescale per key block. (JAX 0.10's Mosaic GPU lowering drops the estimate, so
+    XLA does not see it yet; this function is also what callers can read it from.)
+    """
+    size = jnp.dtype(dtype).itemsize
+    block_kv = shape.block_kv
+    blocks = -(-pages_per_seq * page_size // block_kv)  # per item, all its key splits together
+    if sliding_window is not None:
+        blocks = min(blocks, -(-(sliding_window + shape.block_tokens - 1) // block_kv) + 1)
+    programs = shape.num_items * num_kv_heads * shape.splits
+    block_steps = shape.num_items * num_kv_heads * blocks  # (program, key block) pairs
+    flops = block_steps * 2 * (2 * _ROWS * block_kv * head_dim)  # Q K^T and P V
+    transcendentals = block_steps * _ROWS * (block_kv + 1)
+    kv_bytes = block_steps * 2 * block_kv * head_dim * size  # the K and V pages copied
+    q_bytes = programs * _ROWS * head_dim * size
+    out_tile = shape.num_items * num_kv_heads * shape.rows
+    if shape.splits == 1:
+        out_bytes = out_tile * head_dim * size
+    else:  # f32 numerators, row maxes and row sums per split
+        out_bytes = shape.splits * out_tile * (head_dim + 2) * 4
+    # i32 metadata: the scalars each program reads, and a page id per page copied.
+    meta_bytes = 4 * (2 * num_slots + 2 * shape.num_items + 2)
+    meta_bytes += 4 * block_steps * (block_kv // page_size)
+    return pl.CostEstimate(
+        flops=flops,
+        transcendentals=transcendentals,
+        bytes_accessed=kv_bytes + q_bytes + out_bytes + meta_bytes,
     )
 
 
@@ -447,7 +614,11 @@ def ragged_paged_attention(
         plgpu.SMEM((_ROWS, head_dim), dtype, transforms=kv_transforms),
         plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=kv_transforms),
         plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=kv_transforms),
-        plgpu.SMEM((_ROWS, block_kv), dtype, transforms=_smem_transforms(block_kv, dtype)),
+        plgpu.SMEM(
+            (_ROWS, block_kv),
+            dtype,
+            transforms=_smem_transforms(block_kv, dtype, _p_swizzle(block_kv, head_dim, dtype)),
+        ),
     ]
     if splits == 1:
         out_type = [jax.ShapeDtypeStruct((*tile, head_dim), dtype)]
@@ -482,13 +653,30 @@ def ragged_paged_attention(
         num_splits=splits,
         interpreted=interpret is not None,
     )
-    kernel = plgpu.kernel(
-        body,
+
+    def kernel_body(*refs):  # inputs and outputs; the scratch is allocated here
+        pl.run_scoped(functools.partial(body, *refs), *scratch)
+
+    # pl.kernel on a Mosaic GPU mesh is what plgpu.kernel wraps; called directly because
+    # plgpu.kernel takes no cost estimate.
+    kernel = pl.kernel(
+        kernel_body,
         out_type=out_type,
-        scratch_types=scratch,
-        grid=(num_items, num_kv_heads, splits),
-        grid_names=("item", "head", "split"),
+        mesh=plgpu.Mesh(
+            grid=(num_items, num_kv_heads, splits), grid_names=("item", "head", "split")
+        ),
         interpret=interpret,
+        cost_estimate=cost_estimate(
+            shape,
+            num_kv_heads=num_kv_heads,
+            num_slots=num_slots,
+            pages_per_seq=pages_per_seq,
+            page_size=page_size,
+            head_dim=head_dim,
+            dtype=dtype,
+            sliding_window=sliding_window,
+        ),
+        name="ragged_paged_attention_mosaic_gpu",
     )
     outs = kernel(
         jnp.reshape(layer, (1,)).astype(jnp.int32),
