@@ -2,17 +2,23 @@
 
 Grid and data movement
 - The grid runs over blocks of query tokens (`block_tokens` consecutive rows of the flattened
-  batch, whatever sequences they belong to). Queries arrive grouped, [num_kv_heads, rows, D] with
-  the `group` query heads of a KV head on consecutive rows, so a block is one VMEM tile per KV head.
+  batch, whatever sequences they belong to) and blocks of KV heads (`heads_per_block`; all of them
+  unless VMEM is short). Queries arrive grouped, [num_kv_heads, rows, D] with the `group` query
+  heads of a KV head on consecutive rows, so a block is one VMEM tile per KV head.
 - Scalars ride in SMEM by scalar prefetch: the layer, query_start, kv_lens, the flattened page
   tables, and per block the first and last sequence it holds (computed by XLA beforehand, a
   searchsorted over query_start).
 - The pools stay in HBM (`pl.ANY`). A grid step walks its sequences in order and each sequence's
-  key blocks (`pages_per_block` pages) in order, as one flat loop; pages are copied by DMA from
-  `pool[layer, page]` (the layer indexed inside the kernel, so no layer slice of the pool is ever
-  materialised) into one of two VMEM buffers, the next block's copy starting before this block is
-  computed (double buffering, across sequence boundaries too). Only pages that hold keys some
-  query of the block can see are copied.
+  key blocks (`pages_per_block` pages) in order, as one flat loop; pages (the step's KV heads of
+  them) are copied by DMA from `pool[layer, page]` (the layer indexed inside the kernel, so no
+  layer slice of the pool is ever materialised) into one of two VMEM buffers, the next block's
+  copy starting before this block is computed (double buffering, across sequence boundaries too).
+  Only pages that hold keys some query of the block can see are copied.
+- Each key block is transposed once in VMEM to heads-first, [heads, keys, D], and a loop over the
+  heads (not unrolled) then reads each head's keys as a plain slab. In the page layout a head is
+  one row of every sublane tile; Mosaic reads such a row at a traced offset only from 32-bit
+  buffers, and an unrolled head loop gives every head its own VMEM for temporaries and compile
+  time (14 s against 2 s for 32 f32 heads on v6e, measured).
 - Softmax is online (flash attention): running max, sum and f32 accumulator per query row live in
   VMEM scratch across the loop; rows of other sequences are masked out of each block, so a block
   that mixes decode tokens of many sequences still reads each sequence's pages once per block.
@@ -27,9 +33,14 @@ read keys the first block's tokens write, which "parallel" grid semantics (both 
 v4/v5p chip) do not order. Keeping the write outside keeps the grid parallel and the kernel
 read-only.
 
-Not yet run on a TPU (written and tested in interpret mode on the CPU, and lowered to Mosaic by
-the tests): block layouts (a KV head's [pages, page_size, D] slice of the page buffer, a strided
-read) and the VMEM budget are the things to check on hardware first.
+Block sizes are planned for an explicit chip (`chip`, a generation or device kind; see
+`tuning.plan_tpu_blocks`): the KV heads, query rows and pages per grid step shrink until a step's
+VMEM, padded to TPU tiles and with the kernel's temporaries, fits that chip's scoped limit, which
+is raised above the compiler's default where the chip has the VMEM.
+
+Not yet run on a TPU (written and tested in interpret mode on the CPU, and compiled ahead of time
+for v4/v5e/v5p/v6e/TPU7x by tests/kernels/test_tpu_aot.py): what to measure on hardware first is
+the cost of the per-block transpose and of head-sliced DMAs when the KV heads are split.
 """
 
 from __future__ import annotations
@@ -67,18 +78,20 @@ def _kernel(
     first_seq_ref,  # i32[num_blocks] first sequence with rows in each query block
     last_seq_ref,  # i32[num_blocks] last one; < first_seq for a block of padding only
     # Inputs.
-    q_ref,  # [num_kv_heads, rows, D] VMEM: this block's queries, grouped
+    q_ref,  # [heads, rows, D] VMEM: this block's queries, grouped (heads: KV heads per block)
     k_hbm,  # [num_layers, num_pages, page_size, num_kv_heads, D] HBM
     v_hbm,  # same as k_hbm
     # Output.
-    o_ref,  # [num_kv_heads, rows, D] VMEM
+    o_ref,  # [heads, rows, D] VMEM
     # Scratch.
-    k_buf,  # [2, pages_per_block, page_size, num_kv_heads, D] VMEM: double buffer
+    k_buf,  # [2, pages_per_block, page_size, heads, D] VMEM: double buffer
     v_buf,  # same as k_buf
     sems,  # DMA semaphores [2 (k, v), 2 (buffer)]
-    m_ref,  # f32[num_kv_heads, rows, 1] running max
-    l_ref,  # f32[num_kv_heads, rows, 1] running sum
-    acc_ref,  # f32[num_kv_heads, rows, D] running numerator
+    m_ref,  # f32[heads, rows, 1] running max
+    l_ref,  # f32[heads, rows, 1] running sum
+    acc_ref,  # f32[heads, rows, D] running numerator
+    k_heads,  # [heads, pages_per_block * page_size, D] VMEM: the key block, heads first
+    v_heads,  # same as k_heads
     *,
     sm_scale: float,
     sliding_window: int | None,
@@ -87,7 +100,13 @@ def _kernel(
     pages_per_seq: int,
 ):
     block = pl.program_id(0)
-    _, pages_per_block, page_size, num_kv_heads, head_dim = k_buf.shape
+    _, pages_per_block, page_size, block_heads, head_dim = k_buf.shape  # KV heads of this step
+    # This step's KV heads of the pool: all of them, or a slice (a strided DMA of each page).
+    head_slice = (
+        slice(None)
+        if block_heads == k_hbm.shape[3]
+        else pl.ds(pl.program_id(1) * block_heads, block_heads)
+    )
     rows = q_ref.shape[1]
     block_kv = pages_per_block * page_size
     q_lo = block * block_tokens  # first token of this block
@@ -107,7 +126,10 @@ def _kernel(
 
     def kv_blocks(s):
         t_lo, t_hi, _, kv_start, kv_end = span(s)
-        lo = kv_start // block_kv
+        # kv_start >= 0, so truncating division is floor division. (jnp's `//` on a traced int
+        # lowers through sign(), whose Mosaic rule reads the local device's TPU generation, so
+        # ahead-of-time compilation from a CPU host fails with it.)
+        lo = lax.div(jnp.asarray(kv_start, jnp.int32), jnp.int32(block_kv))
         return lo, jnp.where(t_hi > t_lo, pl.cdiv(kv_end, block_kv), lo)
 
     def copies(s, j, slot):
@@ -119,10 +141,10 @@ def _kernel(
             index = j * pages_per_block + p
             page = page_tables_ref[s * pages_per_seq + jnp.minimum(index, pages_per_seq - 1)]
             k_copy = pltpu.make_async_copy(
-                k_hbm.at[layer, page], k_buf.at[slot, p], sems.at[0, slot]
+                k_hbm.at[layer, page, :, head_slice], k_buf.at[slot, p], sems.at[0, slot]
             )
             v_copy = pltpu.make_async_copy(
-                v_hbm.at[layer, page], v_buf.at[slot, p], sems.at[1, slot]
+                v_hbm.at[layer, page, :, head_slice], v_buf.at[slot, p], sems.at[1, slot]
             )
             # Pages wholly before a sliding window may have been recycled: never read them.
             needed = (index * page_size < kv_end) & ((index + 1) * page_size > kv_start)
@@ -165,10 +187,20 @@ def _kernel(
         c_col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
         visible = (c_col >= kv_start) & (c_col < kv_end)
         precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
-        for h in range(num_kv_heads):
+
+        # Heads first, once per key block (see the module docstring).
+        k_heads[...] = jnp.transpose(
+            k_buf[slot].reshape(block_kv, block_heads, head_dim), (1, 0, 2)
+        )
+        v_heads[...] = jnp.transpose(
+            v_buf[slot].reshape(block_kv, block_heads, head_dim), (1, 0, 2)
+        )
+
+        @pl.loop(0, block_heads)
+        def _(h):
             q = q_ref[h]  # [rows, D]
-            k = k_buf[slot, :, :, h, :].reshape(block_kv, head_dim)
-            v = v_buf[slot, :, :, h, :].reshape(block_kv, head_dim)
+            k = k_heads[h]  # [block_kv, D]
+            v = v_heads[h]
             v = jnp.where(visible, v, jnp.zeros((), v.dtype))
             scores = lax.dot_general(
                 q,
@@ -218,7 +250,8 @@ def _kernel(
 
     lax.while_loop(lambda carry: carry[0] <= last, body, (first, j_first, jnp.int32(0)))
 
-    for h in range(num_kv_heads):
+    @pl.loop(0, block_heads)
+    def _(h):
         denom = l_ref[h]
         # Rows of no sequence (padding) kept a sum of 0 and acc = 0: they output 0.
         o_ref[h] = (acc_ref[h] / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
@@ -244,20 +277,48 @@ def _block_sequences(
     return first, jnp.where(lo < total, last, -1)
 
 
-# Mosaic's default scoped VMEM limit on v4/v5e (v6e has 32 MiB; a table row may raise it).
-_DEFAULT_SCOPED_VMEM = 16 * 2**20
+def _cost_estimate(
+    *,
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pages_per_seq: int,
+    num_slots: int,
+    num_blocks: int,
+    block_tokens: int,
+    block_kv: int,
+    sliding_window: int | None,
+    q_dtype,
+    kv_dtype,
+) -> pl.CostEstimate:
+    """What the kernel costs XLA's scheduler, as an upper bound from the static shapes.
 
-
-def _vmem_bytes(rows, pages_per_block, page_size, num_kv_heads, head_dim, q_dtype, kv_dtype) -> int:
-    """VMEM one grid step holds: page buffers, q and out blocks, softmax state."""
-    kv = 2 * 2 * pages_per_block * page_size * num_kv_heads * head_dim  # k, v; two buffers each
-    q_out = 2 * 2 * num_kv_heads * rows * head_dim  # Pallas double-buffers the q and out blocks
-    state = num_kv_heads * rows * (head_dim + 2 * 128)  # acc; max and sum pad to 128 lanes
-    return kv * jnp.dtype(kv_dtype).itemsize + q_out * jnp.dtype(q_dtype).itemsize + state * 4
+    The lengths (query_start, kv_lens) are dynamic, so the counts take every query token to
+    attend the longest context a page table holds (pages_per_seq * page_size keys, or the sliding
+    window if that is smaller): 2 * D FLOPs per query head and key for QK^T and as many for PV, one
+    exp per score. Keys read: each (query block, sequence) pair reads that sequence's context
+    once, and there are at most min(num_tokens, num_blocks * num_slots) such pairs; with a window,
+    a pair reads at most the window, the block's tokens and a key block of slack at each end.
+    """
+    context = pages_per_seq * page_size
+    keys_attended = context if sliding_window is None else min(context, sliding_window)
+    keys_read = context
+    if sliding_window is not None:
+        keys_read = min(context, sliding_window + block_tokens + 2 * block_kv)
+    pairs = min(num_tokens, num_blocks * num_slots)
+    q_bytes = num_tokens * num_heads * head_dim * jnp.dtype(q_dtype).itemsize
+    kv_bytes = 2 * pairs * keys_read * num_kv_heads * head_dim * jnp.dtype(kv_dtype).itemsize
+    return pl.CostEstimate(
+        flops=4 * num_tokens * num_heads * keys_attended * head_dim,
+        transcendentals=num_tokens * num_heads * keys_attended,
+        bytes_accessed=2 * q_bytes + kv_bytes,  # q in, out, keys and values
+    )
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret")
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "chip", "interpret")
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
@@ -272,30 +333,39 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     block_sizes: tuning.TpuBlockSizes | None = None,
+    chip: str | None = None,
     interpret: pltpu.InterpretParams | bool = False,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
     """The reference's attention as a Mosaic TPU kernel (conventions in reference.py).
 
-    `block_sizes` defaults to this device kind's row of `tuning.TPU_TABLE`. `interpret` runs
-    the kernel on the CPU (`pltpu.InterpretParams()`), for tests.
+    `chip` is the TPU the kernel is compiled for: a generation ("v5e") or a device kind ("TPU v5
+    lite"), see `pallas_kernels.chips`. Pass it whenever the target is known, and always when
+    compiling ahead of time for a topology (`functools.partial(ragged_paged_attention,
+    chip=device.device_kind)`); None takes the default backend's TPU, or `tuning.INTERPRET_CHIP`
+    off a TPU. `block_sizes` replaces the chip's `tuning.TPU_TABLE` row as the target blocks,
+    which are then shrunk to fit the chip's VMEM (ValueError, naming the shape and chip, if
+    nothing fits). `interpret` runs the kernel on the CPU (`pltpu.InterpretParams()`), for tests.
     """
     common.check_args(q, k_pool, v_pool, query_start, kv_lens, page_tables, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = k_pool.shape
     num_slots, pages_per_seq = page_tables.shape
     group = num_heads // num_kv_heads
-    sizes = block_sizes or tuning.tpu_block_sizes()
-
-    sublanes = 8 * 4 // jnp.dtype(q.dtype).itemsize  # rows per VMEM tile: 8 f32, 16 bf16
-    block_tokens = tuning.tpu_query_block_tokens(num_tokens, group, sizes.q_rows, sublanes)
+    plan = tuning.plan_tpu_blocks(
+        num_tokens=num_tokens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        q_dtype=q.dtype,
+        kv_dtype=k_pool.dtype,
+        chip=chip,
+        block_sizes=block_sizes,
+    )
+    block_tokens, rows, heads = plan.block_tokens, plan.rows, plan.heads_per_block
+    pages_per_block = plan.pages_per_block
     num_blocks = pl.cdiv(num_tokens, block_tokens)
-    pages_per_block = max(1, min(sizes.kv_tokens // page_size, pages_per_seq))
-    rows = block_tokens * group
-    budget = (sizes.vmem_limit_bytes or _DEFAULT_SCOPED_VMEM) * 3 // 4
-    while pages_per_block > 1 and budget < _vmem_bytes(
-        rows, pages_per_block, page_size, num_kv_heads, head_dim, q.dtype, k_pool.dtype
-    ):
-        pages_per_block //= 2  # many KV heads (MHA) or big pages: fewer pages per block
     # Padded to whole blocks so that the last block's tile is in bounds; padding rows output 0.
     q_grouped = common.group_queries(q, num_kv_heads, num_blocks * block_tokens)
     first_seq, last_seq = _block_sequences(query_start, num_seqs, block_tokens, num_blocks)
@@ -308,14 +378,29 @@ def ragged_paged_attention(
         block_tokens=block_tokens,
         pages_per_seq=pages_per_seq,
     )
-    q_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda i, *_: (0, i, 0))
-    buf = pltpu.VMEM((2, pages_per_block, page_size, num_kv_heads, head_dim), k_pool.dtype)
-    stats = pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32)
+    q_spec = pl.BlockSpec((heads, rows, head_dim), lambda i, h, *_: (h, i, 0))
+    buf = pltpu.VMEM((2, pages_per_block, page_size, heads, head_dim), k_pool.dtype)
+    stats = pltpu.VMEM((heads, rows, 1), jnp.float32)
+    cost = _cost_estimate(
+        num_tokens=num_tokens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        num_slots=num_slots,
+        num_blocks=num_blocks,
+        block_tokens=block_tokens,
+        block_kv=pages_per_block * page_size,
+        sliding_window=sliding_window,
+        q_dtype=q.dtype,
+        kv_dtype=k_pool.dtype,
+    )
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(num_blocks,),
+            grid=(num_blocks, num_kv_heads // heads),
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=q_spec,
             scratch_shapes=[
@@ -324,15 +409,19 @@ def ragged_paged_attention(
                 pltpu.SemaphoreType.DMA((2, 2)),
                 stats,
                 stats,
-                pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
+                pltpu.VMEM((heads, rows, head_dim), jnp.float32),
+                pltpu.VMEM((heads, pages_per_block * page_size, head_dim), k_pool.dtype),
+                pltpu.VMEM((heads, pages_per_block * page_size, head_dim), k_pool.dtype),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(q_grouped.shape, q.dtype),
         # Each grid step fetches its own pages and keeps no state for the next: parallel, so
-        # chips with two TensorCores split the query blocks.
+        # chips with two TensorCores in one device (v4, v5p) split the grid.
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel",), vmem_limit_bytes=sizes.vmem_limit_bytes
+            dimension_semantics=("parallel", "parallel"),
+            vmem_limit_bytes=plan.vmem_limit_bytes,
         ),
+        cost_estimate=cost,
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(
