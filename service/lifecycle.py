@@ -3,7 +3,8 @@ in, the calls in flight, tokenizing off the loop, and the engine's death.
 
 The gRPC servicer (grpc/servicer.py) and the HTTP front end (http/routes.py) hold this object,
 not the server: they read the state and the engine here, admit and count their calls here,
-tokenize on its threads, and report an engine death here. The server (server.py) drives it
+tokenize (and parse large HTTP bodies) on its threads, learn here when a drain's grace period
+has ended, and report an engine death here. The server (server.py) drives it
 through WARMING -> SERVING -> DRAINING -> STOPPED, or FAILED, and owns health, ports and signals.
 Everything runs on the server's event loop.
 """
@@ -50,6 +51,9 @@ class Lifecycle:
 
     # Tokenizing is CPU work: two threads keep the loop free without crowding the engine thread.
     TOKENIZER_THREADS = 2
+    # Large HTTP bodies are parsed apart from tokenizing, so that a flood of them never delays
+    # another call's tokens; more bodies than threads wait their turn, unparsed.
+    PARSER_THREADS = 2
 
     def __init__(
         self, registry: CollectorRegistry, on_engine_failed: Callable[[], Awaitable[None]]
@@ -66,6 +70,13 @@ class Lifecycle:
         self.active = 0  # calls in flight, gRPC and HTTP
         self.idle = asyncio.Event()  # set while no call is in flight: what a drain waits for
         self.idle.set()
+        self._parser_pool = concurrent.futures.ThreadPoolExecutor(
+            self.PARSER_THREADS, thread_name_prefix="jaxserve-parse"
+        )
+        # Set when a drain's grace period ends with calls still in flight (`end_drain`).
+        self.drain_ended = asyncio.Event()
+        self.drain_error: Refused | None = None
+        self._drain_watchers: set[Callable[[Refused], None]] = set()
         self._in_flight = Gauge(  # the name predates HTTP; it counts both front ends' calls
             "jaxserve_grpc_calls_in_flight", "jaxserve.v1 calls running.", registry=registry
         )
@@ -109,10 +120,32 @@ class Lifecycle:
         """fn(*args) on the tokenizer threads: tokenizer work never runs on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
+    async def parse_off_loop(self, fn, *args):
+        """fn(*args) on the parser threads (large HTTP bodies: service/http/body.py)."""
+        return await asyncio.get_running_loop().run_in_executor(self._parser_pool, fn, *args)
+
+    def end_drain(self, message: str) -> None:
+        """The grace period is over: calls still in flight end now with `message` (UNAVAILABLE,
+        HTTP 503) rather than being cut off mid-response by their server's shutdown."""
+        self.drain_error = Refused(grpc.StatusCode.UNAVAILABLE, message)
+        self.drain_ended.set()
+        for watcher in list(self._drain_watchers):
+            watcher(self.drain_error)
+
+    def watch_drain(self, watcher: Callable[[Refused], None]) -> Callable[[], None]:
+        """Calls watcher(error) when the drain's grace period ends (at once if it has);
+        returns the function that stops watching."""
+        if self.drain_error is not None:
+            watcher(self.drain_error)
+            return lambda: None
+        self._drain_watchers.add(watcher)
+        return lambda: self._drain_watchers.discard(watcher)
+
     async def engine_failed(self) -> None:
         """A front end saw the engine die (EngineDeadError): the server stops serving."""
         await self._on_engine_failed()
 
     def close(self) -> None:
-        """Stops the tokenizer threads (a tokenization under way finishes, unread)."""
+        """Stops the tokenizer and parser threads (work under way finishes, unread)."""
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._parser_pool.shutdown(wait=False, cancel_futures=True)

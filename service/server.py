@@ -28,10 +28,12 @@ Concurrency:
   thread-safe.
 - A cancelled, disconnected or expired call cancels its handler task; closing the handler's
   engine stream posts an abort, and the engine frees the slot and pages at its next iteration.
-- Bounded: a request message (max_message_bytes; beyond it INVALID_ARGUMENT, and beyond 4x it
-  gRPC itself refuses it unread), the text worth tokenizing (validation.PromptLimit), the engine's
-  waiting queue (max_waiting_requests, beyond it RESOURCE_EXHAUSTED) and one output queue per
-  open stream, holding at most that request's tokens.
+- Bounded: a request message (max_message_bytes, for both front ends: over gRPC beyond it
+  INVALID_ARGUMENT, and beyond 4x it gRPC itself refuses it unread; over HTTP a 413 before the
+  body is read, or as soon as a streamed body passes it), the text worth tokenizing
+  (validation.PromptLimit), the engine's waiting queue (max_waiting_requests, beyond it
+  RESOURCE_EXHAUSTED) and one output queue per open stream, holding at most that request's
+  tokens.
 """
 
 from __future__ import annotations
@@ -90,7 +92,12 @@ class ServerOptions:
     tls_key: bytes | None = None
     auth_token: str | None = None
     health_without_auth: bool = False  # let grpc.health.v1.Health calls in without the token
-    max_message_bytes: int = 16 << 20  # a bigger request message is INVALID_ARGUMENT
+    # A bigger request is refused, on both front ends: a gRPC message with INVALID_ARGUMENT, an
+    # HTTP body with 413 (before it is read when its Content-Length says so).
+    max_message_bytes: int = 16 << 20
+    # Priority: lower runs first. By default clients may only lower their own (0 to 2**31 - 1);
+    # True lets them send negative values too, and so preempt other clients' requests.
+    clients_may_raise_priority: bool = False
     stay_up_on_engine_failure: bool = False  # serve(): linger answering INTERNAL, for debugging
 
     def __post_init__(self):
@@ -143,7 +150,10 @@ class JaxServeServer:
         # State, engine and calls in flight, shared by the gRPC servicer and the HTTP front end.
         self.lifecycle = Lifecycle(self.registry, self.engine_failed)
         self.servicer = JaxServeServicer(
-            self.lifecycle, self.registry, self.options.max_message_bytes
+            self.lifecycle,
+            self.registry,
+            self.options.max_message_bytes,
+            clients_may_raise_priority=self.options.clients_may_raise_priority,
         )
         self._serving_gauge = Gauge(
             "jaxserve_serving", "1 while health says SERVING.", registry=self.registry
@@ -241,6 +251,7 @@ class JaxServeServer:
             auth=bool(opts.auth_token),
             health_without_auth=bool(opts.auth_token) and opts.health_without_auth,
             max_message_bytes=opts.max_message_bytes,
+            clients_may_raise_priority=opts.clients_may_raise_priority,
         )
         if isinstance(self._engine_source, AsyncEngine):
             await self._start_serving(self._engine_source, 0.0)
@@ -259,6 +270,8 @@ class JaxServeServer:
             self.registry,
             auth_token=opts.auth_token,
             health_without_auth=opts.health_without_auth,
+            max_body_bytes=opts.max_message_bytes,
+            clients_may_raise_priority=opts.clients_may_raise_priority,
         )
         self._http = HttpListener(
             self.http_app.app,
@@ -297,6 +310,12 @@ class JaxServeServer:
             w.cancel()
         if self.lifecycle.active:
             _log(logging.WARNING, "drain cut short", calls_in_flight=self.lifecycle.active)
+            # HTTP calls answer 503 (or end their stream with an error event) now, while the
+            # listener below still lets responses out, instead of being cancelled unanswered.
+            self.lifecycle.end_drain(
+                f"The server is shutting down and its grace period ({grace} s) ended before "
+                "this call finished; send it to another replica."
+            )
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(

@@ -17,6 +17,7 @@ cost seconds of CPU that other requests need.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,14 @@ DEFAULT_MAX_TOKENS = next(
     f.default for f in dataclasses.fields(SamplingParams) if f.name == "max_tokens"
 )
 MAX_REQUEST_ID_CHARS = 128
+# Request priority: lower runs first (vLLM's convention), 0 by default. The range is gRPC's int32
+# field's, on both front ends. Unless the operator lets clients raise it
+# (--clients-may-raise-priority), a client may only lower its own: values below 0 are refused,
+# since any client could otherwise preempt everyone else's requests.
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
+# The largest top_k: gRPC's int32 field holds no more, and the engine's per-row arrays take it as
+# a machine integer (over HTTP 10**30 raised OverflowError on the engine thread and killed it).
+MAX_TOP_K = 2**31 - 1
 _LEADING_FIELD = re.compile(r"^(\w+)[=[ ]")
 
 
@@ -96,17 +105,39 @@ def prompt_limit(tokenizer, max_model_len: int) -> PromptLimit:
     return PromptLimit(max_model_len, max(longest, 4))  # 4: any one character fits
 
 
+def model_name(info: EngineInfo) -> str:
+    """The served model's name, as clients see it: its folder's ("stories260k"). Messages to
+    clients name the model by it, never by the server's path to its files."""
+    return pathlib.PurePath(info.model).name or "jaxserve"
+
+
 def check_text(field: str, text: str, info: EngineInfo, limit: PromptLimit) -> None:
     """Raises InvalidRequest for a text that is empty, cannot be tokenized, or cannot fit."""
     if not text:
         raise InvalidRequest(f"{field}='' is empty: send some text.", field)
     if not info.has_tokenizer:
         raise InvalidRequest(
-            f"{field}={short(text)} cannot be tokenized: model {info.model} "
+            f"{field}={short(text)} cannot be tokenized: model {model_name(info)} "
             "has no tokenizer; send token ids instead.",
             field,
         )
     limit.check(field, text)
+
+
+def check_priority(field: str, priority: int, clients_may_raise: bool) -> int:
+    """The request's priority, checked: an integer in [MIN_PRIORITY, MAX_PRIORITY], and not
+    below 0 unless the server lets clients raise theirs."""
+    low = MIN_PRIORITY if clients_may_raise else 0
+    if type(priority) is int and low <= priority <= MAX_PRIORITY:
+        return priority
+    why = ""
+    if type(priority) is int and MIN_PRIORITY <= priority < 0:
+        why = (
+            ": lower values run first, and this server lets clients only lower their own "
+            "priority (0, the default, is the most a client may ask for; the operator allows "
+            "negative values with --clients-may-raise-priority)"
+        )
+    raise InvalidRequest(f"{field}={priority!r} must be in [{low}, {MAX_PRIORITY}]{why}.", field)
 
 
 def check_vocab(field: str, ids: Sequence[int], vocab_size: int) -> None:
@@ -196,6 +227,13 @@ def sampling_params(
                 f"{prefix}stop",
             )
     kwargs["stop"] = stop
+    top_k = kwargs.get("top_k")
+    if type(top_k) is int and top_k > MAX_TOP_K:
+        raise InvalidRequest(
+            f"{prefix}top_k={top_k} must be in [0, {MAX_TOP_K}] (0 turns top-k off, as does "
+            f"any value from the vocabulary's size, {info.vocab_size}, up).",
+            f"{prefix}top_k",
+        )
     vocab = info.vocab_size
     check_vocab(f"{prefix}stop_token_ids", list(kwargs.get("stop_token_ids", ())), vocab)
     check_vocab(f"{prefix}logit_bias", [int(t) for t in kwargs.get("logit_bias", {})], vocab)

@@ -20,6 +20,7 @@ import http.client
 import json
 import logging
 import os
+import pathlib
 import urllib.parse
 from collections.abc import Iterator, Sequence
 
@@ -56,6 +57,15 @@ class ModelInfo:
     context_length: int
     dtype: str = "unknown"
     limits: object = None
+
+
+def model_name(model_id: str) -> str:
+    """How the report names a served model: its id, or where the id is a path to its files
+    (llama-server's is the .gguf file's), the last part of it. The plots' titles carry it,
+    and a path says where the server keeps its files, not which model ran."""
+    if model_id.startswith(("/", "~", "./", "../")) or "\\" in model_id:
+        return pathlib.PurePath(model_id.replace("\\", "/")).name or model_id
+    return model_id
 
 
 class OpenAIError(RuntimeError):
@@ -122,7 +132,7 @@ class OpenAIBenchClient:
             )
         context = entry.get("max_model_len") or meta.get("n_ctx_train") or 0
         return ModelInfo(
-            model=str(entry.get("root") or entry["id"]),
+            model=model_name(str(entry["id"])),
             vocab_size=int(vocab or FALLBACK_VOCAB),
             context_length=int(context),
         )

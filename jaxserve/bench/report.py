@@ -6,6 +6,11 @@
   the SLO targets marked.
 - `timeline.png`: batch occupancy, queue length and KV-cache use over time at the heaviest
   load, one panel per configuration: shows static batching's drained batches and idle slots.
+  An online run (`--online`, `--backend openai`) has no engine gauges: its panel shows what the
+  client saw instead, requests in flight and output tokens/s over time (`client_timeline`).
+
+Latencies are printed in milliseconds with at least two significant digits (0.43, 4.3, 43), so
+the sub-millisecond TPOT of a small model does not read "0".
 
 matplotlib is imported only here, with the Agg backend, so the engine never needs it.
 """
@@ -25,7 +30,11 @@ PLOTS = ("throughput_latency.png", "latency_distributions.png", "timeline.png")
 
 
 def _ms(x: float | None) -> str:
-    return "-" if x is None or math.isnan(x) else f"{1000 * x:.0f}"
+    """Seconds as milliseconds, at least two significant digits: 0.43, 4.3, 43, 4321."""
+    if x is None or math.isnan(x):
+        return "-"
+    ms = 1000 * x
+    return f"{ms:.0f}" if abs(ms) >= 10 else f"{ms:.2g}"
 
 
 def _num(x: float | None, fmt: str = ".2f") -> str:
@@ -295,9 +304,7 @@ def _plot_timeline(plt, out_dir, heaviest, colors, title) -> Path:
     for ax, (label, run) in zip(axes[:, 0], heaviest.items(), strict=False):
         tl = run.timeline
         if tl is None or not tl.t:
-            ax.text(
-                0.5, 0.5, "no engine timeline (online run)", ha="center", transform=ax.transAxes
-            )
+            _plot_client_timeline(ax, label, run, colors)
             continue
         ax.step(tl.t, tl.running, where="pre", color=colors[label], label="running (slots)")
         ax.step(tl.t, tl.waiting, where="pre", color="0.6", lw=0.8, label="waiting")
@@ -315,9 +322,62 @@ def _plot_timeline(plt, out_dir, heaviest, colors, title) -> Path:
         ax.legend(handles=handles, fontsize=7, loc="upper right")
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("time since the run started (s)")
-    fig.suptitle(("Batch occupancy and KV-cache use. " + title).strip(), fontsize=9)
+    engine_seen = any(r.timeline is not None and r.timeline.t for r in heaviest.values())
+    what = "Batch occupancy and KV-cache use. " if engine_seen else "As the client saw it. "
+    fig.suptitle((what + title).strip(), fontsize=9)
     fig.tight_layout()
     return _save(fig, out_dir / PLOTS[2])
+
+
+def client_timeline(
+    run: RunResult, bins: int = 100
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """What a client saw over a run, at `bins` times from the start to the last finish: (t,
+    requests in flight at t, output tokens/s in the interval ending at t). None when no
+    request finished.
+
+    The client times a request's arrival, first token and end; its other tokens are spread
+    evenly between its first token and its end (a stream's chunks are not timed one by one).
+    """
+    done = [r for r in run.records if r.finished is not None]
+    if not done:
+        return None
+    end = max(r.finished for r in done)
+    if end <= 0:
+        return None
+    t = np.linspace(0.0, end, bins + 1)  # f64[bins + 1]: interval edges
+    arrival = np.array([r.arrival for r in done])  # f64[requests]
+    finished = np.array([r.finished for r in done])  # f64[requests]
+    in_flight = ((arrival[None, :] <= t[1:, None]) & (t[1:, None] < finished[None, :])).sum(1)
+    token_times = [
+        r.first_token + (r.finished - r.first_token) * np.arange(r.output_len) / (r.output_len - 1)
+        if r.output_len > 1
+        else np.array([r.first_token])
+        for r in done
+        if r.first_token is not None and r.output_len > 0
+    ]
+    times = np.concatenate(token_times) if token_times else np.zeros(0)  # f64[tokens]
+    per_bin, _ = np.histogram(times, bins=t)  # i64[bins]
+    return t[1:], in_flight, per_bin / (end / bins)
+
+
+def _plot_client_timeline(ax, label: str, run: RunResult, colors) -> None:
+    """An online run's panel: requests in flight and output tokens/s, as the client saw them."""
+    seen = client_timeline(run)
+    if seen is None:
+        ax.text(0.5, 0.5, "no request finished", ha="center", transform=ax.transAxes)
+        return
+    t, in_flight, tokens_per_s = seen
+    ax.step(t, in_flight, where="pre", color=colors[label], label="requests in flight")
+    ax.set_ylabel("requests")
+    ax2 = ax.twinx()
+    ax2.plot(t, tokens_per_s, color="tab:green", lw=0.9, alpha=0.8, label="output tokens/s")
+    ax2.set_ylim(bottom=0)
+    ax2.set_ylabel("output tokens/s")
+    ax.set_title(f"{label}: {run.workload.name} (as the client saw it)", fontsize=9)
+    handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=7, loc="upper right")
+    ax.grid(alpha=0.3)
 
 
 def _log_axis(axis) -> None:

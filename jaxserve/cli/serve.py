@@ -55,7 +55,14 @@ def register(sub) -> None:
         "--max-message-bytes",
         type=int,
         default=16 << 20,
-        help="largest request message; a bigger one is INVALID_ARGUMENT (default: 16 MiB)",
+        help="largest request, on both front ends: a bigger gRPC message is INVALID_ARGUMENT, "
+        "a bigger HTTP body 413 (default: 16 MiB)",
+    )
+    srv.add_argument(
+        "--clients-may-raise-priority",
+        action="store_true",
+        help="let clients send a priority below 0 (lower runs first, and preempts under "
+        "--policy priority); by default they may only lower their own (0 to 2**31-1)",
     )
     srv.add_argument(
         "--stay-up-on-engine-failure",
@@ -112,6 +119,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         auth_token=load_token(args.auth_token_file),
         health_without_auth=args.health_without_auth,
         max_message_bytes=args.max_message_bytes,
+        clients_may_raise_priority=args.clients_may_raise_priority,
         stay_up_on_engine_failure=args.stay_up_on_engine_failure,
     )
     if is_follower(args):

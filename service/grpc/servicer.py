@@ -11,9 +11,10 @@ the engine's RequestRejected, a message beyond --max-message-bytes, a text longe
 context can hold); RESOURCE_EXHAUSTED when the waiting queue is full, or when the engine refused
 the request under load (--shed-late: its predicted TTFT, shown, misses the target); UNAVAILABLE
 while warming up or draining; INTERNAL once the engine has failed. Every message names the
-field and the value at fault. A request the engine fails alone (finish reason `error`: its
-output could not be processed) is not a failed call: its last response says FINISH_REASON_ERROR
-and why.
+field and the value at fault; a negative priority is refused unless the server lets clients
+raise theirs (--clients-may-raise-priority). A request the engine fails alone (finish reason
+`error`: its output could not be processed) is not a failed call: its last response says
+FINISH_REASON_ERROR and why.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter
 from jaxserve.engine import beam_search
 from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.scheduling.scheduler import QueueFull
+from service import validation
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
 from service.grpc import convert
 from service.lifecycle import Lifecycle, Refused
@@ -69,9 +71,17 @@ class _Call:
 class JaxServeServicer:
     """The jaxserve.v1 calls, admitted and counted by the server's `Lifecycle`."""
 
-    def __init__(self, lifecycle: Lifecycle, registry: CollectorRegistry, max_message_bytes: int):
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        registry: CollectorRegistry,
+        max_message_bytes: int,
+        *,
+        clients_may_raise_priority: bool = False,
+    ):
         self.lifecycle = lifecycle
         self.max_message_bytes = max_message_bytes
+        self.clients_may_raise_priority = clients_may_raise_priority
         self._calls = Counter(
             "jaxserve_grpc_calls",
             "gRPC calls by method and status code.",
@@ -182,16 +192,17 @@ class JaxServeServicer:
         text = convert.prompt_text(request, info, self.lifecycle.prompt_limit)
         ids = convert.prompt_ids(request, info, None if text is None else await self._encode(text))
         params = convert.sampling_params(request.sampling, len(ids), info)
+        priority = validation.check_priority(
+            "priority", request.priority, self.clients_may_raise_priority
+        )
         request_id = convert.request_id(request) or f"grpc-{uuid.uuid4().hex[:16]}"
         call.fields.update(
             request_id=request_id, prompt_tokens=len(ids), max_tokens=params.max_tokens
         )
         if params.beam_width > 1:
-            search = beam_search.search_async(
-                async_engine, ids, params, request_id, priority=request.priority
-            )
+            search = beam_search.search_async(async_engine, ids, params, request_id, priority)
             return _one(search)
-        return async_engine.generate(ids, params, request_id=request_id, priority=request.priority)
+        return async_engine.generate(ids, params, request_id=request_id, priority=priority)
 
     async def _generate(self, request, context, call: _Call) -> None:
         async with contextlib.aclosing(await self._stream(request, call)) as stream:

@@ -4,8 +4,10 @@ uvicorn on the gRPC server's event loop (see service/server.py for the lifecycle
 The modules, after vLLM's entrypoints/openai, from the top down: routes.py (the FastAPI app and
 its route table), completions.py and chat.py (serving each endpoint), beams.py (vLLM's
 `use_beam_search`), pumps.py (a call's engine streams), serving.py (request building both
-endpoints share), streaming.py (server-sent events) and protocol.py (request and response
-bodies). None of them imports the server: it hands the app what it needs."""
+endpoints share), streaming.py (server-sent events), protocol.py (request and response
+bodies), body.py (JSON bodies parsed in bounded slices of the GIL) and token_texts.py (logprob
+tokens decoded in context). None of them imports the server: it hands the app what it
+needs."""
 
 from __future__ import annotations
 

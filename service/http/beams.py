@@ -107,17 +107,24 @@ def beam_params(
 
 
 async def respond(
-    serving: OpenAIServing, request: Request, body, prompts, sampling: dict, width, fields
+    serving: OpenAIServing,
+    request: Request,
+    body,
+    prompts,
+    sampling: dict,
+    width,
+    fields,
+    priority: int,
 ):
     """A call with use_beam_search: one search per prompt, its best n beams the choices; the
     response (or its stream) once every search has ended. `prompts` are (token ids, text or
-    None); `fields` is the call's log line."""
+    None); `fields` is the call's log line; `priority` the checked one."""
     chat = isinstance(body, protocol.ChatCompletionRequest)
     params = [beam_params(sampling, width, body, len(ids), serving.info) for ids, _ in prompts]
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     fields.update(id=cid, prompts=len(prompts), n=body.n, beam_width=width, stream=body.stream)
     prompt_ids = [ids for ids, _ in prompts]
-    search = search_all(serving.engine, prompt_ids, params, body.priority)
+    search = search_all(serving.engine, prompt_ids, params, priority)
     outs = await pumps.unless_gone(request, search)
     for out in outs:
         if out.error is not None:  # a beam's request failed or was aborted: no result

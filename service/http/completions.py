@@ -4,7 +4,8 @@ After vLLM's serving_completion.py. A call may send up to MAX_PROMPTS prompts an
 samples of each; each (prompt, sample) is one engine request (serving.py's `Job`), choice
 `index` of the response, prompt after prompt. `echo` puts each prompt's text before its choice
 (with logprobs, the prompt's own token logprobs first); `max_tokens=0` with `echo` scores the
-prompt without generating. With vLLM's `use_beam_search`, beams.py runs the call instead.
+prompt without generating. Logprob tokens are decoded in context (token_texts.py): joined,
+they are the choice's text. With vLLM's `use_beam_search`, beams.py runs the call instead.
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ from fastapi import Request
 from jaxserve.outputs import RequestOutput, TokenLogprob
 from service import validation
 from service.http import beams, protocol, pumps, streaming
-from service.http.serving import Job, OpenAIServing, include_usage
+from service.http.serving import MAX_PROMPTS, Job, OpenAIServing, include_usage
 from service.validation import InvalidRequest
-
-MAX_PROMPTS = 64  # prompts per /v1/completions call
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -33,6 +32,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if body.suffix is not None:
             raise InvalidRequest("suffix is not supported: send the whole prompt.", "suffix")
         width = beams.beam_width(body)
+        priority = self.priority(body)
         prompts = await self._prompts(body.prompt)
         scoring_only = body.max_tokens == 0
         if scoring_only and not body.echo:
@@ -53,7 +53,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     "use_beam_search=true: a beam search needs max_tokens >= 1.",
                     "max_tokens",
                 )
-            return await beams.respond(self, request, body, prompts, sampling, width, fields)
+            return await beams.respond(
+                self, request, body, prompts, sampling, width, fields, priority
+            )
         jobs = self.jobs(prompts, body, sampling, fields)
         for job in jobs:
             job.scoring_only = scoring_only
@@ -62,21 +64,22 @@ class OpenAIServingCompletion(OpenAIServing):
                 job.params = dataclasses.replace(job.params, prompt_logprobs=None)
         cid = f"cmpl-{uuid.uuid4().hex}"
         fields.update(id=cid, prompts=len(prompts), n=body.n, stream=body.stream)
-        running = await pumps.start(request, self.engine, jobs, body.priority)
+        running = await pumps.start(request, self.lifecycle, jobs, priority)
         head = self.head(cid, "text_completion")
         if body.stream:
             return self._events(head, jobs, running, body, include_usage(body))
         choices = await pumps.unless_gone(request, pumps.collect(running, len(jobs)))
-        return {
-            **head,
-            "choices": [
+
+        def build() -> list[dict]:  # decoding every logprob token in context: off the loop
+            return [
                 self._choice(
                     job, choices[job.index], body, choices[_first_sample(job)].prompt_logprobs
                 )
                 for job in jobs
-            ],
-            "usage": pumps.collected_usage(jobs, choices),
-        }
+            ]
+
+        built = await self.lifecycle.off_loop(build) if body.logprobs is not None else build()
+        return {**head, "choices": built, "usage": pumps.collected_usage(jobs, choices)}
 
     async def _prompts(self, prompt) -> list[tuple[list[int], str | None]]:
         """(token ids, text or None) of each prompt, checked and tokenized."""
@@ -113,10 +116,14 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs = None
         if body.logprobs is not None:
             # The output's offsets count from the end of the echoed text, as when streamed.
-            logprobs = protocol.completion_logprobs(entries, ids, self.token_text, len(prefix))
+            texts = self.token_texts(job.prompt_ids)
+            logprobs = protocol.completion_logprobs(entries, ids, texts, len(prefix))
             if body.echo:
                 echoed = protocol.completion_logprobs(
-                    _prompt_entries(job, prompt_logprobs), job.prompt_ids, self.token_text, 0
+                    _prompt_entries(job, prompt_logprobs),
+                    job.prompt_ids,
+                    self.token_texts(),
+                    0,
                 )
                 logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
         return {
@@ -128,9 +135,11 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _events(self, head, jobs, running: pumps.Pumps, body, include_usage: bool):
         head = {**head}
-        offsets = [0] * len(jobs)
+        offsets = [0] * len(jobs)  # characters of each choice's tokens so far
         outputs = [0] * len(jobs)
         echoed = [not body.echo] * len(jobs)
+        # Each choice's output tokens in context, from chunk to chunk (with logprobs).
+        texts = [self.token_texts(job.prompt_ids) for job in jobs]
         # Every choice's first output is in by now (Pumps.first_outputs), so each choice's
         # echo can carry its prompt's logprobs, which came with its prompt's first sample.
         prompt_logprobs = {i: out.prompt_logprobs for i, out in running.firsts.items()}
@@ -145,7 +154,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     if body.logprobs is not None:
                         entries = _prompt_entries(job, prompt_logprobs[_first_sample(job)])
                         lp = protocol.completion_logprobs(
-                            entries, job.prompt_ids, self.token_text, 0
+                            entries, job.prompt_ids, self.token_texts(), 0
                         )
                     offsets[index] = len(text)
                     choice = streaming.text_choice(index, text, lp, None)
@@ -158,9 +167,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 lp = None
                 if body.logprobs is not None and out.logprobs:
                     lp = protocol.completion_logprobs(
-                        out.logprobs, out.new_token_ids, self.token_text, offsets[index]
+                        out.logprobs, out.new_token_ids, texts[index], offsets[index]
                     )
-                offsets[index] += len(out.text_delta)
+                    offsets[index] += sum(len(t) for t in lp["tokens"])
+                else:
+                    offsets[index] += len(out.text_delta)
                 outputs[index] = out.num_output_tokens
                 if out.text_delta or lp or out.finished:
                     choice = streaming.text_choice(index, out.text_delta, lp, out.finish_reason)

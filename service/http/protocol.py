@@ -1,6 +1,7 @@
 """The OpenAI API's request bodies as pydantic models, and its response bodies as dicts.
 
-The models check types only (a string where a number belongs, an unknown role); value checks
+The models check types only, strictly (a string, a boolean or 2.5 where an integer belongs is
+refused, not read as a number; an integer is a number), and an unknown role; value checks
 (temperature >= 0, max_tokens within the context, token ids in the vocabulary) are left to
 service/validation.py, so that they read the same over gRPC and HTTP. Unknown fields are
 ignored, as OpenAI's and vLLM's servers do: clients such as LangChain send fields that change
@@ -15,16 +16,20 @@ use_beam_search, length_penalty, early_stopping and best_of on both endpoints).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.outputs import TokenLogprob
 
+if TYPE_CHECKING:
+    from service.http.token_texts import TokenTexts
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: `max_tokens: true` is not 1, nor `"n": "2"` 2 (pydantic's lax mode read them so)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -57,7 +62,7 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     priority: int = 0
     # Beam search, as vLLM's API had it: the width is best_of if given, else n; the best n beams
-    # are the choices (app.py's _beam_width has the rules).
+    # are the choices (beams.py's beam_width has the rules).
     use_beam_search: bool = False
     best_of: int | None = None
     length_penalty: float | None = None
@@ -136,36 +141,48 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 def completion_logprobs(
     entries: Sequence[TokenLogprob | None],
     token_ids: Sequence[int],
-    token_text: Callable[[int], str],
+    texts: TokenTexts,
     text_offset: int,
 ) -> dict:
     """/v1/completions' logprobs object for `token_ids` (entries[i] None: not known, e.g. the
-    prompt's first token); offsets start at `text_offset` characters into the choice's text."""
-    tokens, offsets, offset = [], [], text_offset
-    for t in token_ids:
-        tokens.append(token_text(t))
+    prompt's first token), each token's text in context (`texts`, which moves on past them):
+    joined, `tokens` are the text, and offsets start at `text_offset` characters into it."""
+    tokens, offsets, tops, offset = [], [], [], text_offset
+    for entry, token_id in zip(entries, token_ids, strict=True):
+        alternatives = entry.top if entry is not None else ()
+        text, alt_texts = texts.step(token_id, [t for t, _ in alternatives])
+        tokens.append(text)
         offsets.append(offset)
-        offset += len(tokens[-1])
+        offset += len(text)
+        if entry is None:
+            tops.append(None)
+        else:
+            top = texts.top(token_id, text, alternatives, alt_texts)
+            tops.append({key: logprob for key, logprob, _ in top})
     return {
         "tokens": tokens,
         "token_logprobs": [None if e is None else e.logprob for e in entries],
-        "top_logprobs": [
-            None if e is None else {token_text(t): lp for t, lp in e.top} for e in entries
-        ],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> dict:
-    """/v1/chat/completions' logprobs object: one entry per generated token."""
-
-    def one(t: int, lp: float) -> dict:
-        text = token_text(t)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-
-    return {
-        "content": [
-            {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
-            for e in entries
-        ]
-    }
+def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> dict:
+    """/v1/chat/completions' logprobs object: one entry per generated token, its text in
+    context (`texts` moves on past them); `bytes` is the UTF-8 of what it adds to the text."""
+    content = []
+    for entry in entries:
+        text, alt_texts = texts.step(entry.token_id, [t for t, _ in entry.top])
+        top = texts.top(entry.token_id, text, entry.top, alt_texts)
+        content.append(
+            {
+                "token": text,
+                "logprob": entry.logprob,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": key, "logprob": logprob, "bytes": list(raw)}
+                    for key, logprob, raw in top
+                ],
+            }
+        )
+    return {"content": content}

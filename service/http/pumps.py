@@ -7,8 +7,10 @@ starts only once every stream has delivered its first output (`start`), so that 
 ends a stream at once (a full queue, a request refused under load) is the call's status code,
 not an event inside a 200 stream. A client that disconnects, before or during the response,
 cancels the pumps (`unless_gone`); closing their streams aborts the requests, and the engine
-frees their slots and pages at its next iteration. Everything runs on the server's event loop;
-the queue holds at most the outputs of the call's requests.
+frees their slots and pages at its next iteration. When a drain's grace period ends, the
+call's queue receives the lifecycle's 503 (`Lifecycle.end_drain`): a call still waiting for its
+first outputs answers 503, and a stream ends with that error as its last event. Everything
+runs on the server's event loop; the queue holds at most the outputs of the call's requests.
 """
 
 from __future__ import annotations
@@ -22,11 +24,10 @@ from fastapi import Request
 
 from jaxserve.outputs import RequestOutput, TokenLogprob
 from service.http import protocol
-from service.http.serving import HttpError, Job
+from service.http.serving import ClientGone, HttpError, Job
+from service.lifecycle import Lifecycle, Refused
 
-
-class ClientGone(Exception):
-    """The client disconnected before the response began."""
+__all__ = ["ClientGone", "Pumps", "start", "unless_gone"]
 
 
 @dataclasses.dataclass
@@ -44,7 +45,8 @@ class Pumps:
     """The engine streams of one call, each pumped by a task into one queue of
     (choice index, RequestOutput) or (choice index, exception)."""
 
-    def __init__(self, async_engine, jobs: list[Job], priority: int):
+    def __init__(self, lifecycle: Lifecycle, jobs: list[Job], priority: int):
+        async_engine = lifecycle.engine
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffer: list[tuple[int, RequestOutput]] = []
         self.firsts: dict[int, RequestOutput] = {}  # each choice's first output
@@ -64,6 +66,10 @@ class Pumps:
             )
             for job in jobs
         ]
+        # The drain's end arrives as an error in the queue, whoever is waiting on it.
+        self._unwatch = lifecycle.watch_drain(
+            lambda error: self._queue.put_nowait((-1, Refused(error.code, str(error))))
+        )
 
     async def _pump(self, index: int, stream) -> None:
         try:
@@ -102,15 +108,16 @@ class Pumps:
     async def aclose(self) -> None:
         """Cancels the pumps left; closing their streams aborts their requests (so a call's
         stream of chunks holds its Pumps in `contextlib.aclosing`)."""
+        self._unwatch()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def start(request: Request, async_engine, jobs: list[Job], priority: int) -> Pumps:
+async def start(request: Request, lifecycle: Lifecycle, jobs: list[Job], priority: int) -> Pumps:
     """Starts every job's engine stream; returns once each has delivered its first output
     (or raises the first one's error, the others aborted)."""
-    pumps = Pumps(async_engine, jobs, priority)
+    pumps = Pumps(lifecycle, jobs, priority)
     try:
         await unless_gone(request, pumps.first_outputs())
     except BaseException:

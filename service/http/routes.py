@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API's app (FastAPI) and its route table, over the server's engine.
 
 Routes: POST /v1/completions (completions.py), POST /v1/chat/completions (chat.py), GET
-/v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize.
+/v1/models and /v1/models/{id}, GET /health, GET /metrics, POST /tokenize, POST /detokenize.
 
 It only translates: a body is parsed (pydantic, types only), checked by service/validation.py
 (the checks gRPC runs, so an error names the field and value alike), tokenized on the server's
@@ -14,10 +14,14 @@ error, and the call's log line and metric; a streamed body becomes server-sent e
 (streaming.py).
 
 Status codes: 400 for a request that cannot run as sent (`param` names the field), 401 without
-the bearer token when one is configured (/health is exempt with --health-without-auth), 429
-when the waiting queue is full or the engine refused the request under load (--shed-late), 503
-while warming up or draining, 500 once the engine failed, 499 (logged only) for a client that
-left.
+the bearer token when one is configured (/health is exempt with --health-without-auth), 404 for
+an unknown route or model, 405 for a wrong method, 413 for a body beyond --max-message-bytes,
+429 (with Retry-After) when the waiting queue is full or the engine refused the request under
+load (--shed-late), 503 while warming up or draining (and for calls still waiting when the
+drain's grace period ends), 500 once the engine failed, 499 (logged only) for a client that
+left, while sending its body too. Every error body is OpenAI's error object. Nothing a client
+sends may answer 500: a 500 other than the engine's failure is a server bug, logged with its
+traceback.
 
 Concurrency: every handler runs on the server's event loop; pumps.py says how a call's engine
 streams run and end.
@@ -25,6 +29,7 @@ streams run and end.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -33,6 +38,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.scheduling.types import QueueFull
@@ -40,11 +46,13 @@ from service import validation
 from service.http import protocol, streaming
 from service.http.chat import OpenAIServingChat
 from service.http.completions import OpenAIServingCompletion
-from service.http.pumps import ClientGone
-from service.http.serving import HttpError, OpenAIServing
+from service.http.serving import DEFAULT_MAX_BODY_BYTES, ClientGone, HttpError, OpenAIServing
 from service.lifecycle import Lifecycle, Refused, State
 from service.logs import log
 from service.validation import InvalidRequest
+
+# Seconds a 429 asks the client to wait before retrying (a full queue drains in about that).
+RETRY_AFTER_S = 1
 
 logger = logging.getLogger("jaxserve.http")
 
@@ -53,7 +61,8 @@ class OpenAIFrontEnd:
     """The ASGI app (`.app`) of one JaxServeServer, over its lifecycle.
 
     `auth_token`, when set, is the bearer token every call must send (/health too, unless
-    `health_without_auth`).
+    `health_without_auth`). `max_body_bytes` bounds a request's body (413 beyond it);
+    `clients_may_raise_priority` lets clients send a priority below 0.
     """
 
     def __init__(
@@ -63,14 +72,19 @@ class OpenAIFrontEnd:
         *,
         auth_token: str | None = None,
         health_without_auth: bool = False,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        clients_may_raise_priority: bool = False,
     ):
         self.lifecycle = lifecycle
         self.registry = registry
         self._auth_token = auth_token
         self._health_without_auth = health_without_auth
-        self.serving = OpenAIServing(lifecycle)  # /v1/models, /tokenize, /detokenize
-        self.completions = OpenAIServingCompletion(lifecycle)
-        self.chat = OpenAIServingChat(lifecycle)
+        limits = dict(
+            max_body_bytes=max_body_bytes, clients_may_raise_priority=clients_may_raise_priority
+        )
+        self.serving = OpenAIServing(lifecycle, **limits)  # /v1/models, /tokenize, /detokenize
+        self.completions = OpenAIServingCompletion(lifecycle, **limits)
+        self.chat = OpenAIServingChat(lifecycle, **limits)
         self._calls = Counter(
             "jaxserve_http_requests",
             "HTTP API calls by route and status code.",
@@ -79,9 +93,11 @@ class OpenAIFrontEnd:
         )
         app = FastAPI(title="jaxserve", summary="OpenAI-compatible API of jaxserve")
         app.middleware("http")(self._auth)
+        app.exception_handler(StarletteHTTPException)(self._unrouted)
         app.post("/v1/completions")(self._route("completions", self.completions.create))
         app.post("/v1/chat/completions")(self._route("chat", self.chat.create))
         app.get("/v1/models")(self._route("models", self._models, admit=False))
+        app.get("/v1/models/{model_id:path}")(self._route("model", self._model, admit=False))
         app.post("/tokenize")(self._route("tokenize", self._tokenize))
         app.post("/detokenize")(self._route("detokenize", self._detokenize))
         app.get("/health")(self._health)
@@ -121,7 +137,7 @@ class OpenAIFrontEnd:
                 if admit:
                     self.lifecycle.admit()
                 stack.enter_context(self.lifecycle.in_flight())
-                result = await body(request, fields)
+                result = await self._unless_drain_ends(body(request, fields))
                 if isinstance(result, Response):
                     return result
                 if isinstance(result, dict):
@@ -143,16 +159,58 @@ class OpenAIFrontEnd:
             except Exception as e:
                 error = await self._error_of(e)
                 fields.update(code=error.status, error=str(error))
-                return JSONResponse(
-                    protocol.error_body(str(error), error.type, error.param),
-                    status_code=error.status,
-                )
+                return self._error_response(error)
             finally:
                 if not streamed:
                     stack.close()
                     self._log(name, start, fields)
 
         return handler
+
+    async def _unless_drain_ends(self, work):
+        """work's result, unless the drain's grace period ends first: then the lifecycle's
+        503, answered while the listener still lets it out (uvicorn would cancel the call
+        and answer a text/plain 500 of its own)."""
+        ended = self.lifecycle.drain_ended
+        task = asyncio.ensure_future(work)
+        waiter = asyncio.ensure_future(ended.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        if task.cancelled():  # cut by the drain's end (a task cancelled otherwise raised above)
+            error = self.lifecycle.drain_error
+            raise Refused(error.code, str(error))
+        return task.result()
+
+    def _error_response(self, error: HttpError) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 429 else None
+        return JSONResponse(
+            protocol.error_body(str(error), error.type, error.param, error.code),
+            status_code=error.status,
+            headers=headers,
+        )
+
+    async def _unrouted(self, request: Request, exc: StarletteHTTPException) -> Response:
+        """404 (no such route) and 405 (a route without this method) as OpenAI's error object,
+        as every other error is; counted under the route "unrouted"."""
+        self._calls.labels(route="unrouted", code=str(exc.status_code)).inc()
+        what = {404: "no such route", 405: "this method is not allowed there"}.get(
+            exc.status_code, exc.detail
+        )
+        return JSONResponse(
+            protocol.error_body(
+                f"{request.method} {request.url.path}: {what} (HTTP {exc.status_code}).",
+                "invalid_request_error",
+                code="not_found" if exc.status_code == 404 else None,
+            ),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
 
     def _log(self, name: str, start: float, fields: dict) -> None:
         code = fields.pop("code", 200)
@@ -188,22 +246,39 @@ class OpenAIFrontEnd:
     async def _metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def _models(self, request: Request, fields: dict) -> dict:
+    def _model_card(self) -> dict:
+        """The one served model, as /v1/models lists it; 503 while warming up (there is no
+        engine yet to describe)."""
+        if self.lifecycle.engine is None:
+            self.lifecycle.admit()  # Refused: warming up, or warm-up failed
         info = self.serving.info
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.serving.model_id(),
-                    "object": "model",
-                    "created": protocol.now(),
-                    "owned_by": "jaxserve",
-                    "root": info.model,
-                    "max_model_len": info.max_model_len,
-                    "vocab_size": info.vocab_size,
-                }
-            ],
+            "id": self.serving.model_id(),
+            "object": "model",
+            "created": protocol.now(),
+            "owned_by": "jaxserve",
+            "root": self.serving.model_id(),
+            "max_model_len": info.max_model_len,
+            "vocab_size": info.vocab_size,
         }
+
+    async def _models(self, request: Request, fields: dict) -> dict:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def _model(self, request: Request, fields: dict) -> dict:
+        """GET /v1/models/{id}: the served model by its id (404 for any other id)."""
+        card = self._model_card()
+        model_id = request.path_params["model_id"]
+        if model_id != card["id"]:
+            raise HttpError(
+                404,
+                f"The model {validation.short(model_id)} does not exist; this server serves "
+                f"{card['id']!r}.",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        return card
 
     async def _tokenize(self, request: Request, fields: dict) -> dict:
         serving = self.serving
@@ -227,7 +302,7 @@ class OpenAIFrontEnd:
         validation.check_vocab("tokens", body.tokens, serving.info.vocab_size)
         tokenizer = serving.engine.tokenizer
         if tokenizer is None:
-            raise InvalidRequest(f"Model {serving.info.model} has no tokenizer.", "tokens")
+            raise InvalidRequest(f"Model {serving.model_id()} has no tokenizer.", "tokens")
         text = await self.lifecycle.off_loop(
             lambda: tokenizer.decode(body.tokens, skip_special_tokens=True)
         )

@@ -1,30 +1,35 @@
 """Shared request building of the OpenAI-compatible API: from a request body to engine requests.
 
 `OpenAIServing` is what /v1/completions (completions.py) and /v1/chat/completions (chat.py)
-have in common, after vLLM's serving_engine.py: the body parsed (pydantic, types only; a bad
-field is named with its value), the SamplingParams fields the client set, checked by
-service/validation.py (the checks gRPC runs, so an error reads alike over both), one `Job` per
-(prompt, sample) with its seed, chat messages rendered and tokenized on the server's tokenizer
-threads, and the texts responses show (the model's name, a token's text, an echoed prompt).
+have in common, after vLLM's serving_engine.py: the body read within the size limit (413
+before reading when Content-Length says it is too large, else as soon as the bytes pass the
+limit), parsed (body.py: bounded nesting and values; a large body on the parser threads, so it
+never holds the event loop) and typed by pydantic (strict types; a bad field is named with its
+value), the SamplingParams fields the client set, checked by service/validation.py (the checks
+gRPC runs, so an error reads alike over both) before `n` expands them, one `Job` per (prompt,
+sample) with its seed, chat messages rendered and tokenized on the server's tokenizer threads,
+and the texts responses show (the model's name, an echoed prompt, logprob tokens in context).
 
 It reads the engine only through `AsyncEngine.info` (plain values fixed at start-up) and its
-tokenizer, never the engine thread's state. Everything runs on the server's event loop.
+tokenizer, never the engine thread's state. Everything else runs on the server's event loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import pathlib
+import reprlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import pydantic
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
-from jaxserve.sampling_params import SEED_LIMIT, SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, SEED_LIMIT, SamplingParams
 from service import validation
+from service.http import body as json_body
 from service.http import protocol
+from service.http.token_texts import TokenTexts
 from service.lifecycle import Lifecycle
 from service.validation import InvalidRequest
 
@@ -33,6 +38,16 @@ if TYPE_CHECKING:
     from jaxserve.engine.info import EngineInfo
 
 MAX_N = 16  # samples per prompt: each is a request of its own in the waiting queue
+MAX_PROMPTS = 64  # prompts per /v1/completions call
+DEFAULT_MAX_BODY_BYTES = 16 << 20  # ServerOptions.max_message_bytes, --max-message-bytes
+# A body up to this size is parsed and typed on the event loop (a few ms at most); a larger one
+# on the parser threads.
+ON_LOOP_BYTES = 16 << 10
+# The values a body may hold beyond its prompts' token ids: the other fields (stop strings,
+# logit_bias, messages and their parts) with room to spare.
+OTHER_VALUES = 1 << 16
+_MESSAGE_SLICE = 512  # chat messages typed by one call of pydantic (which holds the GIL)
+_MESSAGES = pydantic.TypeAdapter(list[protocol.ChatMessage])
 
 # The optional sampling fields passed to SamplingParams when set (jaxserve/runtime/sampling.py
 # applies them on the device).
@@ -48,9 +63,21 @@ _SUPPORTED_EXTRAS: tuple[str, ...] = (
 class HttpError(Exception):
     """A call that ends with this status and OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.type, self.param = status, type_, param
+        self.status, self.type, self.param, self.code = status, type_, param, code
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response began (while sending its body, or while
+    its call waited): nobody reads an answer, and it is counted as 499, not as an error."""
 
 
 @dataclasses.dataclass
@@ -75,9 +102,16 @@ def include_usage(body: protocol._Sampling) -> bool:
 class OpenAIServing:
     """The parts of serving a request that completions and chat share, over the lifecycle."""
 
-    def __init__(self, lifecycle: Lifecycle):
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        clients_may_raise_priority: bool = False,
+    ):
         self.lifecycle = lifecycle
-        self._token_texts: dict[int, str] = {}
+        self.max_body_bytes = max_body_bytes
+        self.clients_may_raise_priority = clients_may_raise_priority
 
     @property
     def engine(self) -> AsyncEngine:
@@ -91,7 +125,7 @@ class OpenAIServing:
 
     def model_id(self) -> str:
         """The served model's name: its folder's name ("stories260k")."""
-        return pathlib.PurePath(self.info.model).name or "jaxserve"
+        return validation.model_name(self.info)
 
     def head(self, call_id: str, object_: str) -> dict:
         """The fields every response (and every chunk of a stream) of a call starts with."""
@@ -102,14 +136,13 @@ class OpenAIServing:
             "model": self.model_id(),
         }
 
-    def token_text(self, token_id: int) -> str:
-        """One token's text, as logprobs show it (cached: the same tokens come back often)."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            tokenizer = self.engine.tokenizer
-            text = tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
-            self._token_texts[token_id] = text
-        return text
+    def token_texts(self, context: Sequence[int] = ()) -> TokenTexts:
+        """Logprob tokens' texts of a sequence after `context` (token_texts.py)."""
+        return TokenTexts(self.engine.tokenizer, context)
+
+    def priority(self, body: protocol._Sampling) -> int:
+        """The body's priority, checked (validation.check_priority)."""
+        return validation.check_priority("priority", body.priority, self.clients_may_raise_priority)
 
     def echo_text(self, prompt_ids: list[int], prompt_text: str | None) -> str:
         """A prompt's text as `echo` puts it first: as sent, or its token ids decoded."""
@@ -118,25 +151,32 @@ class OpenAIServing:
         tokenizer = self.engine.tokenizer
         return tokenizer.decode(prompt_ids, skip_special_tokens=True) if tokenizer else ""
 
+    async def read_body(self, request: Request) -> bytes:
+        """The request's body; HttpError 413 when it is larger than the limit (at once when its
+        Content-Length says so; else as soon as the bytes received pass it), ClientGone when
+        the client hangs up before sending it all."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+            raise _too_large(f"has {declared} bytes (its Content-Length)", limit)
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(f"has more than {limit} bytes", limit)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone from None
+        return b"".join(chunks)
+
     async def parse(self, request: Request, model: type[pydantic.BaseModel]):
         """The body as `model`; InvalidRequest naming the field and value at fault."""
-        raw = await request.body()
-        try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InvalidRequest(f"The request body is not valid JSON: {e}.") from None
-        try:
-            return model.model_validate(data)
-        except pydantic.ValidationError as e:
-            first = e.errors()[0]
-            # A union's error names the member tried ("prompt.str"): the client wrote "prompt".
-            parts = [str(p) for p in first["loc"] if not _is_type_tag(p)]
-            loc = ".".join(parts)
-            value = _at(data, parts)
-            raise InvalidRequest(
-                f"{loc}={_short(value)} is not valid: {first['msg']}." if loc else first["msg"],
-                loc or None,
-            ) from None
+        raw = await self.read_body(request)
+        max_values = MAX_PROMPTS * self.info.max_model_len + OTHER_VALUES
+        if len(raw) <= ON_LOOP_BYTES:
+            return _typed(raw, model, max_values)
+        return await self.lifecycle.parse_off_loop(_typed, raw, model, max_values)
 
     def sampling_fields(self, body: protocol._Sampling, max_tokens: int | None) -> dict:
         """The SamplingParams fields the client set (validation checks their values)."""
@@ -171,6 +211,9 @@ class OpenAIServing:
             raise InvalidRequest(f"n={body.n} must be in [1, {MAX_N}].", "n")
         if body.user is not None:
             fields["user"] = body.user
+        # Every field as sent is checked first: the seeds of the n samples below are taken
+        # modulo 2**32, which would turn a seed out of range into one that runs.
+        validation.sampling_params(sampling, num_prompt_tokens=len(prompts[0][0]), info=self.info)
         jobs = []
         for ids, text in prompts:
             for i in range(body.n):
@@ -188,14 +231,17 @@ class OpenAIServing:
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise InvalidRequest(
-                f"Model {self.info.model} has no chat template, so chat messages cannot be "
+                f"Model {self.model_id()} has no chat template, so chat messages cannot be "
                 "rendered; use /v1/completions with a prompt instead.",
                 "messages",
             )
         limit = self.lifecycle.prompt_limit
-        for i, m in enumerate(messages):
-            limit.check(f"messages[{i}].content", m.text())
-        rendered = [{"role": m.role, "content": m.text()} for m in messages]
+        texts = [m.text() for m in messages]
+        for i, text in enumerate(texts):
+            limit.check(f"messages[{i}].content", text)
+        # All of them become one prompt: together they must fit too (before rendering them).
+        limit.check(f"messages (all {len(texts)} of them)", "".join(texts))
+        rendered = [{"role": m.role, "content": t} for m, t in zip(messages, texts, strict=True)]
 
         def render() -> list[int]:
             text = tokenizer.apply_chat_template(
@@ -210,6 +256,64 @@ class OpenAIServing:
             raise InvalidRequest(f"The chat template refused the messages: {e}", "messages") from e
 
 
+def _too_large(what: str, limit: int) -> HttpError:
+    return HttpError(
+        413,
+        f"The request body {what}; this server accepts at most {limit} bytes "
+        "(--max-message-bytes).",
+        "invalid_request_error",
+        code="request_too_large",
+    )
+
+
+def _typed(raw: bytes, model: type[pydantic.BaseModel], max_values: int):
+    """The body's bytes as `model`: parsed (body.py), then typed; on the event loop for a
+    small body, else on a parser thread, where every step holds the GIL for a bounded time."""
+    data = json_body.decode(raw, max_values)
+    json_body.find_lone_surrogate(raw, data)
+    if isinstance(data, dict):
+        data = _typed_in_slices(data)
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise _invalid(e.errors()[0], data) from None
+
+
+def _typed_in_slices(data: dict) -> dict:
+    """The fields that can hold many values, checked before pydantic types the body: a
+    logit_bias of 870k ids is refused by its length, and many chat messages are typed a slice
+    at a time (one pydantic call holds the GIL for as long as it runs)."""
+    bias = data.get("logit_bias")
+    if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(
+            f"logit_bias has {len(bias)} tokens; at most {MAX_LOGIT_BIAS} allowed.", "logit_bias"
+        )
+    messages = data.get("messages")
+    if isinstance(messages, list) and len(messages) > _MESSAGE_SLICE:
+        typed = []
+        for start in range(0, len(messages), _MESSAGE_SLICE):
+            try:
+                typed += _MESSAGES.validate_python(messages[start : start + _MESSAGE_SLICE])
+            except pydantic.ValidationError as e:
+                first = e.errors()[0]
+                where = ("messages", start + first["loc"][0], *first["loc"][1:])
+                raise _invalid({**first, "loc": where}, data) from None
+        data = {**data, "messages": typed}
+    return data
+
+
+def _invalid(error: dict, data) -> InvalidRequest:
+    """InvalidRequest for pydantic's first error, naming the field and the value sent."""
+    # A union's error names the member tried ("prompt.str"): the client wrote "prompt".
+    parts = [str(p) for p in error["loc"] if not _is_type_tag(p)]
+    loc = ".".join(parts)
+    value = _at(data, parts)
+    return InvalidRequest(
+        f"{loc}={_short(value)} is not valid: {error['msg']}." if loc else f"{error['msg']}.",
+        loc or None,
+    )
+
+
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     out = {}
     for key, value in bias.items():
@@ -217,7 +321,8 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
             out[int(key)] = value
         except ValueError:
             raise InvalidRequest(
-                f"logit_bias key {key!r} is not a token id (an integer).", "logit_bias"
+                f"logit_bias key {validation.short(key)} is not a token id (an integer).",
+                "logit_bias",
             ) from None
     return out
 
@@ -238,6 +343,11 @@ def _at(data, parts: list[str]):
     return data
 
 
+# Values quoted in messages: short, and shallow (a body may nest MAX_DEPTH levels).
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 3, 6, 4
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 57
+
+
 def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return _REPR.repr(value)

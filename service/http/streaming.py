@@ -40,7 +40,7 @@ async def sse(
     except Exception as e:
         error = await error_of(e)
         fields.update(code=error.status, error=str(error))
-        body = protocol.error_body(str(error), error.type, error.param)
+        body = protocol.error_body(str(error), error.type, error.param, error.code)
         yield f"data: {json.dumps(body)}\n\n"
     finally:
         with contextlib.suppress(Exception):

@@ -62,6 +62,14 @@ class ServerThread:
     def client(self, **kwargs) -> JaxServeClient:
         return JaxServeClient(self.target, **kwargs)
 
+    def openai(self, api_key: str = "none"):
+        """The official `openai` client of the HTTP port, without retries (a test sees every
+        status as the server sent it)."""
+        import openai
+
+        base_url = f"http://127.0.0.1:{self.server.http_port}/v1"
+        return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+
     def stop(self, grace_s: float = 5.0) -> None:
         try:
             self.call(self.server.stop(grace_s))
@@ -84,6 +92,20 @@ def serving(engine: Engine, **options):
     finally:
         async_engine.shutdown()
         assert not engine.has_unfinished(), "the engine must be idle for the next server"
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    """A server with the HTTP API (and gRPC) over the session's engine, for one module (a
+    module that needs another defines its own `server`)."""
+    with serving(engine, http_port=0) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official `openai` client of the module's server."""
+    return server.openai()
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.001):

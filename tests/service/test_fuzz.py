@@ -76,7 +76,7 @@ def _packed(number: int, values: list[int]) -> bytes:
 FAULTS = {  # fault: examples
     "none": 30, "prompt": 12, "temperature": 8, "top_k": 8, "top_p": 8, "min_p": 8, "seed": 8,
     "max_tokens": 10, "logprobs": 8, "stop": 8, "stop_token_ids": 8, "request_id": 6,
-    "chaos": 20,
+    "priority": 8, "chaos": 20,
 }  # fmt: skip
 # The edges first, so a modest number of examples is sure to try them.
 _EDGE_INTS = [0, -1, 2**31 - 1, -(2**31), 2**32 - 1, 2**32, 2**63 - 1, -(2**63), 2**64 - 1]
@@ -137,7 +137,9 @@ def _sampling(draw, fault: str) -> bytes:
 def requests(draw, fault: str):
     """(bytes of a GenerateRequest, must it be OK?): fields in any order, unknown ones too."""
     parts = [_prompt(draw, fault in ("prompt", "chaos")), _bytes_field(3, _sampling(draw, fault))]
-    parts.append(_int_field(4, draw(_any_int)))  # priority: any int32 is valid
+    # priority: any int32 reaches the server; by default clients may send 0 to 2**31 - 1 only
+    wild_priority = fault in ("priority", "chaos")
+    parts.append(_int_field(4, draw(_any_int if wild_priority else st.integers(0, 2**31 - 1))))
     if fault in ("request_id", "chaos"):
         rid = draw(st.text(min_size=100, max_size=200))
     else:
@@ -194,6 +196,7 @@ def _must_refuse(data: bytes) -> bool:
         or len(s.stop) > 16
         or any(not 0 < len(x) <= 256 for x in s.stop)
         or len(req.request_id) > 128
+        or req.priority < 0
     )
 
 

@@ -74,13 +74,12 @@ def _chat_ids(engine) -> list[int]:
 @pytest.fixture(scope="module")
 def client(served):
     server, _ = served
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="none", max_retries=0
-    )
+    return server.openai()
 
 
-def _post(server, path: str, body, headers=None) -> tuple[int, dict]:
-    """Raw POST (bytes or JSON); returns (status, parsed body)."""
+def _post(server, path: str, body, headers=None, *, with_headers=False):
+    """Raw POST (bytes or JSON); returns (status, parsed body), and the response's headers
+    third when asked."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{server.server.http_port}{path}",
@@ -89,9 +88,10 @@ def _post(server, path: str, body, headers=None) -> tuple[int, dict]:
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as r:
-            return r.status, json.loads(r.read())
+            status, parsed, got = r.status, json.loads(r.read()), r.headers
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        status, parsed, got = e.code, json.loads(e.read()), e.headers
+    return (status, parsed, got) if with_headers else (status, parsed)
 
 
 def _get(server, path: str, headers=None) -> tuple[int, str]:
@@ -279,6 +279,17 @@ BAD = [
     (dict(prompt=None), "prompt", ["prompt=None"]),
     (b'{"prompt": "On\xffe"}', None, ["not valid JSON"]),
     (b'{"prompt": "Once"', None, ["not valid JSON"]),
+    # issue 29: each of these answered 500, or ran
+    (dict(max_tokens=True), "max_tokens", ["max_tokens=True", "valid integer"]),
+    (dict(max_tokens=2.5), "max_tokens", ["max_tokens=2.5"]),
+    (dict(seed=-1, n=2), "seed", ["seed=-1"]),
+    (dict(seed=2**32 + 5, n=3), "seed", [f"seed={2**32 + 5}"]),
+    (dict(prompt="\ud800"), "prompt", ["prompt='\\ud800'", "lone surrogate"]),
+    (dict(priority=10**30), "priority", [f"priority={10**30}"]),
+    (dict(priority=-1), "priority", ["priority=-1", "--clients-may-raise-priority"]),
+    (b"[" * 100_000, None, ["more than 32 levels deep"]),
+    (b'{"a":' * 100_000, None, ["more than 32 levels deep"]),
+    (dict(logit_bias={str(i): 1 for i in range(5000)}), "logit_bias", ["5000 tokens", "32"]),
 ]
 
 
@@ -292,6 +303,7 @@ def test_bad_input_is_400_naming_field_and_value(served, what, param, parts):
     assert error["type"] == "invalid_request_error" and error["param"] == param
     for part in parts:
         assert part in error["message"]
+    assert 'jaxserve_http_requests_total{code="500"' not in _get(server, "/metrics")[1]
 
 
 def test_full_waiting_queue_is_429_while_admitted_complete(served, client):
@@ -302,14 +314,16 @@ def test_full_waiting_queue_is_429_while_admitted_complete(served, client):
 
     def run(_):
         start.wait()
-        return _post(server, "/v1/completions", {"prompt": PROMPT, **LONG})
+        return _post(server, "/v1/completions", {"prompt": PROMPT, **LONG}, with_headers=True)
 
     with concurrent.futures.ThreadPoolExecutor(48) as pool:
         results = list(pool.map(run, range(48)))
-    refused = [body for status, body in results if status == 429]
-    done = [body for status, body in results if status == 200]
+    refused = [body for status, body, _ in results if status == 429]
+    done = [body for status, body, _ in results if status == 200]
     assert refused and len(done) >= 32 and len(refused) + len(done) == 48
     assert all("max_waiting_requests=32" in b["error"]["message"] for b in refused)
+    # When to retry, as OpenAI's and vLLM's 429s say it (the official client reads it).
+    assert all(h["Retry-After"] == "1" for status, _, h in results if status == 429)
     assert all(b["choices"][0]["text"] == want for b in done)
 
 
@@ -352,6 +366,9 @@ def test_models_tokenize_detokenize_health_and_metrics(served, engine):
 def test_bench_backend_openai_runs_against_the_http_port(served, tmp_path, capsys):
     """`jaxserve bench --backend openai` against this server: every request finishes with the
     exact output length (EOS ignored), counted from the server's usage."""
+    import numpy as np
+
+    from jaxserve.bench import report as report_module
     from jaxserve.cli import main
 
     server, _ = served
@@ -362,7 +379,8 @@ def test_bench_backend_openai_runs_against_the_http_port(served, tmp_path, capsy
     argv += ["--output-len", "9", "--out", str(out)]
     assert main(argv) == 0
     report = json.loads((out / "bench.json").read_text())
-    assert report["mode"] == "online" and report["model"].endswith("stories260k")
+    # The model by its name, as the plots' titles carry it, not the server's path to it.
+    assert report["mode"] == "online" and report["model"] == "stories260k"
     runs = report["runs"]
     assert len(runs) == 2
     for run in runs:
@@ -371,7 +389,20 @@ def test_bench_backend_openai_runs_against_the_http_port(served, tmp_path, capsy
         assert 0 < run["ttft"]["p50"] <= run["e2e"]["p50"]
         # Not visible over the OpenAI API: left out, not made up.
         assert set(run["queue_wait"].values()) == {None}
-    assert "online " + url in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "online " + url in printed
+    # The timeline of an online run is what the client saw: requests in flight at the load,
+    # and every output token counted once over the run.
+    _, summaries, results = report_module.load_json(out / "bench.json")
+    t, in_flight, tokens_per_s = report_module.client_timeline(results[-1])
+    assert 2 <= max(in_flight) <= 4 and min(in_flight) >= 0
+    assert float(np.sum(tokens_per_s) * (t[-1] / len(t))) == pytest.approx(6 * 9)
+    # Latencies keep two significant digits: a sub-millisecond TPOT does not read "0".
+    assert report_module._ms(0.0004) == "0.4" and report_module._ms(0.0043) == "4.3"
+    assert report_module._ms(0.043) == "43" and report_module._ms(None) == "-"
+    table = report_module.format_table(summaries)
+    tpot = summaries[-1]["tpot"]["p50"]
+    assert f" {report_module._ms(tpot)} " in table and report_module._ms(tpot) != "0"
 
 
 def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client):

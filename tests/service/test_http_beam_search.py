@@ -10,7 +10,6 @@ import json
 import math
 import time
 
-import openai
 import pytest
 
 from jaxserve import LLM
@@ -51,9 +50,7 @@ def served(engine):
 @pytest.fixture(scope="module")
 def client(served):
     server, _ = served
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="none", max_retries=0
-    )
+    return server.openai()
 
 
 def _same_beams(choices, beams, first_index=0):

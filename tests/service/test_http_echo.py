@@ -1,10 +1,14 @@
 """`echo` with `logprobs` on POST /v1/completions: the prompt's own logprobs come first, as
 OpenAI sends them, checked through the official `openai` client against transformers' PyTorch
 forward of the embedded stories260k (not against our own code); and `max_tokens=0` with echo
-scores a prompt without generating.
+scores a prompt without generating. Logprob tokens are texts in context: joined, they are the
+choice's text (prompt and output, completions and chat), checked against the tokenizer's own
+decode of the whole sequence.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import openai
@@ -13,25 +17,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import checkpoints
-from tests.service.conftest import serving
 from tests.service.test_http import _post
 
 PROMPT = "Once upon a time, there was a little girl named Lily"
 K = 3
 TOL = 1e-4  # float32 on both sides
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with serving(engine, http_port=0) as handle:
-        yield handle
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="none", max_retries=0
-    )
 
 
 @pytest.fixture(scope="module")
@@ -46,25 +36,38 @@ def reference(engine):
     return ids, torch.log_softmax(logits, dim=-1).numpy()
 
 
+def _added(engine, context: list[int], token_id: int) -> str:
+    """What token_id adds to the text after `context`, by the tokenizer's own decode."""
+    tokenizer = engine.tokenizer
+    before = tokenizer.decode(context, skip_special_tokens=True)
+    return tokenizer.decode([*context, token_id], skip_special_tokens=True)[len(before) :]
+
+
+def check_offsets(logprobs, start: int = 0) -> None:
+    """Each token's offset is where it starts in the text: its predecessors' lengths added up."""
+    lengths = [len(t) for t in logprobs.tokens]
+    assert logprobs.text_offset == [start + x for x in itertools.accumulate([0, *lengths[:-1]])]
+
+
 def check_prompt_part(logprobs, reference, engine) -> None:
     """The first len(prompt) entries of a completions logprobs object are the prompt's."""
     ids, ref = reference
     n = len(ids)
-    token_text = engine.tokenizer.decode
-    assert logprobs.tokens[:n] == [token_text([t]) for t in ids]
+    # Texts in context: joined, the prompt; BOS, which is not in the text, adds nothing to it.
+    assert logprobs.tokens[0] == "" and "".join(logprobs.tokens[:n]) == PROMPT
+    assert logprobs.tokens[2] == " upon"  # SentencePiece's space, lost when decoded alone
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     for i in range(1, n):
         assert logprobs.token_logprobs[i] == pytest.approx(ref[i - 1, ids[i]], abs=TOL), i
         top = logprobs.top_logprobs[i]
         want = np.sort(ref[i - 1])[::-1][:K]
-        # Keys are token texts; distinct ids could share one, so compare the values.
-        assert len(top) <= K
+        assert len(top) == K  # keys never collide
         for value in top.values():
             assert np.min(np.abs(want - value)) < TOL, i
         best = int(np.argmax(ref[i - 1]))
-        assert top[token_text([best])] == pytest.approx(ref[i - 1, best], abs=TOL)
-    offsets = logprobs.text_offset[:n]
-    assert offsets[0] == 0 and offsets == sorted(offsets)
+        key = logprobs.tokens[i] if best == ids[i] else _added(engine, ids[:i], best)
+        assert top[key] == pytest.approx(ref[i - 1, best], abs=TOL)
+    assert logprobs.text_offset[:n] == [sum(map(len, logprobs.tokens[:i])) for i in range(n)]
 
 
 def test_echo_with_logprobs_starts_with_the_prompts_logprobs(client, engine, reference):
@@ -165,3 +168,80 @@ def test_echo_logprobs_for_several_prompts_and_bad_values(client, server, engine
     assert plain.choices[0].logprobs is None and plain.choices[0].text.startswith(PROMPT)
     with pytest.raises(openai.BadRequestError, match="logprobs=21"):
         client.completions.create(model="any", prompt=PROMPT, echo=True, logprobs=21)
+
+
+def test_logprob_tokens_add_up_to_the_text_and_top_keys_never_collide(client, engine):
+    """Tokens decoded in context, streamed or not, completions and chat: joined they are the
+    text, offsets point into it, and logprobs=20 gives 20 keys however the alternatives read
+    alone ("▁a" and "a" were both "a", so 19 keys came back)."""
+    got = client.completions.create(
+        model="any", prompt=PROMPT, max_tokens=40, temperature=0, logprobs=20
+    )
+    choice = got.choices[0]
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and " " in choice.text
+    check_offsets(lp)
+    assert all(len(top) == 20 for top in lp.top_logprobs)
+    for token, top in zip(lp.tokens, lp.top_logprobs, strict=True):
+        if token:  # greedy, keyed by the text in `tokens` (EOS adds none: keyed "</s>")
+            assert top[token] == max(top.values())
+    chunks = list(
+        client.completions.create(
+            model="any", prompt=PROMPT, max_tokens=40, temperature=0, logprobs=20, stream=True
+        )
+    )
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.tokens]
+    offsets = [
+        x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.text_offset
+    ]
+    assert streamed == lp.tokens and offsets == lp.text_offset
+    # logprobs=0: the chosen tokens alone, streamed too
+    chunks = list(
+        client.completions.create(
+            model="any", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0, stream=True
+        )
+    )
+    tokens = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.tokens]
+    assert "".join(tokens) == "".join(c.choices[0].text for c in chunks) and len(tokens) == 8
+    # With echo: the prompt's tokens, then the output's, one text.
+    echoed = client.completions.create(
+        model="any", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2, echo=True
+    ).choices[0]
+    assert "".join(echoed.logprobs.tokens) == echoed.text
+    check_offsets(echoed.logprobs)
+
+
+def test_chat_logprob_tokens_add_up_to_the_content(client, engine):
+    from tests.service.test_http import CHAT_TEMPLATE, MESSAGES
+
+    engine.tokenizer.chat_template = CHAT_TEMPLATE
+    try:
+        for stream in (False, True):
+            got = client.chat.completions.create(
+                model="any",
+                messages=MESSAGES,
+                max_tokens=30,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=20,
+                stream=stream,
+            )
+            if stream:
+                chunks = list(got)
+                content = "".join(c.choices[0].delta.content or "" for c in chunks)
+                entries = [
+                    e
+                    for c in chunks
+                    if c.choices[0].logprobs
+                    for e in c.choices[0].logprobs.content
+                ]
+            else:
+                content = got.choices[0].message.content
+                entries = got.choices[0].logprobs.content
+            assert "".join(e.token for e in entries) == content and " " in content
+            assert b"".join(bytes(e.bytes) for e in entries) == content.encode()
+            for e in entries:
+                assert len({t.token for t in e.top_logprobs}) == 20
+                assert e.top_logprobs[0].token == (e.token or "</s>")  # greedy
+    finally:
+        engine.tokenizer.chat_template = None

@@ -1,4 +1,5 @@
-"""HTTP API server states: bearer tokens (401), warm-up (503), HTTP alone (--no-grpc).
+"""HTTP API server states: bearer tokens (401), warm-up (503 on every route), HTTP alone
+(--no-grpc).
 
 Each test runs its own server over the session's engine (servers are cheap; only compiling is
 not), with no other server alive (one AsyncEngine per engine at a time).
@@ -6,6 +7,7 @@ not), with no other server alive (one AsyncEngine per engine at a time).
 
 from __future__ import annotations
 
+import json
 import threading
 
 import openai
@@ -47,11 +49,18 @@ def test_503_while_warming_up_then_serving_http_alone(engine):
         assert _get(server, "/health")[0] == 503
         status, error = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
         assert status == 503 and "warming up" in error["error"]["message"]
+        for path in ("/v1/models", "/v1/models/stories260k"):  # no engine yet to describe
+            status, text = _get(server, path)
+            assert status == 503 and "warming up" in json.loads(text)["error"]["message"]
+        status, error = _post(server, "/tokenize", {"prompt": PROMPT})
+        assert status == 503
         release.set()
         server.call(server.server.wait_ready())
         assert _get(server, "/health")[0] == 200
         status, body = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
         assert status == 200 and body["usage"]["completion_tokens"] == 2
+        assert json.loads(_get(server, "/v1/models")[1])["data"][0]["id"] == "stories260k"
+        assert 'jaxserve_http_requests_total{code="500"' not in _get(server, "/metrics")[1]
     finally:
         release.set()
         server.stop()
