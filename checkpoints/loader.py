@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from checkpoints.config_json import LoadedModel, abstract_params, model_for, unstack_layers
+from checkpoints.config_json import (
+    LoadedModel,
+    abstract_params,
+    config_from_json,
+    model_for,
+    unstack_layers,
+)
 from checkpoints.hf_config import UnsupportedModelError, model_config_from_hf
+from checkpoints.orbax_io import MARKER as ORBAX_MARKER
 from checkpoints.orbax_io import is_orbax_dir, restore_orbax
 from checkpoints.random_weights import NAMED_SHAPES, random_params
 from checkpoints.weights import load_hf_weights, place_hf_weights
+from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import resolve_layer_loop
 
 # The embedded default: stories260k ships inside the package, so nothing is ever downloaded.
@@ -25,8 +34,11 @@ class ModelLoadError(RuntimeError):
 
 
 def default_dtype():
-    """float32 on the CPU (XLA's bfloat16 matmuls are slow there), bfloat16 on accelerators."""
-    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    """float32 on the CPU (XLA's bfloat16 matmuls are slow there), bfloat16 on accelerators: the
+    target's platform (jaxserve.target), so a compile for a TPU from this CPU gets bfloat16."""
+    from jaxserve import target
+
+    return jnp.float32 if target.current().platform == "cpu" else jnp.bfloat16
 
 
 def load_model(
@@ -84,6 +96,28 @@ def load_model(
         return _load_hf(path, dtype, mesh, layer_loop)
     except (UnsupportedModelError, FileNotFoundError, ValueError, OSError) as e:
         raise ModelLoadError(f"Cannot load model from {str(path)!r}: {e}") from e
+
+
+def model_config_of(spec: str | Path | None = None) -> tuple[ModelConfig, str]:
+    """(config, source) of a model without reading its weights: for planning and ahead-of-time
+    compiles (`jaxserve compile`), where the params are only shapes. Same specs as load_model."""
+    if spec is None:
+        spec = DEFAULT_MODEL_DIR
+    if isinstance(spec, str) and spec in NAMED_SHAPES:
+        return NAMED_SHAPES[spec], f"random:{spec}"
+    path = Path(spec)
+    try:
+        if is_orbax_dir(path):
+            meta = json.loads((path / ORBAX_MARKER).read_text())
+            return config_from_json(meta["config"]), str(path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json (nor a jaxserve.json).")
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(path, local_files_only=True)
+        return model_config_from_hf(hf), str(path)
+    except (UnsupportedModelError, FileNotFoundError, ValueError, OSError, KeyError) as e:
+        raise ModelLoadError(f"Cannot read the model config of {str(path)!r}: {e}") from e
 
 
 def _shardings(mesh, config, abstract) -> dict | None:

@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    from jaxserve.models.attention import gpu_kernel_for
+    from pallas_kernels.ragged_paged_attention import kernel_choice
 
     device = jax.devices()[0]
     capability = getattr(device, "compute_capability", None)
@@ -309,7 +309,19 @@ def main(argv: list[str] | None = None) -> int:
     point_args = dict(
         shape=shape,
         kernels=kernels_to_time(args.dry_run),
-        default=gpu_kernel_for(capability),  # the CPU has no capability: triton
+        # The kernel jaxserve's `pallas` backend picks for this shape (the CPU has no
+        # capability to choose by: triton).
+        default="mosaic"
+        if kernel_choice.choose_gpu_kernel(
+            capability,
+            shape.dtype,
+            head_dim=shape.head_dim,
+            page_size=shape.page_size,
+            num_q_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+        )
+        == kernel_choice.MOSAIC_GPU
+        else "triton",
         timing=dict(iters=1, reps=1) if args.dry_run else None,
     )
     batches = args.batches or ("1" if args.dry_run else "1,4,16,64,256")

@@ -4,10 +4,11 @@ Errors a user can fix (a missing model folder, an unsupported architecture, a pr
 end with one line on stderr and exit status 2, never a traceback.
 
 Each area adds its subcommands with `register(subparsers)`: generate.py (generate, convert),
-serve.py (serve, client), bench.py (bench, batch), simulate.py (simulate), tune.py (tune); what
-they share is in common.py, and every command that builds an engine takes the same engine flags
-(jaxserve/engine_args.py). Handlers import JAX, the engine and gRPC themselves, so `jaxserve
---help` and `jaxserve client` start without initializing JAX (simulate and tune never do).
+serve.py (serve, client), bench.py (bench, batch), simulate.py (simulate), tune.py (tune),
+compile.py (compile); what they share is in common.py, and every command that builds an engine
+takes the same engine flags (jaxserve/engine_args.py). Handlers import JAX, the engine and gRPC
+themselves, so `jaxserve --help` and `jaxserve client` start without initializing JAX (simulate
+and tune never do).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from jaxserve.cli import bench, generate, serve, simulate, tune
+from jaxserve.cli import compile as compile_command
 from jaxserve.cli.common import UserError
 from jaxserve.engine_args import HelpFormatter
 
@@ -39,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(sub)
     simulate.register(sub)
     tune.register(sub)
+    compile_command.register(sub)
     return parser
 
 

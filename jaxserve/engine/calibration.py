@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 import jax
 import numpy as np
 
+from jaxserve import target
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduling import cost_model, slo_policy
 
@@ -62,7 +63,7 @@ def cost_key(engine) -> cost_model.CostKey:
     return cost_model.CostKey(
         model=engine.model.source,
         dtype=str(np.dtype(engine.model.dtype)),
-        device_kind=jax.devices()[0].device_kind,
+        device_kind=target.current().device_kind,
         token_buckets=tuple(engine.runner.config.token_buckets),
     )
 

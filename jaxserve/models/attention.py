@@ -10,6 +10,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxserve import target
 from jaxserve.models.step_batch import SeqChunk, StepBatch, pack_chunks
 from pallas_kernels.ragged_paged_attention import reference, xla_blocked
 
@@ -17,8 +18,8 @@ from pallas_kernels.ragged_paged_attention import reference, xla_blocked
 # the real context (the CPU's production path). pallas: the platform's kernel (TPU or GPU), an
 # error on the CPU. auto: pallas on TPU and GPU, xla on the CPU. pallas_tpu / pallas_gpu name one
 # platform's kernel; the *_interpret forms run it in Pallas interpret mode on the CPU (slow: tests).
-# On a GPU, pallas_gpu is the Mosaic GPU kernel from compute capability 9.0 (Hopper) on, with the
-# Triton kernel for f32 pools (wgmma cannot take them) and for older GPUs (`gpu_kernel_for`);
+# On a GPU, pallas_gpu is the kernel kernel_choice picks for the target's compute capability and
+# the pool's shape (Mosaic GPU on Hopper, else Triton, else the XLA attention);
 # pallas_gpu_mosaic / pallas_gpu_triton force one. pallas_gpu_interpret is the Triton kernel in
 # interpret mode, as before the Mosaic kernel existed (the CPU has no capability to choose by).
 ATTENTION_BACKENDS = (
@@ -38,38 +39,30 @@ ATTENTION_BACKENDS = (
 
 AttentionFn = Callable[..., jax.Array]
 
-_KERNEL_PLATFORMS = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
+_KERNEL_PLATFORMS = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 
 
 def resolve_backend(backend: str) -> str:
-    """`backend` with `auto` and `pallas` replaced by the platform's choice."""
+    """`backend` with `auto` and `pallas` replaced by the target's choice (jaxserve.target).
+
+    `auto` is the Pallas kernel on a TPU and the XLA attention on the CPU and on GPUs: no GPU
+    kernel has run on a GPU yet (the accelerator check has not passed on one), so there the
+    kernel is opt-in (`pallas`) until it has (docs/accelerators/README.md).
+    """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={backend!r} is not one of {ATTENTION_BACKENDS}.")
-    platform = jax.default_backend()
+    platform = target.current().platform
     if backend == "auto":
-        return _KERNEL_PLATFORMS.get(platform, "xla")
+        return "pallas_tpu" if platform == "tpu" else "xla"
     if backend == "pallas":
         if platform not in _KERNEL_PLATFORMS:
             raise ValueError(
-                f"attention_backend='pallas' needs a TPU or GPU, but JAX runs on {platform!r}. "
+                f"attention_backend='pallas' needs a TPU or GPU, but the target is {platform!r}. "
                 "Use 'auto' or 'reference' there, or 'pallas_tpu_interpret' / "
                 "'pallas_gpu_interpret' to run a kernel in interpret mode (slow; for tests)."
             )
         return _KERNEL_PLATFORMS[platform]
     return backend
-
-
-def gpu_kernel_for(compute_capability: str | None) -> str:
-    """'mosaic' from compute capability 9.0 (Hopper: TMA and wgmma) on, else 'triton'.
-
-    `compute_capability` is `jax.Device.compute_capability`, a string like "9.0" or "8.6";
-    None or an unreadable value picks Triton, which runs on every CUDA GPU Pallas supports.
-    """
-    try:
-        major = int(str(compute_capability).split(".")[0])
-    except ValueError:
-        return "triton"
-    return "mosaic" if major >= 9 else "triton"
 
 
 def with_attention_plan(backend: str, batch: StepBatch) -> StepBatch:
@@ -130,10 +123,13 @@ def _zeros_chunk(length: int, page_size: int) -> SeqChunk:
 def get_attention_fn(backend: str) -> AttentionFn:
     """The ragged paged attention function of `backend` (see pallas_kernels for the signature).
 
-    The platform is `jax.default_backend()`, read when the model is traced. Kernels are imported
-    here, not at module import, so a CPU-only process never loads the Pallas backends it skips.
+    The platform and chip are the target's (jaxserve.target), read when the model is traced: the
+    TPU kernel plans its blocks for the target's chip, and the GPU kernel is chosen for the
+    target's compute capability and the pool's shape (kernel_choice), falling back to the XLA
+    attention for a shape no GPU kernel takes. Kernels are imported here, not at module import,
+    so a CPU-only process never loads the Pallas backends it skips.
     """
-    platform = jax.default_backend()
+    where = target.current()
     backend = resolve_backend(backend)
     if backend == "reference":
         return reference.ragged_paged_attention
@@ -141,12 +137,10 @@ def get_attention_fn(backend: str) -> AttentionFn:
         return xla_blocked.ragged_paged_attention
     kernel_platform = "tpu" if backend.startswith("pallas_tpu") else "gpu"
     interpret = backend.endswith("_interpret")
-    if not interpret and _KERNEL_PLATFORMS.get(platform, "").removeprefix("pallas_") != (
-        kernel_platform
-    ):
+    if not interpret and where.platform != kernel_platform:
         raise ValueError(
-            f"attention_backend={backend!r} needs a {kernel_platform.upper()}, but JAX runs on "
-            f"{platform!r}; use '{backend}_interpret' to run it in interpret mode instead."
+            f"attention_backend={backend!r} needs a {kernel_platform.upper()}, but the target is "
+            f"{where.platform!r}; use '{backend}_interpret' to run it in interpret mode instead."
         )
     if kernel_platform == "tpu":
         from jax.experimental.pallas import tpu as pltpu
@@ -154,7 +148,9 @@ def get_attention_fn(backend: str) -> AttentionFn:
         from pallas_kernels.ragged_paged_attention import tpu_kernel
 
         fn = tpu_kernel.ragged_paged_attention
-        return functools.partial(fn, interpret=pltpu.InterpretParams()) if interpret else fn
+        if interpret:
+            return functools.partial(fn, interpret=pltpu.InterpretParams())
+        return functools.partial(fn, chip=where.device_kind)
     from pallas_kernels.ragged_paged_attention import gpu_kernel, mosaic_gpu_kernel
 
     triton = gpu_kernel.ragged_paged_attention
@@ -166,15 +162,48 @@ def get_attention_fn(backend: str) -> AttentionFn:
         return functools.partial(triton, interpret=True)
     if name:  # "mosaic" or "triton", forced
         return mosaic if name == "mosaic" else triton
-    if gpu_kernel_for(getattr(jax.devices()[0], "compute_capability", None)) == "triton":
-        return triton
+    return functools.partial(_chosen_gpu_kernel, where.compute_capability, where.device_kind)
 
-    def mosaic_or_triton(q, k_pool, *args, **kwargs):
-        # Chosen per pool dtype when the model is traced: wgmma has no f32 K^T.
-        use_mosaic = mosaic_gpu_kernel.supports_dtype(k_pool.dtype)
-        return (mosaic if use_mosaic else triton)(q, k_pool, *args, **kwargs)
 
-    return mosaic_or_triton
+def _chosen_gpu_kernel(compute_capability, device_kind, q, k_pool, v_pool, *args, **kwargs):
+    """The GPU kernel that takes this shape (kernel_choice), else the XLA attention: chosen when
+    the model is traced, from the target's compute capability and the pool's dtype and shape."""
+    from pallas_kernels.ragged_paged_attention import (
+        gpu_kernel,
+        kernel_choice,
+        mosaic_gpu_kernel,
+        tuning,
+    )
+
+    sizes = tuning.gpu_block_sizes(device_kind)
+    page_tables = args[3]  # after layer, query_start, kv_lens
+    kernel = kernel_choice.choose_gpu_kernel(
+        compute_capability,
+        k_pool.dtype,
+        head_dim=q.shape[2],
+        page_size=k_pool.shape[2],
+        num_q_heads=q.shape[1],
+        num_kv_heads=k_pool.shape[3],
+        block_sizes=sizes,
+        num_tokens=q.shape[0],
+        num_slots=page_tables.shape[0],
+        pages_per_seq=page_tables.shape[1],
+    )
+    if kernel == kernel_choice.MOSAIC_GPU:
+        return mosaic_gpu_kernel.ragged_paged_attention(
+            q, k_pool, v_pool, *args, block_sizes=sizes, **kwargs
+        )
+    if kernel == kernel_choice.TRITON:
+        return gpu_kernel.ragged_paged_attention(
+            q,
+            k_pool,
+            v_pool,
+            *args,
+            block_sizes=sizes,
+            compute_capability=compute_capability,
+            **kwargs,
+        )
+    return xla_blocked.ragged_paged_attention(q, k_pool, v_pool, *args, **kwargs)
 
 
 @functools.partial(jax.named_call, name="write_kv")

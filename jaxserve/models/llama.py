@@ -45,6 +45,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxserve import target
 from jaxserve.models.attention import get_attention_fn, with_attention_plan, write_kv
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages
@@ -268,7 +269,7 @@ def resolve_layer_loop(
             layer_weight_bytes(config, dtype) > UNROLL_MIN_LAYER_BYTES
             or config.num_layers <= UNROLL_MAX_SHALLOW_LAYERS
         )
-        by_size = "unrolled" if unroll and jax.default_backend() == "cpu" else "scan"
+        by_size = "unrolled" if unroll and target.current().platform == "cpu" else "scan"
         layer_loop = os.environ.get("JAXSERVE_LAYER_LOOP") or by_size
     if layer_loop not in LAYER_LOOPS[1:]:
         raise ValueError(

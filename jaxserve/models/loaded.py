@@ -55,7 +55,9 @@ def abstract_params(config: ModelConfig, dtype, layer_loop: str = "scan") -> dic
     The default is the stacked layout every loader reads and writes; pass "auto" for the layout
     the platform's module runs (`unstack_layers` turns one into the other).
     """
-    model = model_for(config, dtype, layer_loop=layer_loop)
+    # The reference attention: a param's shape never depends on the attention, and no kernel may
+    # refuse this one-token, one-slot pool (issue 28, defect 4: the auto choice refused it).
+    model = model_for(config, dtype, attention_backend="reference", layer_loop=layer_loop)
     kv_shape = (config.num_layers, 1, 1, config.num_kv_heads, config.head_dim)
     kv = KVPages(k=jax.ShapeDtypeStruct(kv_shape, dtype), v=jax.ShapeDtypeStruct(kv_shape, dtype))
     batch = pack_chunks(

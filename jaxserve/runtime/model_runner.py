@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import target
 from jaxserve.models.attention import warm_up_batches
 from jaxserve.models.kv_pool import KVPages, init_kv_pages
 from jaxserve.models.llama import logits_of_rows, step_compiler_options
@@ -87,6 +88,52 @@ class RunnerConfig:
     def buckets(self) -> list[tuple[int, int]]:
         """Every (num_tokens, num_seqs) shape a step can take, one per token bucket."""
         return [(t, self.seq_bucket_for(t)) for t in self.token_buckets]
+
+
+def step_impl(
+    module,
+    params,
+    kv: KVPages,
+    batch: StepBatch,
+    sampling: SamplingBatch,
+    pen: PenaltyState,
+    last: jax.Array,  # i32[max_seqs] each batch slot's last sampled token
+):
+    """One step: the forward over the ragged batch, the LM head for the real rows, sampling,
+    prompt logprobs; returns (SampleOutput, kv, penalties, last tokens)."""
+    fed = last[jnp.maximum(batch.feed_slots, 0)]
+    batch = dataclasses.replace(
+        batch, token_ids=jnp.where(batch.feed_slots >= 0, fed, batch.token_ids)
+    )
+    hidden, kv = module.apply({"params": params}, kv, batch)
+    # The head runs for the smallest tier of rows that holds the real ones, not for every
+    # padding row of the bucket (jaxserve/models/llama.py's logits_of_rows).
+    logits = logits_of_rows(
+        lambda h: module.apply({"params": params}, h, method=module.logits),
+        hidden,
+        batch.logits_indices,
+        batch.num_seqs,
+    )
+    out, pen = sample_step(logits, sampling, pen)
+
+    def logits_of(h):  # the LM head over any tokens' hidden states
+        return module.apply({"params": params}, h, method=module.logits)
+
+    lp, top_ids, top_lp = prompt_logprobs(
+        logits_of, hidden, batch.token_ids, batch.logits_indices, batch.num_seqs, sampling
+    )
+    out = dataclasses.replace(
+        out, prompt_logprobs=lp, prompt_top_ids=top_ids, prompt_top_logprobs=top_lp
+    )
+    last = last.at[batch.sample_slots].set(out.token_ids, mode="drop")
+    return out, kv, pen, last
+
+
+def step_words(module, params, kv: KVPages, words: jax.Array, pen, last, layout):
+    """`step_impl` over the words `batch.to_words` packed (words: i32[N]; layout: static): the
+    function the runner jits per bucket, and `jaxserve compile` compiles for a target."""
+    batch, sampling = from_words(words, layout)
+    return step_impl(module, params, kv, batch, sampling, pen, last)
 
 
 class ModelRunner:
@@ -158,47 +205,10 @@ class ModelRunner:
                 max_seqs=config.seq_buckets[-1],
             )
 
-    def _step_impl(
-        self,
-        params,
-        kv: KVPages,
-        batch: StepBatch,
-        sampling: SamplingBatch,
-        pen: PenaltyState,
-        last: jax.Array,  # i32[max_seqs] each batch slot's last sampled token
-    ):
-        self.num_compiles += 1  # runs only while tracing: counts compilations
-        fed = last[jnp.maximum(batch.feed_slots, 0)]
-        batch = dataclasses.replace(
-            batch, token_ids=jnp.where(batch.feed_slots >= 0, fed, batch.token_ids)
-        )
-        hidden, kv = self.module.apply({"params": params}, kv, batch)
-        # The head runs for the smallest tier of rows that holds the real ones, not for every
-        # padding row of the bucket (jaxserve/models/llama.py's logits_of_rows).
-        logits = logits_of_rows(
-            lambda h: self.module.apply({"params": params}, h, method=self.module.logits),
-            hidden,
-            batch.logits_indices,
-            batch.num_seqs,
-        )
-        out, pen = sample_step(logits, sampling, pen)
-
-        def logits_of(h):  # the LM head over any tokens' hidden states
-            return self.module.apply({"params": params}, h, method=self.module.logits)
-
-        lp, top_ids, top_lp = prompt_logprobs(
-            logits_of, hidden, batch.token_ids, batch.logits_indices, batch.num_seqs, sampling
-        )
-        out = dataclasses.replace(
-            out, prompt_logprobs=lp, prompt_top_ids=top_ids, prompt_top_logprobs=top_lp
-        )
-        last = last.at[batch.sample_slots].set(out.token_ids, mode="drop")
-        return out, kv, pen, last
-
     def _step_words(self, params, kv: KVPages, words: jax.Array, pen, last, layout):
-        """`_step_impl` over the words `batch.to_words` packed (words: i32[N]; layout: static)."""
-        batch, sampling = from_words(words, layout)
-        return self._step_impl(params, kv, batch, sampling, pen, last)
+        """The step over the words `batch.to_words` packed (words: i32[N]; layout: static)."""
+        self.num_compiles += 1  # runs only while tracing: counts compilations
+        return step_words(self.module, params, kv, words, pen, last, layout)
 
     def set_penalty_row(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
         """Fills batch slot `slot`'s penalty counts from a request's prompt and outputs so far.
@@ -244,7 +254,7 @@ class ModelRunner:
         num_tokens = batch.token_ids.shape[0]
         step = self._bucket_steps.get(num_tokens)
         if step is None:  # a bucket's first step: looked up once, then a dict hit per step
-            options = step_compiler_options(num_tokens, jax.default_backend())
+            options = step_compiler_options(num_tokens, target.current().platform)
             key = tuple(sorted(options.items()))
             if key not in self._option_steps:
                 self._option_steps[key] = self._jit_step(compiler_options=options or None)
@@ -294,6 +304,8 @@ class ModelRunner:
             jax.block_until_ready(out.token_ids)
         if self.lockstep is not None:
             self.lockstep.warm_up()
+        else:  # the penalty initialiser (single host only), on a slot past the end: no write
+            self.set_penalty_row(self.config.seq_buckets[-1], (), 0)
         return time.perf_counter() - start
 
 

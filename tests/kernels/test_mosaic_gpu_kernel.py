@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.models.attention import get_attention_fn, gpu_kernel_for
+from jaxserve.models.attention import get_attention_fn
 from pallas_kernels.ragged_paged_attention import common, mosaic_gpu_kernel, reference, tuning
 from tests.kernels.test_ragged_paged_attention import Case, make_inputs
 
@@ -179,23 +179,6 @@ def test_gather_tokens_undoes_the_tiles():
         for h in range(2):
             want = tiles[w, h, first * group : first * group + group]
             np.testing.assert_array_equal(got[t, h * group : (h + 1) * group], want)
-
-
-@pytest.mark.parametrize(
-    ("capability", "kernel"),
-    [
-        ("9.0", "mosaic"),
-        ("10.0", "mosaic"),
-        ("12.0", "mosaic"),
-        ("8.9", "triton"),
-        ("8.0", "triton"),
-        ("7.5", "triton"),
-        (None, "triton"),
-        ("", "triton"),
-    ],
-)
-def test_gpu_kernel_for_capability(capability, kernel):
-    assert gpu_kernel_for(capability) == kernel
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="names the CPU's refusals")

@@ -12,6 +12,7 @@ import pytest
 from checkpoints import load_model
 from checkpoints.config_json import abstract_params, layer_loop_of
 from checkpoints.random_weights import NAMED_SHAPES
+from jaxserve import target
 from jaxserve.models.llama import (
     UNROLL_MAX_SHALLOW_LAYERS,
     UNROLL_MIN_LAYER_BYTES,
@@ -36,8 +37,8 @@ def test_auto_unrolls_big_models_on_the_cpu_only(monkeypatch):
     assert layer_weight_bytes(big, jnp.float32) > UNROLL_MIN_LAYER_BYTES
     assert resolve_layer_loop("auto", big, jnp.float32) == "unrolled"
     assert resolve_layer_loop("auto") == "scan"  # no config: nothing to weigh
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert resolve_layer_loop("auto", big, jnp.float32) == "scan"
+    with target.use(target.Target(platform="tpu", device_kind="TPU v5 lite")):
+        assert resolve_layer_loop("auto", big, jnp.float32) == "scan"
 
 
 def test_small_models_and_the_env_var(monkeypatch):
@@ -65,5 +66,5 @@ def test_auto_by_depth_for_small_weights(monkeypatch):
     assert resolve_layer_loop("auto", deep, jnp.float32) == "scan"
     load = load_model("llama-tiny", dtype=jnp.float32)  # the loader lays params out the same way
     assert layer_loop_of(load.params) == "unrolled"
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert resolve_layer_loop("auto", shallow, jnp.float32) == "scan"
+    with target.use(target.Target(platform="tpu", device_kind="TPU v5 lite")):
+        assert resolve_layer_loop("auto", shallow, jnp.float32) == "scan"

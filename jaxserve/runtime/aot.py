@@ -1,0 +1,365 @@
+"""Ahead-of-time compiles of every step bucket for a target this process need not have.
+
+`jaxserve compile --target v5e:2x2 --model smollm2-135m --tensor-parallel 4` answers "will my
+model and my flags fit and compile on that chip" before anyone rents it. The step is the one the
+runner serves (model_runner.step_words), built for the target's devices (jaxserve.target:
+libtpu's abstract TPU topologies, the CUDA plugin's compile-only H100/H200) with the params and
+the KV pool as shapes only, so nothing is allocated. For each bucket: compiled or the compiler's
+error, compile seconds, the executable's memory (arguments, temporaries, outputs), any copy of
+the whole KV pool the compiler added (a relayout: the pool's bytes again, every step), and the
+step time a roofline predicts from the compiled cost analysis and the chip's published peaks
+(`pallas_kernels/chips.py`): predicted, never measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import target as targets
+from jaxserve.engine_config import EngineConfig
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.kv_pool import KVPages, kv_bytes_per_page
+from jaxserve.models.llama import resolve_layer_loop, step_compiler_options
+from jaxserve.models.loaded import abstract_params, model_for, unstack_layers
+from jaxserve.models.sharding import ShardingPlan, make_mesh
+from jaxserve.models.step_batch import pack_chunks, to_words
+from jaxserve.runtime.buckets import bucket_ladder
+from jaxserve.runtime.model_runner import RunnerConfig, step_words
+from jaxserve.runtime.sampling import PenaltyState, SamplingBatch
+
+
+@dataclasses.dataclass
+class BucketReport:
+    """One compiled (or refused) step bucket."""
+
+    num_tokens: int
+    num_seqs: int
+    compiled: bool
+    error: str | None = None
+    compile_s: float = 0.0
+    argument_bytes: int = 0  # per device, from the executable's memory analysis
+    temp_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0  # outputs that reuse donated arguments (the pool)
+    pool_copies: int = 0  # ops that materialise the whole (per-device) KV pool again
+    flops: float | None = None  # per device, the compiled cost analysis (None on the GPU)
+    bytes_accessed: float | None = None
+    predicted_step_s: float | None = None  # roofline: max(flops / peak, bytes / bandwidth)
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """Every bucket of one engine configuration, compiled for one target."""
+
+    target: str
+    platform: str
+    device_kind: str
+    num_devices: int
+    model: str
+    dtype: str
+    attention_backend: str
+    layer_loop: str
+    num_pages: int
+    page_size: int
+    pool_bytes_per_device: int
+    param_bytes_per_device: int
+    hbm_bytes_per_device: int | None
+    buckets: list[BucketReport]
+
+    @property
+    def ok(self) -> bool:
+        """Every bucket compiled and the largest fits the device's HBM."""
+        return all(b.compiled for b in self.buckets) and self.fits
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most device memory one step needs: its arguments, temporaries and outputs that
+        are not the donated arguments themselves."""
+        return (
+            max(
+                (b.argument_bytes + b.temp_bytes + b.output_bytes - b.alias_bytes)
+                for b in self.buckets
+                if b.compiled
+            )
+            if any(b.compiled for b in self.buckets)
+            else 0
+        )
+
+    @property
+    def fits(self) -> bool:
+        return self.hbm_bytes_per_device is None or self.peak_bytes <= self.hbm_bytes_per_device
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(ok=self.ok, fits=self.fits, peak_bytes=self.peak_bytes)
+        return out
+
+
+def _hbm_per_device(where: targets.Target) -> int | None:
+    chip = where.chip
+    if chip is None:
+        return None
+    per_device = getattr(chip, "hbm_bytes_per_device", None)
+    return per_device if per_device is not None else chip.hbm_bytes
+
+
+def _peaks(where: targets.Target, dtype) -> tuple[float, float] | None:
+    """(FLOP/s, bytes/s) of one device of the target, from the chip table."""
+    chip = where.chip
+    if chip is None:
+        return None
+    devices_per_chip = getattr(chip, "devices_per_chip", 1)
+    flops = chip.peak_bf16_flops
+    if jnp.dtype(dtype) == jnp.float32:  # f32 matmuls: the GPU's CUDA-core rate; TPUs emulate
+        flops = getattr(chip, "peak_fp32_flops", flops / 4)
+    return flops / devices_per_chip, chip.hbm_bandwidth / devices_per_chip
+
+
+def size_pool(
+    config: EngineConfig,
+    model: ModelConfig,
+    dtype,
+    hbm_bytes: int | None,
+    param_bytes: int,
+    kv_shards: int,
+    max_model_len: int,
+    reserved_bytes: int = 0,
+) -> int:
+    """Pages of the KV pool for a target: the config's `num_pages`, else what fits
+    `kv_cache_memory_fraction` of the device's HBM after its params and `reserved_bytes` (the
+    step's temporaries, once a first compile has measured them), never more than max_num_seqs
+    full-length sequences need; on a target with no HBM figure, `kv_cache_memory_gb`."""
+    pages_per_seq = math.ceil(max_model_len / config.page_size)
+    cap = config.max_num_seqs * pages_per_seq
+    if config.num_pages:
+        return config.num_pages
+    page_bytes = max(1, kv_bytes_per_page(model, config.page_size, dtype) // kv_shards)
+    if hbm_bytes is None:
+        budget = config.kv_cache_memory_gb * 2**30
+    else:
+        budget = config.kv_cache_memory_fraction * hbm_bytes - param_bytes - reserved_bytes
+    return max(1, min(cap, int(budget // page_bytes)))
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*\w+\[([\d,]*)\]\S*\s+([\w-]+)\(")
+
+
+def pool_copies(hlo_text: str, pool_shape: tuple[int, ...]) -> int:
+    """Copies or transposes in the compiled HLO whose result has as many elements as one
+    device's pool: a relayout of the whole pool (the in-place KV write is a scatter or a
+    dynamic-update-slice into the donated pool, not counted)."""
+    count, elements = 0, math.prod(pool_shape)
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m or not m.group(2):
+            continue
+        name, dims, op = m.groups()
+        if math.prod(int(d) for d in dims.split(",")) != elements:
+            continue
+        if op in ("copy", "transpose", "copy-start") or (
+            op == "fusion" and ("copy" in name or "transpose" in name)
+        ):
+            count += 1
+    return count
+
+
+def _cost(compiled) -> tuple[float | None, float | None]:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # compile-only GPU clients have none
+        return None, None
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else None
+    if not cost:
+        return None, None
+    return cost.get("flops"), cost.get("bytes accessed")
+
+
+def compile_for_target(
+    config: EngineConfig,
+    target_name: str | None,
+    *,
+    buckets: list[int] | None = None,
+    log=None,
+) -> CompileReport:
+    """Compiles every step bucket of `config` for `target_name` (see jaxserve.target.resolve),
+    or the token buckets listed in `buckets`; the model is read for its config only."""
+    from checkpoints.loader import default_dtype, model_config_of
+
+    tp = config.mesh_shape[1] if config.mesh_shape else config.tensor_parallel
+    where = targets.resolve(target_name, min_devices=tp)
+    with targets.use(where):
+        model, source = model_config_of(config.model)
+        dtype = jnp.dtype(config.dtype or default_dtype())
+        mesh = make_mesh(config.tensor_parallel, config.mesh_shape, devices=where.devices)
+        sharding = ShardingPlan.create(mesh, model)
+        layer_loop = resolve_layer_loop("auto", model, dtype)
+        shapes = abstract_params(model, dtype)
+        if layer_loop == "unrolled":
+            shapes = unstack_layers(shapes)
+        param_shardings = sharding.params(shapes)
+        params = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, param_shardings
+        )
+        param_bytes = sum(
+            math.prod(s.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+            for a, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(param_shardings), strict=True)
+        )
+        max_model_len = min(
+            config.max_model_len or min(model.max_position_embeddings, 4096),
+            model.max_position_embeddings,
+        )
+        hbm = _hbm_per_device(where)
+        num_pages = size_pool(
+            config, model, dtype, hbm, param_bytes, sharding.kv_shards, max_model_len
+        )
+        runner = RunnerConfig(
+            num_pages=num_pages,
+            page_size=config.page_size,
+            max_model_len=max_model_len,
+            token_buckets=config.token_buckets,
+            seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
+            attention_backend=config.attention_backend,
+        )
+        pool_shape = (
+            model.num_layers,
+            num_pages,
+            config.page_size,
+            model.num_kv_heads,
+            model.head_dim,
+        )
+        kv_sharding = sharding.kv_pages
+        pool = jax.ShapeDtypeStruct(pool_shape, dtype, sharding=kv_sharding)
+        kv = KVPages(k=pool, v=pool)
+        shard_shape = kv_sharding.shard_shape(pool_shape)
+        pool_bytes = 2 * math.prod(shard_shape) * dtype.itemsize
+        rep = sharding.replicated
+        max_seqs = runner.seq_buckets[-1]
+        pen = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
+            jax.eval_shape(lambda: PenaltyState.zeros(max_seqs, model.vocab_size)),
+        )
+        last = jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=rep)
+        module = model_for(model, dtype, config.attention_backend, sharding, layer_loop=layer_loop)
+        from jaxserve.models.attention import resolve_backend
+
+        backend = resolve_backend(config.attention_backend)
+        peaks = _peaks(where, dtype)
+        reports = []
+        for num_tokens, num_seqs in runner.buckets():
+            if buckets and num_tokens not in buckets:
+                continue
+            reports.append(
+                _compile_bucket(
+                    module,
+                    params,
+                    kv,
+                    pen,
+                    last,
+                    param_shardings,
+                    kv_sharding,
+                    rep,
+                    runner,
+                    num_tokens,
+                    num_seqs,
+                    where,
+                    shard_shape,
+                    peaks,
+                )
+            )
+            if log is not None:
+                log(reports[-1])
+    return CompileReport(
+        target=where.name or "local",
+        platform=where.platform,
+        device_kind=where.device_kind,
+        num_devices=mesh.devices.size,
+        model=source,
+        dtype=dtype.name,
+        attention_backend=backend,
+        layer_loop=layer_loop,
+        num_pages=num_pages,
+        page_size=config.page_size,
+        pool_bytes_per_device=pool_bytes,
+        param_bytes_per_device=param_bytes,
+        hbm_bytes_per_device=hbm,
+        buckets=reports,
+    )
+
+
+def _compile_bucket(
+    module,
+    params,
+    kv,
+    pen,
+    last,
+    param_shardings,
+    kv_sharding,
+    rep,
+    runner: RunnerConfig,
+    num_tokens: int,
+    num_seqs: int,
+    where: targets.Target,
+    shard_shape,
+    peaks,
+) -> BucketReport:
+    """One bucket's step, traced, lowered and compiled for the target (in `targets.use`)."""
+    batch = pack_chunks(
+        [],
+        page_size=runner.page_size,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        pages_per_seq=runner.pages_per_seq,
+        num_pages=runner.num_pages,
+    )
+    words = to_words((batch, SamplingBatch.empty(num_seqs)))
+    words_in = jax.ShapeDtypeStruct(np.shape(words.words), jnp.int32, sharding=rep)
+    options = step_compiler_options(num_tokens, where.platform) or None
+    step = jax.jit(
+        functools.partial(step_words, module),
+        static_argnums=(5,),
+        donate_argnums=(1, 3, 4),
+        in_shardings=(param_shardings, kv_sharding, rep, rep, rep),
+        out_shardings=(rep, kv_sharding, rep, rep),
+        compiler_options=options,
+    )
+    report = BucketReport(num_tokens=num_tokens, num_seqs=num_seqs, compiled=False)
+    start = time.perf_counter()
+    try:
+        compiled = step.trace(params, kv, words_in, pen, last, words.layout).lower().compile()
+    except Exception as e:  # the compiler's own words are the report
+        report.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+        report.compile_s = time.perf_counter() - start
+        return report
+    report.compile_s = time.perf_counter() - start
+    report.compiled = True
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        report.argument_bytes = int(memory.argument_size_in_bytes)
+        report.temp_bytes = int(memory.temp_size_in_bytes)
+        report.output_bytes = int(memory.output_size_in_bytes)
+        report.alias_bytes = int(memory.alias_size_in_bytes)
+    report.pool_copies = pool_copies(compiled.as_text(), tuple(shard_shape))
+    report.flops, report.bytes_accessed = _cost(compiled)
+    if report.flops is None:  # priced from the shapes: every weight read once, 2 FLOPs each
+        weights = sum(
+            math.prod(s.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+            for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(param_shardings), strict=True)
+        )
+        itemsize = jax.tree.leaves(params)[0].dtype.itemsize
+        report.flops = 2.0 * num_tokens * weights / itemsize
+        report.bytes_accessed = float(weights)
+    if peaks is not None and report.flops is not None:
+        flops_per_s, bytes_per_s = peaks
+        report.predicted_step_s = max(
+            report.flops / flops_per_s, (report.bytes_accessed or 0.0) / bytes_per_s
+        )
+    return report
