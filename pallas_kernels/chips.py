@@ -171,7 +171,9 @@ GPU_CHIPS: dict[str, GpuChip] = {
         # "H200 Tensor Core GPU", SXM: 141 GB HBM3e at 4.8 TB/s; the H100's compute.
         GpuChip(
             name="h200",
-            device_kinds=("NVIDIA H200",),
+            # The first as a live H200 reports it, the second as the compile-only target config
+            # (pallas_kernels/gpu_targets/h200.txtpb) names it.
+            device_kinds=("NVIDIA H200", "NVIDIA H200 141GB HBM3e"),
             compute_capability="9.0",
             num_sms=132,
             hbm_bytes=141 * _GiB,
