@@ -33,6 +33,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.loaded import LoadedModel
 from jaxserve.outputs import RequestOutput, TokenLogprob
+from jaxserve.runtime import compiles
 from jaxserve.runtime.builder import build_runner
 from jaxserve.runtime.input_batch import InputBatch
 from jaxserve.runtime.model_runner import ModelRunner
@@ -88,6 +89,17 @@ class Engine:
                 "without a budget policy cannot serve; build it with "
                 "jaxserve.engine.build.build_engine(config)."
             )
+        # Every compile in the process is counted (compiles.py); this engine's start-up ones
+        # are expected, those after it break the contract of Decision 3 (docs/architecture.md).
+        compiles.install()
+        with compiles.warming_up():
+            self._build(config, model, runner, budget_policy)
+        self._warm_compiles = compiles.serving()
+        self._refresh_gauges()
+        _freeze_heap_once()
+
+    def _build(self, config: EngineConfig, model, runner, budget_policy) -> None:
+        """Everything `__init__` makes, all of it start-up: compiles here are expected."""
         # The model on its mesh, the KV pool sized.
         self.runner = runner or build_runner(config, model)
         self.model, self.sharding = self.runner.model, self.runner.sharding
@@ -119,16 +131,13 @@ class Engine:
         self._inflight: collections.deque[_InFlight] = collections.deque()
         self._clock = PhaseClock()  # host time of each step by phase
         self._next_id = 0
-        self._warm_compiles = 0
+        self._warm_compiles = compiles.serving()
         if config.precompile:
             seconds = self.runner.precompile(progress=config.show_progress)
             logger.info("compiled %d buckets in %.1fs", len(self.runner.config.buckets()), seconds)
         # SLO-aware scheduling, when configured; after precompile, since measuring the step-cost
         # model at warm-up times steps of the compiled buckets.
         self.slo_policy = budget_policy(self) if budget_policy is not None else None
-        self._warm_compiles = self.runner.num_compiles
-        self._refresh_gauges()
-        _freeze_heap_once()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -431,9 +440,8 @@ class Engine:
             queries=cache.queries, hits=cache.hits, evictions=cache.evictions
         )
         self.metrics.on_preemptions(s.num_preemptions)
-        self.metrics.on_compiles(
-            self.runner.num_compiles, self.runner.num_compiles - self._warm_compiles
-        )
+        # Every compile of the process, and those outside any warm-up since this one's.
+        self.metrics.on_compiles(compiles.total(), compiles.serving() - self._warm_compiles)
 
 
 def freeze_heap() -> None:

@@ -101,7 +101,9 @@ class EngineMetrics:
         for name, gauge in self._gauges.items():
             gauge.set_function(functools.partial(getattr, self.stats, name))
         self._preemptions = Counter("jaxserve_preemptions", "Preemptions.", registry=r)
-        self._compiles = Counter("jaxserve_compiles", "Step compilations.", registry=r)
+        self._compiles = Counter(
+            "jaxserve_compiles", "XLA compiles in the process (runtime/compiles.py).", registry=r
+        )
         self._prefix = {
             name: Counter(f"jaxserve_prefix_cache_{name}", doc, registry=r)
             for name, doc in [

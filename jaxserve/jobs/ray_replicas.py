@@ -18,6 +18,9 @@ What runs where, and what is bounded:
 - Backpressure: a replica never holds more than `queue_lines` lines (running and waiting), and
   the driver reads the input only to refill a replica with room, so no process's memory grows
   with the file.
+- A cluster the job starts itself (no address) listens on the loopback address only and
+  lives in a Ray temp folder of its own (`local_cluster`): a batch job opens no port to the
+  network, and no file of an earlier cluster sends it elsewhere.
 - Failures: a replica whose call fails (its actor or node died, or its engine raised) is
   dropped, and the lines it held go, first in line, to the others. Results reach the output only
   through the driver, and a dropped replica's results never arrive, so no id is written twice.
@@ -29,9 +32,12 @@ Users with a Ray Data pipeline use `BatchPredictor` with `Dataset.map_batches` i
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -123,6 +129,80 @@ class _Replica:
         return records, refused
 
 
+# Ray reads it at import: "0" makes the loopback address the node's address (it is meant for
+# laptops, where Ray otherwise binds only the loopback address anyway).
+_CLUSTER_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(address: str | None) -> bool:
+    """Whether `address` (HOST:PORT, or ray://HOST:PORT) names this machine's loopback."""
+    host = (address or "").removeprefix("ray://").rpartition(":")[0].strip("[]")
+    return host in _LOOPBACK
+
+
+@contextlib.contextmanager
+def loopback_only():
+    """Inside: Ray in this process, and the processes it starts, take 127.0.0.1 as this node's
+    address, and keep a given 127.0.0.1:PORT as it is.
+
+    By default Ray on Linux takes the machine's outward address for a local cluster and binds
+    every server (GCS, raylets, workers) to all interfaces, and rewrites a loopback address it
+    is given to the outward one, which a loopback-only cluster does not answer. Its switch is
+    an environment variable it reads when imported, so the value it read is set here too
+    (a private constant: where a Ray version lacks it, `start_local_cluster` still checks the
+    address the node got). Both are restored on exit.
+    """
+    from ray._private import ray_constants
+
+    before = os.environ.get(_CLUSTER_VAR)
+    had = hasattr(ray_constants, "ENABLE_RAY_CLUSTER")
+    constant = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    os.environ[_CLUSTER_VAR] = "0"  # the processes Ray starts read it when they import Ray
+    if had:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_CLUSTER_VAR, None)
+        else:
+            os.environ[_CLUSTER_VAR] = before
+        if had:
+            ray_constants.ENABLE_RAY_CLUSTER = constant
+
+
+@contextlib.contextmanager
+def local_cluster(ray, **init_kwargs):
+    """A new Ray cluster on this machine for the block, bound to the loopback address only,
+    then shut down.
+
+    Every local cluster jaxserve starts (`jaxserve batch --ray` without an address, the tests)
+    starts here: a batch job has no reason to open ports on the network. It gets a Ray temp
+    folder of its own, so no file left by an earlier cluster there (`ray_current_cluster`,
+    which `ray.init()` without an address follows) can send it to another cluster, and
+    `address="local"` ignores RAY_ADDRESS. Raises RuntimeError, with the cluster shut down, if
+    Ray gave the node any other address.
+    """
+    temp_dir = tempfile.mkdtemp(prefix="jaxserve-ray-")
+    try:
+        with loopback_only():
+            ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir, **init_kwargs)
+            try:
+                node = ray.util.get_node_ip_address()
+                if node != "127.0.0.1":
+                    raise RuntimeError(
+                        f"Ray gave the local cluster's node the address {node}, not 127.0.0.1, "
+                        f"so it listens beyond this machine; this Ray ({ray.__version__}) no "
+                        f"longer honours {_CLUSTER_VAR}=0 (jaxserve/jobs/ray_replicas.py)."
+                    )
+                yield
+            finally:
+                ray.shutdown()
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def _check_reachable(address: str | None) -> None:
     """ConnectionError at once for a HOST:PORT nothing listens on (ray.init would retry for
     minutes); other forms ("auto", "ray://...", None) are left to Ray."""
@@ -211,41 +291,45 @@ def run_ray(
         show_progress=False,
     )
     queue = queue_lines or 2 * config.max_num_seqs
-    started_ray = not ray.is_initialized()
-    if started_ray:  # before the output is touched: a wrong address changes no file
-        _check_reachable(address)
-        ray.init(address=address or "local", include_dashboard=False)
-    summary = RayBatchSummary()
-    handles: list[_Handle] = []
-    job: BatchRun | None = None
-    try:
-        job = BatchRun(
-            input_path,
-            output_path,
-            defaults=defaults,
-            stop_on_error=stop_on_error,
-            progress=progress,
-            log=log,
-            summary=summary,
-        )
-        options = _actor_options(ray, devices_per_replica, cpus_per_replica)
-        options |= actor_options or {}
-        actor_class = ray.remote(_Replica).options(**options)
-        for i in range(replicas):
-            h = _Handle(actor_class.remote(config, include_token_ids), ReplicaStats(i))
-            h.call = h.actor.info.remote()  # resolves once the engine is built and compiled
-            handles.append(h)
-        summary.replicas = [h.stats for h in handles]
-        waits = (min_wait_s, max_wait_s, queue // 2)
-        driver = _Driver(ray, job, handles, queue, waits, options)
-        driver.run(min(min_ready, replicas), on_progress)
-    finally:
-        if job is not None:
-            job.close()
-        for h in handles:
-            ray.kill(h.actor)
-        if started_ray and ray.is_initialized():
-            ray.shutdown()
+    with contextlib.ExitStack() as cluster:  # the cluster this job started, if any, ends last
+        if not ray.is_initialized():  # before the output is touched: a wrong address changes
+            _check_reachable(address)  # no file
+            if address is None:
+                cluster.enter_context(local_cluster(ray))
+            else:
+                if is_loopback(address):  # a cluster on this machine's loopback: kept as given
+                    cluster.enter_context(loopback_only())
+                ray.init(address=address, include_dashboard=False)
+                cluster.callback(ray.shutdown)
+        summary = RayBatchSummary()
+        handles: list[_Handle] = []
+        job: BatchRun | None = None
+        try:
+            job = BatchRun(
+                input_path,
+                output_path,
+                defaults=defaults,
+                stop_on_error=stop_on_error,
+                progress=progress,
+                log=log,
+                summary=summary,
+            )
+            options = _actor_options(ray, devices_per_replica, cpus_per_replica)
+            options |= actor_options or {}
+            actor_class = ray.remote(_Replica).options(**options)
+            for i in range(replicas):
+                h = _Handle(actor_class.remote(config, include_token_ids), ReplicaStats(i))
+                h.call = h.actor.info.remote()  # resolves once the engine is built and compiled
+                handles.append(h)
+            summary.replicas = [h.stats for h in handles]
+            waits = (min_wait_s, max_wait_s, queue // 2)
+            driver = _Driver(ray, job, handles, queue, waits, options)
+            driver.run(min(min_ready, replicas), on_progress)
+        finally:
+            if job is not None:
+                job.close()
+            for h in handles:
+                ray.kill(h.actor)
     if job.stop_error is not None:
         raise job.stop_error
     return summary
@@ -397,10 +481,10 @@ class BatchPredictor:
         results: list[dict] = [{} for _ in range(n)]
         lines: collections.deque[Line] = collections.deque()
         for i in range(n):
-            row = {k: v[i] for k, v in columns.items() if not _missing(v[i])}
+            row = {k: _plain(k, v[i]) for k, v in columns.items() if not _missing(v[i])}
             try:  # the same checks as an input line of `jaxserve batch`
                 _, prompt, params = parse_line(json.dumps(row).encode(), i + 1, self.defaults)
-            except ValueError as e:
+            except (TypeError, ValueError) as e:  # TypeError: a value JSON cannot hold
                 results[i] = {"error": str(e)}
                 continue
             lines.append(Line(i + 1, str(i), prompt, params))  # row index: ids may repeat
@@ -435,3 +519,20 @@ def _objects(values: list):
 def _missing(value) -> bool:
     """Ray Data fills a key some rows lack with None (or NaN in a float column)."""
     return value is None or (isinstance(value, float) and value != value)
+
+
+# Keys whose values are integers. Ray Data hands an integer column that some rows lack as
+# floats (measured, Ray 2.60 with pyarrow 26: seeds [1001, missing] arrive as [1001.0, nan]),
+# which parse_line rightly refuses from a JSON line: here 1001.0 means 1001.
+_INTEGER_KEYS = frozenset({"id", "max_tokens", "top_k", "seed", "beam_width"})
+
+
+def _plain(key: str, value):
+    """A row's value as a JSON input line would give it: a list for Ray Data's numpy array of
+    a list column (a row's `stop` arrives as array(['.'], dtype=object)), and an int for an
+    integral float under an integer key. Anything else is left for parse_line to judge."""
+    if hasattr(value, "tolist"):  # numpy arrays and scalars
+        value = value.tolist()
+    if key in _INTEGER_KEYS and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value

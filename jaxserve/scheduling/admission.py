@@ -3,7 +3,8 @@
 Waiting requests start in order of importance (request_queue.py) while a slot, the token budget
 and pages allow, each with its first prefill chunk; the head of the queue blocks the rest, since
 passing it for smaller ones could starve it. With the prefix cache a request starts after its
-cached pages (prefix_sharing.py), and the budget counts only what is left to compute. Under the
+cached pages (prefix_sharing.py), and the budget counts only what is left to compute; one that
+waits for pages another request is computing now is passed for this step, not waited on. Under the
 priority policy a request that finds no room preempts less important running ones
 (preemption.py). `check_fits` refuses at submission what could never be admitted.
 """
@@ -50,6 +51,16 @@ class Admission:
         queue = self.batching.admitting()
         if queue is None:
             return
+        # Requests waiting for pages another request is computing, set aside for this step.
+        set_aside: list[tuple[tuple, Request]] = []
+        try:
+            self._admit_from(queue, plan, now, set_aside)
+        finally:
+            for key, req in set_aside:  # back in their places, first at the next admission
+                queue.push(key, req)
+
+    def _admit_from(self, queue, plan: StepPlan, now: float, set_aside: list) -> None:
+        """`admit`'s loop over `queue`; waiters for shared pages go to `set_aside`."""
         prefix = self.prefix
         while queue and plan.budget > 0:
             req = queue.peek()
@@ -59,7 +70,10 @@ class Admission:
                 return
             hit = [] if prefix is None else prefix.match(req)
             if prefix is not None and prefix.waits(req, hit):
-                return
+                # It waits for another request's pages, not for room: those behind it go
+                # ahead (they take nothing it waits for), and it is first again next step.
+                set_aside.append(queue.pop_entry())
+                continue
             computed = len(hit) * self.config.page_size
             # The budget counts only the tokens still to compute, not those the cache serves.
             n = plan.chunk_len(req, computed)

@@ -50,10 +50,11 @@ class PrefixSharing:
     def waits(self, req: Request, hit: list[int]) -> bool:
         """Whether another running request is computing `req`'s next uncached full page now.
 
-        Then `req` waits (and, at the head of the queue, so does everything behind it: no one
-        is passed) until that request publishes the page, and takes it from the cache: its
-        prompt is computed once, not once per request, at the price of starting a few steps
+        Then `req` waits until that request publishes the page, and takes it from the cache:
+        its prompt is computed once, not once per request, at the price of starting a few steps
         later. Computing it twice at once would cost the same steps on a busy device anyway.
+        Requests queued behind it are admitted around it meanwhile (admission.py): it waits for
+        a page, not for room, so holding them back would stall unrelated requests for nothing.
         """
         hashes = req.page_hashes
         if len(hit) >= len(hashes):

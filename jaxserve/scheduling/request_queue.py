@@ -74,6 +74,10 @@ class WaitQueue:
         """Takes the most important waiting request out of the queue."""
         return heapq.heappop(self._heap)[1]
 
+    def pop_entry(self) -> tuple[tuple, Request]:
+        """Takes the most important waiting request out with its key, to `push` it back."""
+        return heapq.heappop(self._heap)
+
     def remove(self, req: Request) -> bool:
         """O(n), but only aborts and stop strings of queued requests take this path."""
         for i, (_, queued) in enumerate(self._heap):

@@ -85,6 +85,43 @@ def test_sigkill_mid_run_then_rerun_leaves_exactly_one_line_per_id(tmp_path):
     assert all(r["text"] and r["prompt_tokens"] > 0 for r in records)
 
 
+@pytest.mark.parametrize(
+    "garbled",
+    [
+        b"\0" * 40,  # a file system that zero-fills the last block after a crash
+        b'{"id": "p5", "text": "Once up',  # a line's head, then a newline from elsewhere
+        b"[1, 2]",  # JSON, but no record
+        b'{"text": "no id"}',  # an object without an id
+    ],
+    ids=["zeros", "head-only", "not-a-record", "no-id"],
+)
+def test_a_complete_but_garbled_last_line_is_cut_and_its_request_runs_again(
+    tiny_engine, tmp_path, garbled
+):
+    """A last line that has its newline but is no result (a crash can leave that too) is cut
+    like a torn one, not kept under the lines a rerun appends (where the next resume would
+    refuse the file as not ours); every id then ends up on exactly one line."""
+    n = 6
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt": f"Once upon a time {i}", "max_tokens": 4}) + "\n"
+            for i in range(n)
+        )
+    )
+    run_batch(tiny_engine, inp, out, progress=False)
+    kept = out.read_bytes().split(b"\n")[:3]
+    out.write_bytes(b"\n".join(kept) + b"\n" + garbled + b"\n")
+    said = []
+    summary = run_batch(tiny_engine, inp, out, progress=False, log=said.append)
+    assert summary.repaired_tail and summary.already_done == 3 and summary.completed == n - 3
+    assert any("cut off a torn last line" in line for line in said), said
+    records = [json.loads(line) for line in out.read_text().splitlines()]  # every line a result
+    assert collections.Counter(r["id"] for r in records) == {f"p{i}": 1 for i in range(n)}
+    again = run_batch(tiny_engine, inp, out, progress=False)  # resumable: nothing left to run
+    assert again.already_done == n and again.completed == 0 and not again.repaired_tail
+
+
 BAD_INPUT = [
     '{"id": "a", "prompt": "Once upon a time", "max_tokens": 5}',
     "not json {",  # 2

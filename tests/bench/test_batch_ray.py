@@ -2,8 +2,9 @@
 
 The same texts as the single-process job, every id exactly once when a replica or the driver is
 killed mid-run, and one clear line without Ray. One cluster serves the module (2 CPUs, one per
-replica). The replicas' engines are tiny_engine's and use its compilation cache, so they load
-their buckets instead of compiling them again.
+replica), bound to the loopback address only, as every local cluster jaxserve starts. The
+replicas' engines are tiny_engine's and use its compilation cache, so they load their buckets
+instead of compiling them again.
 """
 
 from __future__ import annotations
@@ -53,16 +54,45 @@ def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def listening_beyond_loopback() -> list[str]:
+    """Each socket, as "ADDRESS:PORT name", that this process or any below it (a local Ray
+    cluster's GCS, raylets and workers) listens on at an address other than the loopback."""
+    import psutil
+
+    me = psutil.Process()
+    found = []
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            sockets = proc.net_connections(kind="inet")
+            name = proc.name()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for c in sockets:
+            host = c.laddr.ip.removeprefix("::ffff:")
+            if c.status == psutil.CONN_LISTEN and host not in ("127.0.0.1", "::1"):
+                found.append(f"{c.laddr.ip}:{c.laddr.port} {name}")
+    return found
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_engine) -> str:
     """A local Ray cluster for the module, after tiny_engine filled the compilation cache."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20)
-    try:
+    from jaxserve.jobs.ray_replicas import local_cluster
+
+    with local_cluster(ray, num_cpus=2, object_store_memory=100 << 20):
         yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
+
+
+@needs_ray
+def test_the_local_cluster_listens_on_the_loopback_address_only(cluster):
+    import ray
+
+    assert cluster.startswith("127.0.0.1:")
+    assert {node["NodeManagerAddress"] for node in ray.nodes()} == {"127.0.0.1"}
+    assert ray.get(ray.remote(ray.util.get_node_ip_address).remote()) == "127.0.0.1"
+    assert listening_beyond_loopback() == []
 
 
 @needs_ray
@@ -95,6 +125,10 @@ def test_two_replicas_write_every_id_once_with_the_single_process_texts(
 
 @needs_ray
 def test_a_killed_replica_hands_its_lines_to_the_other(cluster, tmp_path):
+    """Deterministic however loaded the machine: lines go out only once both replicas are
+    ready (min_ready=2), so replica 0 holds a full queue of lines no other replica can finish,
+    and it is killed at its first results, before it could have finished them all (4 slots,
+    8 lines), with the job far from done (it finished only what it returned)."""
     from jaxserve.jobs.ray_replicas import run_ray
 
     n = 80
@@ -104,12 +138,18 @@ def test_a_killed_replica_hands_its_lines_to_the_other(cluster, tmp_path):
 
     def kill_replica_0(summary):
         victim = summary.replicas[0]
-        if not killed and victim.pid and summary.completed >= 16:
+        if not killed and victim.completed >= 1:
             os.kill(victim.pid, signal.SIGKILL)  # a crash: no clean shutdown, no last word
             killed.append(summary.completed)
 
     summary = run_ray(
-        inp, out, config=CONFIG, replicas=2, progress=False, on_progress=kill_replica_0
+        inp,
+        out,
+        config=CONFIG,
+        replicas=2,
+        min_ready=2,
+        progress=False,
+        on_progress=kill_replica_0,
     )
     assert killed and killed[0] < n, "the kill must land mid-run"
     assert summary.replicas[0].failed is not None and summary.replicas[1].failed is None
@@ -188,3 +228,56 @@ def test_map_batches_callable_gives_the_single_process_texts_in_row_order(tiny_e
         want = single[row["id"]]
         assert out["text"][i] == want["text"]
         assert out["output_tokens"][i] == want["output_tokens"] == row["max_tokens"]
+
+
+def _as_ray_data_hands_them(rows: list[dict]) -> dict:
+    """The columns `map_batches` hands a callable for `rows`, as measured with Ray 2.60 and
+    pyarrow 26 (ray.data.from_items(rows).map_batches(...), numpy batches): a numeric column
+    that some rows lack is float64 with NaN there, integers included (seed 1001 arrives as
+    1001.0); a list column holds each row's list as a numpy array; any other column is
+    objects, None where a row lacks the key."""
+    batch = {}
+    for key in sorted({k for row in rows for k in row}):
+        values = [row.get(key) for row in rows]
+        present = [v for v in values if v is not None]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in present):
+            if len(present) == len(values) and all(isinstance(v, int) for v in present):
+                batch[key] = np.array(values, np.int64)
+            else:
+                batch[key] = np.array([np.nan if v is None else v for v in values], np.float64)
+            continue
+        column = np.empty(len(values), dtype=object)
+        for i, v in enumerate(values):  # one by one: a list must stay one array per row
+            if isinstance(v, list):
+                v = np.array(v, dtype=object if any(isinstance(x, str) for x in v) else None)
+            column[i] = v
+        batch[key] = column
+    return batch
+
+
+def test_map_batches_rows_with_missing_values_run_as_their_input_lines(tiny_engine, tmp_path):
+    """Rows that lack some sampling keys, as Ray Data fills them: NaN in a float column, an
+    integer column turned float (seeds), lists as numpy arrays (stop strings). Each row runs
+    as its input line runs in `jaxserve batch`, none refused."""
+    from jaxserve.jobs.ray_replicas import BatchPredictor
+
+    inp = tmp_path / "in.jsonl"
+    _write_input(inp, 6)  # odd lines seeded and sampled, even ones greedy with no seed
+    rows = [json.loads(line) for line in inp.read_text().splitlines()]
+    rows[2]["stop"] = [" the", "."]
+    rows[3]["stop"] = ["."]
+    rows[4] = {"id": "ids", "prompt_token_ids": [1, 403, 407, 261], "max_tokens": 6}
+    inp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run_batch(tiny_engine, inp, tmp_path / "single.jsonl", progress=False)
+    single = {r["id"]: r for r in _records(tmp_path / "single.jsonl")}
+    assert single["p2"]["finish_reason"] == "stop"  # its stop strings matter
+    batch = _as_ray_data_hands_them(rows)
+    assert batch["seed"].dtype == np.float64 and np.isnan(batch["temperature"][0])
+
+    out = BatchPredictor(CONFIG)(batch)
+    assert list(out["error"]) == [None] * len(rows)
+    for i, row in enumerate(rows):
+        want = single[row["id"]]
+        assert out["text"][i] == want["text"], row
+        assert out["output_tokens"][i] == want["output_tokens"], row
+        assert out["finish_reason"][i] == want["finish_reason"], row

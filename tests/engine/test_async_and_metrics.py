@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from prometheus_client import generate_latest
@@ -77,8 +78,24 @@ def test_a_step_wakes_each_event_loop_once_not_once_per_output(async_engine):
     assert calls <= steps + len(prompts) < delivered, (calls, steps, delivered)
 
 
+# How long a poll waits for the engine thread before the test fails: far beyond what it needs
+# (one iteration), because a loaded 2-core machine can stall a thread for a second or more.
+POLL_S = 30.0
+
+
+def _wait_until(done, timeout_s: float = POLL_S) -> bool:
+    """Polls `done()` every 10 ms until it holds (True) or `timeout_s` passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_consumer_that_stops_iterating_aborts_its_request(async_engine):
     inner = async_engine.engine
+    finished = dict(inner.metrics.stats.finished)
 
     async def main():
         stream = async_engine.generate(
@@ -90,13 +107,16 @@ def test_consumer_that_stops_iterating_aborts_its_request(async_engine):
             if seen == 3:
                 break
         await stream.aclose()
-        for _ in range(200):  # the abort lands at the next iteration boundary
-            if inner.scheduler.num_slots_used == 0 and not inner.has_unfinished():
-                return seen
-            await asyncio.sleep(0.01)
-        return None
+        return seen
 
     assert asyncio.run(main()) == 3
+    # The abort lands at the next iteration boundary. A wait long enough for any load would
+    # also let the request finish by itself (400 tokens take seconds): it must end aborted.
+    assert _wait_until(lambda: inner.scheduler.num_slots_used == 0 and not inner.has_unfinished())
+    assert _wait_until(lambda: sum(inner.metrics.stats.finished.values()) > sum(finished.values()))
+    got = inner.metrics.stats.finished
+    new = {k: n - finished.get(k, 0) for k, n in got.items() if n != finished.get(k, 0)}
+    assert new == {"abort": 1}
     assert inner.scheduler.num_pages_used == 0
 
 
@@ -182,12 +202,10 @@ def test_outputs_are_made_on_the_output_thread_and_stop_strings_match_offline(
         assert outs[-1].metrics.finished_time is not None
     # The finishes the output thread asked for reach the engine thread: nothing is left.
     inner = async_engine.engine
-    for _ in range(200):
-        snap = async_engine.snapshot()
-        if not inner.scheduler.has_unfinished() and snap.kv_pages_used == 0:
-            break
-        asyncio.run(asyncio.sleep(0.01))
-    assert not inner.scheduler.has_unfinished() and async_engine.snapshot().slots_used == 0
+    assert _wait_until(
+        lambda: not inner.scheduler.has_unfinished() and async_engine.snapshot().kv_pages_used == 0
+    )
+    assert async_engine.snapshot().slots_used == 0
 
 
 def test_a_failure_of_the_output_thread_ends_every_stream(stories_engine):

@@ -73,6 +73,39 @@ def test_min_tokens_masks_eos_until_reached(stories_engine):
     assert not eos & set(held.token_ids[: n + 10])
 
 
+def test_min_tokens_holds_back_a_forced_eos_for_exactly_that_many_tokens(stories_engine):
+    """EOS forced by its logit bias: it comes as output token number min_tokens + 1, never one
+    early (the mask must cover output positions 0 .. min_tokens - 1), greedy or sampled, and at
+    once with min_tokens=0. A stop token id is held back the same way."""
+    llm = LLM(engine=stories_engine)
+    eos = stories_engine.model.config.eos_token_ids[0]
+    stop = 300
+    cases = [
+        (min_tokens, temperature, bias_id)
+        for min_tokens in (0, 1, 5)
+        for temperature in (0.0, 1.0)
+        for bias_id in (eos, stop)
+    ]
+    params = [
+        SamplingParams(
+            max_tokens=12,
+            temperature=temperature,
+            seed=11,
+            min_tokens=min_tokens,
+            logit_bias={bias_id: 100.0},
+            stop_token_ids=(stop,),
+        )
+        for min_tokens, temperature, bias_id in cases
+    ]
+    outs = llm.generate([PROMPT] * len(cases), params)
+    for (min_tokens, temperature, bias_id), out in zip(cases, outs, strict=True):
+        case = f"min_tokens={min_tokens} temperature={temperature} forced={bias_id}"
+        assert out.finish_reason == "stop", case
+        assert len(out.token_ids) == min_tokens + 1, (case, out.token_ids)
+        assert out.token_ids[-1] == bias_id, case
+        assert not {eos, stop} & set(out.token_ids[:-1]), case
+
+
 def _penalized(logits, counts, in_prompt, *, presence=0.0, frequency=0.0, repetition=1.0):
     """The penalty formula of jaxserve/runtime/sampling.py in numpy: logits f64[V], counts i64[V] of
     the generated tokens so far, in_prompt bool[V]."""

@@ -22,12 +22,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_serve_one_tensor_parallel_engine(tmp_path):
+def _run_pair(tmp_path, *mode: str) -> dict:
+    """Both processes of multihost_worker to the end; process 0's JSON."""
     port, out = _free_port(), tmp_path / "tokens.json"
     env = with_device_flag(dict(os.environ), devices=2)
+    worker = [sys.executable, "-m", "tests.scaleout.multihost_worker", str(port)]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.scaleout.multihost_worker", str(port), str(i), str(out)],
+            [*worker, str(i), str(out), *mode],
             cwd=HERE.parent.parent,
             env=env,
             stdout=subprocess.PIPE,
@@ -46,8 +48,23 @@ def test_two_processes_serve_one_tensor_parallel_engine(tmp_path):
                 p.kill()
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"process {i}:\n{logs[i][-4000:] if i < len(logs) else ''}"
-    got = json.loads(out.read_text())
+    return json.loads(out.read_text())
 
+
+def test_two_processes_serve_one_tensor_parallel_engine(tmp_path):
+    got = _run_pair(tmp_path)
     alone = Engine(EngineConfig(**multihost_worker.CONFIG))  # one process, one device
     assert got["tokens"] == multihost_worker.generate(alone)
     assert got["num_pages"] == alone.runner.config.num_pages
+
+
+def test_process_0_dispatches_each_step_while_the_one_before_runs(tmp_path):
+    """Asynchronous scheduling across hosts: sending a step to the followers must not wait for
+    the step in flight. Process 1 dispatches each step 0.3 s after it gets it, so every step
+    runs at least that long; process 0, planning in well under that, must find the step before
+    still running at every dispatch (it found it ended, every time, while the plan went by a
+    device collective queued behind the step)."""
+    got = _run_pair(tmp_path, "slow-follower")
+    overlap = got["overlap"]
+    assert len(overlap) >= 7, overlap  # 8 decode steps after the prefill
+    assert all(overlap), f"the step before had ended at dispatches {overlap}"

@@ -143,9 +143,33 @@ def test_kv_budget_from_free_memory_or_the_fallback():
     assert pages_that_fit(2**20, jax.devices(), fraction=0.9, fallback_gb=0.25) == 256  # CPU
 
 
+class _FakeStore:
+    """jax.distributed's key-value store, in one process: what StepLink calls of it."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+
+    def key_value_set_bytes(self, key: str, value: bytes, allow_overwrite: bool = False):
+        assert allow_overwrite or key not in self.values, key
+        self.values[key] = value
+
+    def blocking_key_value_get_bytes(self, key: str, timeout_in_ms: int) -> bytes:
+        if key not in self.values:  # not a timeout, which StepLink waits out: fail at once
+            raise RuntimeError(f"No message {key} in the fake store.")
+        return self.values[key]
+
+    def key_value_delete(self, key: str):
+        self.values.pop(key, None)
+
+
 def test_step_link_message_round_trip(monkeypatch):
-    """What process 0 sends is what a follower decodes, every field and dtype, in any bucket."""
-    link = StepLink(page_size=4, pages_per_seq=3, num_pages=10, max_tokens=16, max_seqs=4)
+    """What process 0 sends is what a follower decodes, every field and dtype, in any bucket;
+    old messages leave the store as new ones come."""
+    store = _FakeStore()
+    monkeypatch.setattr(StepLink, "_store", staticmethod(lambda: store))
+    leader = StepLink(page_size=4, pages_per_seq=3, num_pages=10, max_tokens=16, max_seqs=4)
+    follower = StepLink(page_size=4, pages_per_seq=3, num_pages=10, max_tokens=16, max_seqs=4)
+    follower._prefix = leader._prefix  # the same link in another process
     batch = pack_chunks(
         [SeqChunk([5, 6, 7], 0, [2]), SeqChunk([9], 4, [3, 7])],
         page_size=4,
@@ -160,26 +184,17 @@ def test_step_link_message_round_trip(monkeypatch):
         seeds=np.array([1, 2**32 - 1], np.uint32),
         want_top_logprobs=np.bool_(True),
     )
-    wire = []
-
-    def as_leader(message):
-        wire.append(message.copy())
-        return message
-
-    def as_follower(_zeros):
-        return wire[-1]  # the broadcast hands every process the leader's message
-
-    monkeypatch.setattr(link, "_broadcast", as_leader)
-    link.send(batch, sampling)
-    monkeypatch.setattr(link, "_broadcast", as_follower)
-    got_batch, got_sampling = link.receive()
-    for want, got in zip(
-        jax.tree.leaves((batch, sampling)), jax.tree.leaves((got_batch, got_sampling)), strict=True
-    ):
-        want, got = np.asarray(want), np.asarray(got)
-        assert got.dtype == want.dtype and got.shape == want.shape
-        np.testing.assert_array_equal(got, want)
-    monkeypatch.setattr(link, "_broadcast", as_leader)
-    link.stop()
-    monkeypatch.setattr(link, "_broadcast", as_follower)
-    assert link.receive() is None  # the stop message ends a follower's loop
+    for _ in range(StepLink.KEEP + 2):
+        leader.send(batch, sampling)
+        got_batch, got_sampling = follower.receive()
+        for want, got in zip(
+            jax.tree.leaves((batch, sampling)),
+            jax.tree.leaves((got_batch, got_sampling)),
+            strict=True,
+        ):
+            want, got = np.asarray(want), np.asarray(got)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+    assert len(store.values) == StepLink.KEEP
+    leader.stop()
+    assert follower.receive() is None  # the stop message ends a follower's loop

@@ -24,6 +24,7 @@ from jaxserve.runtime.sampling import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduling.request import PENDING_TOKEN, FinishReason, Request
 from jaxserve.scheduling.scheduler import RequestRejected, Scheduler, SchedulerOutput
+from jaxserve.scheduling.types import ScheduledSeq
 from tests.unit.helpers import FakeRunner
 from tests.unit.test_scheduler_random import configs, workloads
 
@@ -173,3 +174,37 @@ def test_persistent_batch_equals_a_fresh_pack_every_step(data):
     while in_flight:
         sched.update(*in_flight.popleft())
     assert not sched.has_unfinished()
+
+
+def test_a_request_readmitted_to_its_row_with_a_new_table_of_the_same_length_gets_it():
+    """The directed case of the test above, which meets it in ~2% of its workloads: a request
+    preempted and admitted again to the same slot gets a new page table from the KV manager
+    (a new list), here as long as the old one. The row must take the new pages, not keep its
+    copy of the old ones: same owner and same length must not read as "nothing changed"."""
+    inputs = InputBatch(
+        max_seqs=4,
+        pages_per_seq=4,
+        page_size=4,
+        num_pages=16,
+        token_buckets=(8, 16),
+        seq_bucket_for=lambda t: 4,
+    )
+    req = Request(
+        request_id="r",
+        prompt_token_ids=list(range(1, 9)),
+        sampling_params=SamplingParams(max_tokens=4, seed=1),
+        arrival_time=0.0,
+    )
+
+    def prefill(table: list[int], step: int) -> SchedulerOutput:
+        seq = ScheduledSeq(req, "r", 0, list(req.prompt_token_ids), 0, table, True)
+        return SchedulerOutput(
+            seqs=[seq], num_batched_tokens=8, preempted_ids=["r"], aborted_ids=[], step=step
+        )
+
+    _check_pack(prefill([3, 5], 1), inputs)
+    readmitted = [9, 2]  # recomputed from the start into other pages, same slot, same length
+    _check_pack(prefill(readmitted, 2), inputs)
+    step = inputs.pack(prefill(readmitted, 3).seqs)
+    assert step.batch.page_tables[0, :2].tolist() == readmitted
+    assert step.batch.slot_mapping[:8].tolist() == [36, 37, 38, 39, 8, 9, 10, 11]

@@ -46,7 +46,7 @@ def test_four_requests_with_one_prompt_compute_it_once(ahead, budget):
         while len(in_flight) > (1 if ahead and not plan.is_empty else 0):
             sched.update(*in_flight.popleft())
         sched.check_invariants()
-        assert len(sched.prefix.computing) <= 10
+        assert len(sched.prefix.computing) <= 10 + 2  # the prompt's pages once; other's 2
     for req in [*same, other]:
         assert req.output_token_ids == reference_output(req)
     # s0 computes all 40; each other sample takes 9 pages from the cache and computes the last
@@ -76,3 +76,38 @@ def test_a_request_computing_the_pages_that_is_preempted_releases_the_waiters():
         sched.update(plan := sched.schedule(), runner.execute(plan))
         sched.check_invariants()
     assert second.output_token_ids == reference_output(second)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
+def test_a_request_waiting_for_shared_pages_does_not_hold_back_those_behind_it(ahead):
+    """Head-of-line blocking: `b` waits for the pages `a` computes now, and `c`, unrelated and
+    queued behind `b`, is admitted around it in the same step; `b` keeps its place and starts
+    from the cache once `a` publishes."""
+    sched = make_scheduler(enable_prefix_caching=True, max_num_batched_tokens=64)
+    runner = FakeRunner(sched.config.page_size)
+    prompt = [3 + i % 17 for i in range(40)]
+    a, b = _req("a", prompt, arrival=0.0), _req("b", prompt, arrival=1.0)
+    c = _req("c", [50 + i for i in range(10)], arrival=2.0)
+    for req in (a, b, c):
+        sched.add_request(req)
+    first = sched.schedule()
+    assert [s.request_id for s in first.seqs] == ["a", "c"]
+    assert [r.request_id for r in sched.batching.waiting.in_order()] == ["b"]
+    in_flight = collections.deque([(first, runner.execute(first))])
+    admitted_b = None
+    while sched.has_unfinished() or in_flight:
+        if not ahead:
+            while in_flight:
+                sched.update(*in_flight.popleft())
+        plan = sched.schedule()
+        if admitted_b is None and any(s.request_id == "b" for s in plan.seqs):
+            admitted_b = plan.step
+        in_flight.append((plan, runner.execute(plan)))
+        while len(in_flight) > (1 if ahead and not plan.is_empty else 0):
+            sched.update(*in_flight.popleft())
+        sched.check_invariants()
+    # The first step planned once a's pages are published (ahead: one plan later).
+    assert admitted_b == (3 if ahead else 2)
+    assert b.num_cached_tokens == 36  # a's 9 full pages before its last prompt token
+    for req in (a, b, c):
+        assert req.output_token_ids == reference_output(req)

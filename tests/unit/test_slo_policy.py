@@ -169,6 +169,26 @@ def test_a_step_may_spend_the_slack_the_decodes_saved():
     assert _policy()(decodes, [], now=0.044) == 32
 
 
+def test_the_slack_counts_the_token_in_flight_under_asynchronous_scheduling():
+    """Planned ahead (lag 1), each decode has a pending token whose interval has started: 10
+    tokens out and 1 in flight since the first at t=0 are 10 intervals, 54 ms at the 5.4 ms
+    target. At t=0.048 the slack is 6 ms, so the step may take 11.4 ms: the whole 64-token
+    budget (8.4 ms). Without the pending token it would be 9 intervals, 0.6 ms of slack, 32."""
+    decodes = _running_decodes(4, 20)
+    for r in decodes:
+        r.output_token_ids.extend([7] * 9)  # 10 out
+        r.num_pending = 1  # the step in flight samples the 11th
+        r.num_computed_tokens = r.num_tokens - 1  # the pending token runs next
+        r.first_token_time = 0.0
+    # A fresh policy's first call: no plan before it, so no step in flight delays this one.
+    assert _policy(lag=1)(decodes, [], now=0.048) == 64
+    assert _policy(lag=1)(decodes, [], now=0.053) == 32  # 1 ms of slack: up to 6.4 ms
+    for r in decodes:  # the pending token taken in: the same 10 intervals, the same budget
+        r.output_token_ids.append(7)
+        r.num_pending = 0
+    assert _policy(lag=1)(decodes, [], now=0.048) == 64
+
+
 def test_policy_rejects_bad_targets():
     with pytest.raises(ValueError, match="TPOT target"):
         _policy(tpot_s=0.0)
