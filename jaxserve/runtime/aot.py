@@ -36,6 +36,24 @@ from jaxserve.runtime.model_runner import RunnerConfig, step_words
 from jaxserve.runtime.sampling import PenaltyState, SamplingBatch
 
 
+@dataclasses.dataclass(frozen=True)
+class _StepProgram:
+    """What every bucket's compile shares: the module, the abstract inputs and their shardings."""
+
+    module: object  # the flax module (models.loaded.model_for)
+    params: object  # ShapeDtypeStructs with their shardings
+    kv: KVPages  # of ShapeDtypeStructs
+    pen: object  # PenaltyState of ShapeDtypeStructs
+    last: jax.ShapeDtypeStruct  # i32[max_seqs]
+    param_shardings: object
+    kv_sharding: object
+    replicated: object
+    runner: RunnerConfig
+    target: targets.Target
+    pool_shard_shape: tuple[int, ...]  # one device's K (or V) pool
+    peaks: tuple[float, float] | None  # (FLOP/s, bytes/s) of one device
+
+
 @dataclasses.dataclass
 class BucketReport:
     """One compiled (or refused) step bucket."""
@@ -101,6 +119,14 @@ class CompileReport:
         out = dataclasses.asdict(self)
         out.update(ok=self.ok, fits=self.fits, peak_bytes=self.peak_bytes)
         return out
+
+
+def _bytes_per_device(shapes, shardings) -> int:
+    """Bytes one device holds of a tree of shapes split by a matching tree of shardings."""
+    return sum(
+        math.prod(s.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+        for a, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings), strict=True)
+    )
 
 
 def _hbm_per_device(where: targets.Target) -> int | None:
@@ -209,10 +235,7 @@ def compile_for_target(
         params = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, param_shardings
         )
-        param_bytes = sum(
-            math.prod(s.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
-            for a, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(param_shardings), strict=True)
-        )
+        param_bytes = _bytes_per_device(shapes, param_shardings)
         max_model_len = min(
             config.max_model_len or min(model.max_position_embeddings, 4096),
             model.max_position_embeddings,
@@ -252,29 +275,25 @@ def compile_for_target(
         from jaxserve.models.attention import resolve_backend
 
         backend = resolve_backend(config.attention_backend)
-        peaks = _peaks(where, dtype)
+        program = _StepProgram(
+            module=module,
+            params=params,
+            kv=kv,
+            pen=pen,
+            last=last,
+            param_shardings=param_shardings,
+            kv_sharding=kv_sharding,
+            replicated=rep,
+            runner=runner,
+            target=where,
+            pool_shard_shape=tuple(shard_shape),
+            peaks=_peaks(where, dtype),
+        )
         reports = []
         for num_tokens, num_seqs in runner.buckets():
             if buckets and num_tokens not in buckets:
                 continue
-            reports.append(
-                _compile_bucket(
-                    module,
-                    params,
-                    kv,
-                    pen,
-                    last,
-                    param_shardings,
-                    kv_sharding,
-                    rep,
-                    runner,
-                    num_tokens,
-                    num_seqs,
-                    where,
-                    shard_shape,
-                    peaks,
-                )
-            )
+            reports.append(_compile_bucket(program, num_tokens, num_seqs))
             if log is not None:
                 log(reports[-1])
     return CompileReport(
@@ -295,46 +314,33 @@ def compile_for_target(
     )
 
 
-def _compile_bucket(
-    module,
-    params,
-    kv,
-    pen,
-    last,
-    param_shardings,
-    kv_sharding,
-    rep,
-    runner: RunnerConfig,
-    num_tokens: int,
-    num_seqs: int,
-    where: targets.Target,
-    shard_shape,
-    peaks,
-) -> BucketReport:
+def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketReport:
     """One bucket's step, traced, lowered and compiled for the target (in `targets.use`)."""
     batch = pack_chunks(
         [],
-        page_size=runner.page_size,
+        page_size=p.runner.page_size,
         num_tokens=num_tokens,
         num_seqs=num_seqs,
-        pages_per_seq=runner.pages_per_seq,
-        num_pages=runner.num_pages,
+        pages_per_seq=p.runner.pages_per_seq,
+        num_pages=p.runner.num_pages,
     )
     words = to_words((batch, SamplingBatch.empty(num_seqs)))
-    words_in = jax.ShapeDtypeStruct(np.shape(words.words), jnp.int32, sharding=rep)
-    options = step_compiler_options(num_tokens, where.platform) or None
+    words_in = jax.ShapeDtypeStruct(np.shape(words.words), jnp.int32, sharding=p.replicated)
+    options = step_compiler_options(num_tokens, p.target.platform) or None
     step = jax.jit(
-        functools.partial(step_words, module),
+        functools.partial(step_words, p.module),
         static_argnums=(5,),
         donate_argnums=(1, 3, 4),
-        in_shardings=(param_shardings, kv_sharding, rep, rep, rep),
-        out_shardings=(rep, kv_sharding, rep, rep),
+        in_shardings=(p.param_shardings, p.kv_sharding, p.replicated, p.replicated, p.replicated),
+        out_shardings=(p.replicated, p.kv_sharding, p.replicated, p.replicated),
         compiler_options=options,
     )
     report = BucketReport(num_tokens=num_tokens, num_seqs=num_seqs, compiled=False)
     start = time.perf_counter()
     try:
-        compiled = step.trace(params, kv, words_in, pen, last, words.layout).lower().compile()
+        compiled = (
+            step.trace(p.params, p.kv, words_in, p.pen, p.last, words.layout).lower().compile()
+        )
     except Exception as e:  # the compiler's own words are the report
         report.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
         report.compile_s = time.perf_counter() - start
@@ -347,18 +353,15 @@ def _compile_bucket(
         report.temp_bytes = int(memory.temp_size_in_bytes)
         report.output_bytes = int(memory.output_size_in_bytes)
         report.alias_bytes = int(memory.alias_size_in_bytes)
-    report.pool_copies = pool_copies(compiled.as_text(), tuple(shard_shape))
+    report.pool_copies = pool_copies(compiled.as_text(), p.pool_shard_shape)
     report.flops, report.bytes_accessed = _cost(compiled)
     if report.flops is None:  # priced from the shapes: every weight read once, 2 FLOPs each
-        weights = sum(
-            math.prod(s.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
-            for a, s in zip(jax.tree.leaves(params), jax.tree.leaves(param_shardings), strict=True)
-        )
-        itemsize = jax.tree.leaves(params)[0].dtype.itemsize
+        weights = _bytes_per_device(p.params, p.param_shardings)
+        itemsize = jax.tree.leaves(p.params)[0].dtype.itemsize
         report.flops = 2.0 * num_tokens * weights / itemsize
         report.bytes_accessed = float(weights)
-    if peaks is not None and report.flops is not None:
-        flops_per_s, bytes_per_s = peaks
+    if p.peaks is not None and report.flops is not None:
+        flops_per_s, bytes_per_s = p.peaks
         report.predicted_step_s = max(
             report.flops / flops_per_s, (report.bytes_accessed or 0.0) / bytes_per_s
         )
