@@ -97,3 +97,20 @@ def test_backend_dispatch_on_the_cpu():
     with pytest.raises(ValueError, match="not one of"):
         get_attention_fn("flash")
     assert callable(get_attention_fn("pallas_gpu_interpret"))
+
+
+def test_auto_is_the_xla_attention_on_a_gpu_until_a_gpu_kernel_has_run_on_one():
+    """Issue 29, item 14: no GPU kernel has executed on a GPU, so `auto` there must not pick one;
+    `pallas` opts in. A TPU target still gets its kernel, for its own chip."""
+    from jaxserve import target
+    from jaxserve.models.attention import resolve_backend
+    from pallas_kernels.ragged_paged_attention import xla_blocked
+
+    h200 = target.Target(platform="gpu", device_kind="NVIDIA H200", compute_capability="9.0")
+    with target.use(h200):
+        assert resolve_backend("auto") == "xla"
+        assert get_attention_fn("auto") is xla_blocked.ragged_paged_attention
+        assert resolve_backend("pallas") == "pallas_gpu"
+    with target.use(target.Target(platform="tpu", device_kind="TPU v5 lite")):
+        assert resolve_backend("auto") == "pallas_tpu"
+        assert get_attention_fn("auto").keywords["chip"] == "TPU v5 lite"
