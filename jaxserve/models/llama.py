@@ -46,7 +46,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import target
-from jaxserve.models.attention import get_attention_fn, with_attention_plan, write_kv
+from jaxserve.models.attention import (
+    get_attention_fn,
+    resolve_backend,
+    with_attention_plan,
+    write_kv,
+)
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages
 from jaxserve.models.sharding import ShardingPlan, attention_over_heads
@@ -107,7 +112,10 @@ class Attention(nn.Module):
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, batch.slot_mapping)
-        out = attention_over_heads(get_attention_fn(self.attention_backend), self.plan)(
+        backend = resolve_backend(self.attention_backend)
+        out = attention_over_heads(
+            get_attention_fn(backend), self.plan, kernel=backend.startswith("pallas")
+        )(
             q,
             k_pool,
             v_pool,

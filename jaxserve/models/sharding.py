@@ -219,16 +219,27 @@ class ShardingPlan:
         return jax.device_put(params, self.params(params))
 
 
-def attention_over_heads(fn: Callable[..., jax.Array], plan: ShardingPlan | None):
+def attention_over_heads(
+    fn: Callable[..., jax.Array], plan: ShardingPlan | None, *, kernel: bool = False
+):
     """`fn` (a ragged paged attention) run by each device on its own heads, with `shard_map`.
 
-    Heads are independent, so nothing crosses devices. XLA's partitioner could not split a Pallas
-    kernel (a custom call) by itself: without this it would gather the whole pool onto every
-    device. When the plan's split is not head-local, `fn` runs as is and XLA reshards.
+    Heads are independent, so nothing crosses devices. When the plan's split is head-local, each
+    device runs its own query heads over its own KV heads. When it is not (query heads that do
+    not divide by the devices, as smollm2-135m's 9 heads over 2 or 4), the XLA attention is left
+    to XLA's partitioner, but a Pallas kernel (`kernel`) cannot be partitioned by it (a custom
+    call: "Mosaic kernels cannot be automatically partitioned"), so each device runs the query
+    heads of the KV heads it holds: q resharded to the KV split, the devices that share a KV
+    shard computing the same heads (issue 28, defect 1).
     """
-    if plan is None or plan.tensor_parallel == 1 or not plan.attention_is_local:
+    if plan is None or plan.tensor_parallel == 1:
         return fn
-    heads = P(None, MODEL, None)  # q and the output: [T, num_heads, head_dim]
+    if plan.attention_is_local:
+        heads = P(None, MODEL, None)  # q and the output: [T, num_heads, head_dim]
+    elif kernel:
+        heads = P(None, KV_AXIS, None)  # whole GQA groups of the KV heads this device holds
+    else:
+        return fn
     pool = P(None, None, None, KV_AXIS, None)  # [num_layers, num_pages, page_size, Hkv, head_dim]
 
     def call(

@@ -50,3 +50,18 @@ def test_an_unknown_target_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and report is None
     errors = [line for line in proc.stderr.splitlines() if line.startswith("jaxserve: error:")]
     assert len(errors) == 1 and "v9z:1x1" in errors[0], proc.stderr
+
+
+@needs_libtpu
+def test_the_tpu_kernel_compiles_under_tensor_parallel_where_attention_is_not_head_local(tmp_path):
+    """Issue 28, defect 1: smollm2-135m's 9 query / 3 KV heads over 2 devices. XLA cannot
+    partition the Mosaic kernel ("Mosaic kernels cannot be automatically partitioned"); it runs
+    under shard_map on the query heads of each device's KV heads."""
+    proc, report = _compile(
+        "--target", "v5e:2x2", "--model", "smollm2-135m", "--tensor-parallel", "2",
+        "--max-num-seqs", "4", "--max-num-batched-tokens", "8", "--buckets", "8",
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert report["num_devices"] == 2 and report["attention_backend"] == "pallas_tpu"
+    assert all(b["compiled"] for b in report["buckets"]), report["buckets"]

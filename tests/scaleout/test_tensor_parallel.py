@@ -35,6 +35,8 @@ SHAPES = {
 ODD_SHAPES = {
     "llama-kv2": LLAMA,
     "llama-kv6": LLAMA.replace(num_heads=12, num_kv_heads=6),
+    # smollm2-135m's heads (9 query, 3 KV): neither split by 2 nor by 4.
+    "llama-kv3": LLAMA.replace(num_heads=9, num_kv_heads=3),
 }
 PROMPTS = [[5, 17, 300, 42, 9, 77, 1000, 3, 64], [8, 400, 401, 2], [999, 11, 12]]
 DECODE_STEPS = 6
@@ -165,6 +167,29 @@ def test_pallas_kernels_run_on_each_devices_heads(backend):
     want_logits, _, _ = greedy_run(SHAPES["qwen3-kv4"], 1)
     logits, _, _ = greedy_run(SHAPES["qwen3-kv4"], 2, backend, decode_steps=0)
     np.testing.assert_allclose(logits[0], want_logits[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("shape", "tensor_parallel", "backend"),
+    [
+        ("llama-kv3", 2, "pallas_tpu_interpret"),
+        ("llama-kv3", 4, "pallas_tpu_interpret"),
+        # 6 KV heads over 4 devices: the TPU interpreter's cross-device barrier deadlocks with 4
+        # simulated devices on 2 cores; the Triton kernel goes through the same shard_map.
+        ("llama-kv6", 4, "pallas_gpu_interpret"),
+    ],
+)
+def test_pallas_kernel_where_attention_is_not_head_local(shape, tensor_parallel, backend):
+    """Query heads that do not divide by the devices (smollm2-135m's 9 over 2 or 4): XLA cannot
+    partition a Pallas kernel, so it runs under shard_map on the query heads of the KV heads each
+    device holds (issue 28, defect 1: before, XLA was left to reshard it and the compile failed).
+    Interpret mode, a prefill and a decode step, against the one-device XLA path."""
+    config = ODD_SHAPES[shape]
+    plan = ShardingPlan.create(make_mesh(tensor_parallel), config)
+    assert not plan.attention_is_local
+    want_logits, _, _ = greedy_run(config, 1)
+    logits, _, _ = greedy_run(config, tensor_parallel, backend, decode_steps=1)
+    np.testing.assert_allclose(logits, want_logits[:2], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", ["llama-kv4", "qwen3-kv8"])
