@@ -3,16 +3,34 @@
 The engine core (core.py) runs the loop and knows no calibration; an engine whose config asks
 for SLO-aware scheduling or a cost model gets its policy here, measured on the engine itself at
 warm-up when no saved cost model applies (calibration.py). Every front door (LLM, AsyncEngine,
-the commands, batch jobs, the benchmarks) builds its engine with `build_engine`.
+the commands, batch jobs, the benchmarks) builds its engine here, and `jaxserve.engine.Engine`
+is this module's `Engine`: what a library user (or ../shared/peers) constructs.
 """
 
 from __future__ import annotations
 
-from jaxserve.engine import calibration
-from jaxserve.engine.core import Engine
+from collections.abc import Callable
+
+from jaxserve.engine import calibration, core
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.loaded import LoadedModel
 from jaxserve.runtime.model_runner import ModelRunner
+
+
+class Engine(core.Engine):
+    """`core.Engine` with the step-budget policy its config asks for (the SLO policy)."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        model: LoadedModel | None = None,
+        *,
+        runner: ModelRunner | None = None,
+        budget_policy: Callable[[core.Engine], object | None] | None = None,
+    ):
+        super().__init__(
+            config, model, runner=runner, budget_policy=budget_policy or calibration.slo_policy_for
+        )
 
 
 def build_engine(
@@ -22,4 +40,4 @@ def build_engine(
     runner: ModelRunner | None = None,
 ) -> Engine:
     """An `Engine` for `config` (the default config when None), with the SLO policy it asks for."""
-    return Engine(config, model, runner=runner, budget_policy=calibration.slo_policy_for)
+    return Engine(config, model, runner=runner)

@@ -207,3 +207,15 @@ def test_the_engine_core_refuses_an_slo_config_without_a_policy():
 
     with pytest.raises(ValueError, match="build_engine"):
         Engine(EngineConfig(**SMALL, slo_scheduling=True, tpot_slo_s=0.1))
+
+
+def test_the_package_engine_serves_an_slo_config_as_the_library_and_peers_build_it():
+    """`from jaxserve.engine import Engine` (../shared/peers' adapter, library users) is the
+    engine as its config asks: an SLO config gets its policy, as build_engine gives it."""
+    from jaxserve.engine import Engine, build, core
+
+    assert Engine is build.Engine and issubclass(Engine, core.Engine)
+    config = EngineConfig(**SMALL, slo_scheduling=True, tpot_slo_s=0.1, precompile=False)
+    seen = []
+    engine = Engine(config, budget_policy=lambda e: seen.append(e) or "policy")
+    assert seen == [engine] and engine.slo_policy == "policy"
