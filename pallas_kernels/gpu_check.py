@@ -38,7 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.ragged_paged_attention import gpu_kernel, mosaic_gpu_kernel, reference, tuning
+from pallas_kernels.ragged_paged_attention import (
+    common,
+    gpu_kernel,
+    mosaic_gpu_kernel,
+    reference,
+    tuning,
+)
 
 # Peak HBM bandwidth in bytes/s, from vendor data sheets, matched by substring of device_kind
 # (longest key first, so "H100 PCIe" wins over "H100").
@@ -118,12 +124,12 @@ def decode_inputs(batch: int, context: int, shape: Shape, seed: int = 0) -> tupl
     pages_per_seq = context // shape.page_size
     num_pages = batch * pages_per_seq
     page_tables = rng.permutation(num_pages).astype(np.int32).reshape(batch, pages_per_seq)
-    key_k, key_v, key_q = jax.random.split(jax.random.key(seed), 3)
-    pool = (1, num_pages, shape.page_size, shape.num_kv_heads, shape.head_dim)
+    key_kv, key_q = jax.random.split(jax.random.key(seed), 2)
+    # Keys and values side by side per head (common.fuse_kv), random either way.
+    pool = (1, num_pages, shape.page_size, 2 * shape.num_kv_heads * shape.head_dim)
     return (
         jax.random.normal(key_q, (batch, shape.num_heads, shape.head_dim), shape.dtype),
-        jax.random.normal(key_k, pool, shape.dtype),
-        jax.random.normal(key_v, pool, shape.dtype),
+        jax.random.normal(key_kv, pool, shape.dtype),
         jnp.int32(0),
         jnp.arange(batch + 1, dtype=jnp.int32),
         jnp.full((batch,), context, jnp.int32),
@@ -134,11 +140,11 @@ def decode_inputs(batch: int, context: int, shape: Shape, seed: int = 0) -> tupl
 
 def dense_attention_fn(args: tuple, shape: Shape):
     """jax.nn.dot_product_attention over the same keys gathered densely (gather not timed)."""
-    q, k_pool, v_pool, _, _, _, page_tables, _ = args
+    q, kv_pool, _, _, _, page_tables, _ = args
     batch, pages_per_seq = page_tables.shape
     dense = (batch, pages_per_seq * shape.page_size, shape.num_kv_heads, shape.head_dim)
-    k = k_pool[0, page_tables].reshape(dense)
-    v = v_pool[0, page_tables].reshape(dense)
+    k, v = common.split_kv(kv_pool[0, page_tables], shape.num_kv_heads, shape.head_dim)
+    k, v = k.reshape(dense), v.reshape(dense)
     q = q[:, None]  # [B, 1, H, D]
     for implementation in ("cudnn", "xla"):
         fn = jax.jit(

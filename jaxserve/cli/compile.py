@@ -93,7 +93,8 @@ def format_report(report) -> str:
         f"{report.device_kind}",
         f"params {_mib(report.param_bytes_per_device)} MiB a device; KV pool {report.num_pages} "
         f"pages of {report.page_size} tokens, {_mib(report.pool_bytes_per_device)} MiB a device "
-        f"(sized from {_mib(report.hbm_bytes_per_device)} MiB of HBM)",
+        f"(sized from {_mib(report.hbm_bytes_per_device)} MiB of HBM, after the largest "
+        f"bucket's temporaries); layout padding {report.pool_padding:.2f}x",
         "",
     ]
     head = (

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxserve import target
 from jaxserve.models.step_batch import SeqChunk, StepBatch, pack_chunks
-from pallas_kernels.ragged_paged_attention import reference, xla_blocked
+from pallas_kernels.ragged_paged_attention import common, reference, xla_blocked
 
 # reference: the dense pure-jnp oracle (cost follows max_model_len). xla: pure jnp blocked over
 # the real context (the CPU's production path). pallas: the platform's kernel (TPU or GPU), an
@@ -165,7 +165,7 @@ def get_attention_fn(backend: str) -> AttentionFn:
     return functools.partial(_chosen_gpu_kernel, where.compute_capability, where.device_kind)
 
 
-def _chosen_gpu_kernel(compute_capability, device_kind, q, k_pool, v_pool, *args, **kwargs):
+def _chosen_gpu_kernel(compute_capability, device_kind, q, kv_pool, *args, **kwargs):
     """The GPU kernel that takes this shape (kernel_choice), else the XLA attention: chosen when
     the model is traced, from the target's compute capability and the pool's dtype and shape."""
     from pallas_kernels.ragged_paged_attention import (
@@ -179,11 +179,11 @@ def _chosen_gpu_kernel(compute_capability, device_kind, q, k_pool, v_pool, *args
     page_tables = args[3]  # after layer, query_start, kv_lens
     kernel = kernel_choice.choose_gpu_kernel(
         compute_capability,
-        k_pool.dtype,
+        kv_pool.dtype,
         head_dim=q.shape[2],
-        page_size=k_pool.shape[2],
+        page_size=kv_pool.shape[2],
         num_q_heads=q.shape[1],
-        num_kv_heads=k_pool.shape[3],
+        num_kv_heads=common.kv_heads_of(kv_pool, q.shape[2], kwargs.get("num_kv_heads")),
         block_sizes=sizes,
         num_tokens=q.shape[0],
         num_slots=page_tables.shape[0],
@@ -191,33 +191,33 @@ def _chosen_gpu_kernel(compute_capability, device_kind, q, k_pool, v_pool, *args
     )
     if kernel == kernel_choice.MOSAIC_GPU:
         return mosaic_gpu_kernel.ragged_paged_attention(
-            q, k_pool, v_pool, *args, block_sizes=sizes, **kwargs
+            q, kv_pool, *args, block_sizes=sizes, **kwargs
         )
     if kernel == kernel_choice.TRITON:
         return gpu_kernel.ragged_paged_attention(
-            q,
-            k_pool,
-            v_pool,
-            *args,
-            block_sizes=sizes,
-            compute_capability=compute_capability,
-            **kwargs,
+            q, kv_pool, *args, block_sizes=sizes, compute_capability=compute_capability, **kwargs
         )
-    return xla_blocked.ragged_paged_attention(q, k_pool, v_pool, *args, **kwargs)
+    return xla_blocked.ragged_paged_attention(q, kv_pool, *args, **kwargs)
 
 
 @functools.partial(jax.named_call, name="write_kv")
 def write_kv(
-    k_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
-    v_pool: jax.Array,  # same as k_pool
+    kv_pool: jax.Array,  # [num_layers, num_pages, page_size, lanes] (jaxserve/models/kv_pool.py)
     layer: jax.Array,  # i32[]
     k: jax.Array,  # [T, num_kv_heads, head_dim]
     v: jax.Array,  # [T, num_kv_heads, head_dim]
     slot_mapping: jax.Array,  # i32[T] page * page_size + offset; out of range for padding
-) -> tuple[jax.Array, jax.Array]:
-    """Scatters this step's keys and values into their slots; padding rows are dropped."""
-    page_size = k_pool.shape[2]
+    shards: int = 1,  # KV shards of the pool's lanes (ShardingPlan.kv_shards)
+    rows_sharding: jax.sharding.Sharding | None = None,  # ShardingPlan.kv_rows, split over a mesh
+) -> jax.Array:
+    """Scatters this step's keys and values into their slots, one [lanes] row per token (keys
+    and values side by side, `common.fuse_kv`); padding rows are dropped."""
+    page_size, lanes = kv_pool.shape[2], kv_pool.shape[3]
     page, offset = slot_mapping // page_size, slot_mapping % page_size
-    k_pool = k_pool.at[layer, page, offset].set(k.astype(k_pool.dtype), mode="drop")
-    v_pool = v_pool.at[layer, page, offset].set(v.astype(v_pool.dtype), mode="drop")
-    return k_pool, v_pool
+    rows = common.fuse_kv(k.astype(kv_pool.dtype), v.astype(kv_pool.dtype), lanes, shards)
+    if rows_sharding is not None:
+        # Rows split as the pool's lanes are. Left to itself XLA may split them finer where KV
+        # heads are replicated (over model_rep too), then split the pool that way for the
+        # scatter and gather it back for attention: a pool-sized all-gather in every layer.
+        rows = jax.lax.with_sharding_constraint(rows, rows_sharding)
+    return kv_pool.at[layer, page, offset].set(rows, mode="drop")

@@ -1,4 +1,20 @@
-"""The paged KV pool on the device: one preallocated array each for keys and values.
+"""The paged KV pool on the device: ONE preallocated array for keys and values.
+
+    kv: [num_layers, num_pages, page_size, lanes]
+
+Each token's keys and values sit side by side in the minor dimension: KV head h's keys at lanes
+[2hD, 2hD + D), its values at [2hD + D, 2hD + 2D) (D = head_dim), and when the pool is split
+over devices by KV head, each device's block of heads is contiguous and padded on its own
+(`pallas_kernels.ragged_paged_attention.common.fuse_kv`). On TPU the lanes are padded to a
+multiple of 128 (`kv_lanes`).
+
+Why this shape: TPU HBM stores the two minor dimensions of an array in (8, 128) tiles (16 rows
+of bfloat16). The 5-d [L, pages, page_size, num_kv_heads, head_dim] pool it replaced padded
+[3, 64] to [4, 128] (smollm2-135m, 2.67x), so XLA:TPU gave it a pages-minor default layout
+instead, which neither the Pallas kernel nor the scatter of new keys can use: every step copied K
+and V to row-major and back (1.9 GiB of temporaries for a 0.7 GiB pool). A minor dimension of
+whole 128-lane tiles is row-major with no padding (smollm2: 2 * 3 * 64 = 384 lanes), one page is
+one contiguous DMA of its keys and values, and one scatter writes both.
 
 Layers are stacked on the leading axis so the model scans over them (one compiled layer body,
 whatever the depth) and the step donates the pool, updating it in place.
@@ -7,31 +23,39 @@ whatever the depth) and the step donates the pool, updating it in place.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.models.config import ModelConfig
+from pallas_kernels.ragged_paged_attention import common
 
 
 @dataclasses.dataclass(frozen=True)
 class KVPages:
     """Keys and values of every cached token, addressed by (layer, page, offset)."""
 
-    k: jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
-    v: jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    kv: jax.Array  # [num_layers, num_pages, page_size, lanes] (see the module docstring)
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.kv.shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.kv.shape[2]
 
 
-jax.tree_util.register_dataclass(KVPages, data_fields=["k", "v"], meta_fields=[])
+jax.tree_util.register_dataclass(KVPages, data_fields=["kv"], meta_fields=[])
+
+
+def kv_lanes(config: ModelConfig, shards: int = 1, platform: str = "cpu") -> int:
+    """The pool's minor dimension for `config` split over `shards` devices by KV head: keys and
+    values of each device's heads, padded to whole 128-lane tiles on TPU (none elsewhere)."""
+    align = common.LANES if platform == "tpu" else 1
+    return common.kv_lanes(config.num_kv_heads, config.head_dim, shards, align)
 
 
 def init_kv_pages(
@@ -41,23 +65,55 @@ def init_kv_pages(
     page_size: int,
     dtype: jnp.dtype = jnp.float32,
     sharding: jax.sharding.Sharding | None = None,
+    lanes: int | None = None,
 ) -> KVPages:
     """Allocates a zeroed pool of `num_pages` pages of `page_size` tokens for every layer.
 
     With `sharding` (split by KV head over a mesh) each device allocates only its own heads.
+    `lanes` defaults to the unpadded 2 * num_kv_heads * head_dim (ShardingPlan.kv_lanes pads it
+    for the platform and split).
     """
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"The KV pool needs {num_pages=} >= 1 and {page_size=} >= 1.")
-    shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
-    return KVPages(
-        k=jnp.zeros(shape, dtype, device=sharding), v=jnp.zeros(shape, dtype, device=sharding)
-    )
+    lanes = lanes or kv_lanes(config)
+    shape = (config.num_layers, num_pages, page_size, lanes)
+    return KVPages(kv=jnp.zeros(shape, dtype, device=sharding))
 
 
-def kv_bytes_per_page(config: ModelConfig, page_size: int, dtype: jnp.dtype) -> int:
-    """Bytes one page takes over all layers, keys and values: to size the pool from a budget."""
+def kv_bytes_per_page(
+    config: ModelConfig, page_size: int, dtype: jnp.dtype, lanes: int | None = None
+) -> int:
+    """Bytes one page takes over all layers, keys and values (with the lanes' padding, when
+    `lanes` is given): to size the pool from a budget."""
     itemsize = jnp.dtype(dtype).itemsize
-    return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * itemsize
+    return config.num_layers * page_size * (lanes or kv_lanes(config)) * itemsize
+
+
+def padded_bytes(shape: Sequence[int], dtype: jnp.dtype, platform: str = "tpu") -> int:
+    """Bytes an array of `shape` takes in device memory laid out row-major: on TPU its minor
+    dimension in whole 128-lane tiles and its second-minor in XLA's default tile rows (1, 2, 4 or
+    8, then multiples of 8; at least 2 for 16-bit types), elsewhere unpadded. For the pool's
+    padding overhead (`pool_padding`); the compiled step's memory_analysis() is the measurement."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if platform != "tpu" or not shape:
+        return math.prod(shape) * itemsize
+    *major, rows, cols = (1, *shape) if len(shape) == 1 else shape
+    if rows >= 8:
+        rows = -(-rows // 8) * 8
+    else:
+        rows = max(2 if itemsize < 4 else 1, 1 << (rows - 1).bit_length())
+    return math.prod(major) * rows * (-(-cols // 128) * 128) * itemsize
+
+
+def pool_padding(
+    config: ModelConfig, lanes: int, page_size: int, dtype, platform: str, shards: int = 1
+) -> float:
+    """Device bytes of the pool over its keys' and values' own bytes (1.0: no padding), per
+    device of a pool of `lanes` split `shards` ways."""
+    real = 2 * config.num_kv_heads // shards * config.head_dim * page_size
+    return padded_bytes((page_size, lanes // shards), dtype, platform) / (
+        real * jnp.dtype(dtype).itemsize
+    )
 
 
 def free_device_bytes(devices: Sequence[jax.Device]) -> int | None:
@@ -74,13 +130,20 @@ def free_device_bytes(devices: Sequence[jax.Device]) -> int | None:
 
 
 def pages_that_fit(
-    bytes_per_page: int, devices: Sequence[jax.Device], *, fraction: float, fallback_gb: float
+    bytes_per_page: int,
+    devices: Sequence[jax.Device],
+    *,
+    fraction: float,
+    fallback_gb: float,
+    reserved_bytes: int = 0,
 ) -> int:
-    """Pages whose per-device share (`bytes_per_page` on each device) fits the free memory.
+    """Pages whose per-device share (`bytes_per_page` on each device, padded) fits the free
+    memory once `reserved_bytes` (the compiled step's temporaries: model_runner.step_memory)
+    are set aside.
 
     Call it after the params are placed, so what they take is already in use. Where the platform
     reports no memory (the CPU), the budget is `fallback_gb` per device.
     """
     free = free_device_bytes(devices)
-    budget = int(fallback_gb * 2**30) if free is None else int(free * fraction)
+    budget = int(fallback_gb * 2**30) if free is None else int((free - reserved_bytes) * fraction)
     return max(budget // bytes_per_page, 0)

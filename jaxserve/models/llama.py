@@ -99,26 +99,38 @@ class Attention(nn.Module):
     plan: ShardingPlan | None = None  # tensor parallel: attention runs on each device's heads
 
     @nn.compact
-    def __call__(self, x, k_pool, v_pool, layer, batch: StepBatch, cos, sin):
+    def __call__(self, x, kv_pool, layer, batch: StepBatch, cos, sin):
         c = self.config
         t = x.shape[0]
         # One matmul for q, k and v: per KV head, its group of q heads, then its k, then its v.
         g = c.q_per_kv
         qkv = _dense((c.num_kv_heads, g + 2, c.head_dim), c.qkv_bias, self.dtype, "qkv_proj")(x)
+        split = self.plan is not None and self.plan.tensor_parallel > 1
+        if split:
+            # Each device projects its KV heads' whole groups (sharding.py), so its keys and
+            # values, written into its share of the pool, never cross devices.
+            qkv = jax.lax.with_sharding_constraint(qkv, self.plan.qkv_out)
         q = qkv[:, :, :g].reshape(t, c.num_heads, c.head_dim)  # q head j * g + i reads KV head j
         k, v = qkv[:, :, g], qkv[:, :, g + 1]  # [T, num_kv_heads, head_dim]
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, batch.slot_mapping)
+        kv_pool = write_kv(
+            kv_pool,
+            layer,
+            k,
+            v,
+            batch.slot_mapping,
+            1 if self.plan is None else self.plan.kv_shards,
+            rows_sharding=self.plan.kv_rows if split else None,
+        )
         backend = resolve_backend(self.attention_backend)
         out = attention_over_heads(
             get_attention_fn(backend), self.plan, kernel=backend.startswith("pallas")
         )(
             q,
-            k_pool,
-            v_pool,
+            kv_pool,
             layer,
             batch.query_start,
             batch.kv_lens,
@@ -127,10 +139,11 @@ class Attention(nn.Module):
             # The xla backend's tile list, made once per step before the layer loop.
             *(() if batch.attention_plan is None else (batch.attention_plan,)),
             sm_scale=c.head_dim**-0.5,
+            num_kv_heads=c.num_kv_heads,
             sliding_window=c.sliding_window,
         )
         out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(out.reshape(t, -1))
-        return out, k_pool, v_pool
+        return out, kv_pool
 
 
 class MLP(nn.Module):
@@ -155,13 +168,12 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, batch: StepBatch, cos, sin):
-        h, k_pool, v_pool, layer = carry
+        h, kv_pool, layer = carry
         c = self.config
         attention = Attention(c, self.attention_backend, self.dtype, self.plan, name="self_attn")
-        attn_out, k_pool, v_pool = attention(
+        attn_out, kv_pool = attention(
             RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(h),
-            k_pool,
-            v_pool,
+            kv_pool,
             layer,
             batch,
             cos,
@@ -171,7 +183,7 @@ class DecoderLayer(nn.Module):
         h = h + MLP(c, self.dtype, name="mlp")(
             RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h)
         )
-        return (h, k_pool, v_pool, layer + 1), None
+        return (h, kv_pool, layer + 1), None
 
 
 LAYER_LOOPS = ("auto", "scan", "unrolled")
@@ -325,18 +337,18 @@ class LlamaForCausalLM(nn.Module):
         freqs = batch.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
         angles = jnp.concatenate([freqs, freqs], axis=-1)  # f32[T, head_dim]
         h = self.embed_tokens(batch.token_ids)
-        carry = (h, kv.k, kv.v, jnp.int32(0))
-        h, k_pool, v_pool = self._run_layers(carry, batch, jnp.cos(angles), jnp.sin(angles))
-        return self.norm(h), KVPages(k=k_pool, v=v_pool)
+        carry = (h, kv.kv, jnp.int32(0))
+        h, kv_pool = self._run_layers(carry, batch, jnp.cos(angles), jnp.sin(angles))
+        return self.norm(h), KVPages(kv=kv_pool)
 
     def _run_layers(self, carry, batch: StepBatch, cos: jax.Array, sin: jax.Array):
-        """The decoder layers over `carry` (h, k_pool, v_pool, layer): scanned or unrolled."""
+        """The decoder layers over `carry` (h, kv_pool, layer): scanned or unrolled."""
         if isinstance(self.layers, nn.Module):  # the scan
             carry, _ = self.layers(carry, batch, cos, sin)
         else:
             for layer in self.layers:
                 carry, _ = layer(carry, batch, cos, sin)
-        return carry[:3]
+        return carry[:2]
 
     def init_all(self, kv: KVPages, batch: StepBatch) -> jax.Array:
         """Touches every parameter (the forward and the head), for `init` and `eval_shape`."""

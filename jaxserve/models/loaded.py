@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.kv_pool import KVPages
+from jaxserve.models.kv_pool import KVPages, kv_lanes
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
 
@@ -58,8 +58,8 @@ def abstract_params(config: ModelConfig, dtype, layer_loop: str = "scan") -> dic
     # The reference attention: a param's shape never depends on the attention, and no kernel may
     # refuse this one-token, one-slot pool (issue 28, defect 4: the auto choice refused it).
     model = model_for(config, dtype, attention_backend="reference", layer_loop=layer_loop)
-    kv_shape = (config.num_layers, 1, 1, config.num_kv_heads, config.head_dim)
-    kv = KVPages(k=jax.ShapeDtypeStruct(kv_shape, dtype), v=jax.ShapeDtypeStruct(kv_shape, dtype))
+    kv_shape = (config.num_layers, 1, 1, kv_lanes(config))
+    kv = KVPages(kv=jax.ShapeDtypeStruct(kv_shape, dtype))
     batch = pack_chunks(
         [SeqChunk([0], 0, [0])], page_size=1, num_tokens=1, num_seqs=1, pages_per_seq=1, num_pages=1
     )

@@ -21,8 +21,12 @@ N contiguous blocks, so:
   holds a KV head's whole group, so these devices each project the group's queries and keep their
   slice: q's share of the projection is computed N / num_kv_heads times, in exchange for one
   matmul per layer instead of three.
-- otherwise: the pool (and k/v projections) is replicated on every device; still correct, XLA
-  moves the query heads where they are needed.
+- otherwise: the pool (and the qkv projection) is replicated on every device, and every device
+  runs attention over all heads (smollm2-135m's 3 KV heads at tensor parallel 2 or 4). A Pallas
+  kernel cannot be split by XLA, so `attention_over_heads` runs it under shard_map on replicated
+  operands: the same work and memory the XLA backend's replicated attention costs, and no
+  communication (q comes out of the replicated projection already replicated; an o_proj split by
+  rows slices the replicated output locally).
 To say this with NamedShardings the plan factors the model axis into ("model_kv", "model_rep"):
 KV tensors are split over "model_kv" only, everything else over both (in row-major order, so the
 query block of device (i, j) is i * rep + j, which reads KV block i).
@@ -48,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.kv_pool import kv_lanes
 
 logger = logging.getLogger(__name__)
 
@@ -171,9 +176,32 @@ class ShardingPlan:
         return self.sharding(P())
 
     @property
+    def platform(self) -> str:
+        """The platform of the mesh's devices ('tpu', 'gpu', 'cpu'), abstract ones included."""
+        return self.mesh.devices.flat[0].platform
+
+    @property
+    def kv_lanes(self) -> int:
+        """The pool's minor dimension on this mesh: each KV shard's heads' keys and values, padded
+        to whole 128-lane tiles on TPU (jaxserve/models/kv_pool.py)."""
+        return kv_lanes(self.config, self.kv_shards, self.platform)
+
+    @property
+    def qkv_out(self) -> NamedSharding:
+        """The fused projection's output [T, num_kv_heads, group + 2, head_dim]: by KV head, each
+        device of a KV shard holding its heads' whole query groups, keys and values."""
+        return self.sharding(P(None, KV_AXIS, None, None))
+
+    @property
+    def kv_rows(self) -> NamedSharding:
+        """A step's new keys and values, [T, lanes]: split as the pool's lanes are."""
+        return self.sharding(P(None, KV_AXIS))
+
+    @property
     def kv_pages(self) -> NamedSharding:
-        # [num_layers, num_pages, page_size, num_kv_heads, head_dim], split by KV head.
-        return self.sharding(P(None, None, None, KV_AXIS, None))
+        # [num_layers, num_pages, page_size, lanes]: the lanes hold each KV shard's heads
+        # contiguously (kv_pages.py), so splitting them splits by KV head.
+        return self.sharding(P(None, None, None, KV_AXIS))
 
     def param_spec(self, path: str, ndim: int) -> P:
         """The PartitionSpec of the param at `path` ('layers/self_attn/qkv_proj/kernel', or
@@ -240,19 +268,20 @@ def attention_over_heads(
         heads = P(None, KV_AXIS, None)  # whole GQA groups of the KV heads this device holds
     else:
         return fn
-    pool = P(None, None, None, KV_AXIS, None)  # [num_layers, num_pages, page_size, Hkv, head_dim]
+    pool = P(None, None, None, KV_AXIS)  # [num_layers, num_pages, page_size, lanes]
 
-    def call(
-        q, k_pool, v_pool, layer, query_start, kv_lens, page_tables, num_seqs, *extra, **static
-    ):
+    def call(q, kv_pool, layer, query_start, kv_lens, page_tables, num_seqs, *extra, **static):
         # `extra`: per-step metadata of a backend (the xla tile list), the same on every device.
+        # Called with the model's num_kv_heads; each device holds its KV shard's share of them.
+        if static.get("num_kv_heads") is not None:
+            static["num_kv_heads"] //= plan.kv_shards
         local = jax.shard_map(
             functools.partial(fn, **static),
             mesh=plan.mesh,
-            in_specs=(heads, pool, pool, P(), P(), P(), P(), P(), *[P()] * len(extra)),
+            in_specs=(heads, pool, P(), P(), P(), P(), P(), *[P()] * len(extra)),
             out_specs=heads,
             check_vma=False,  # Pallas kernels carry no varying-axes types
         )
-        return local(q, k_pool, v_pool, layer, query_start, kv_lens, page_tables, num_seqs, *extra)
+        return local(q, kv_pool, layer, query_start, kv_lens, page_tables, num_seqs, *extra)
 
     return call

@@ -26,7 +26,7 @@ import numpy as np
 from jaxserve import target as targets
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.kv_pool import KVPages, kv_bytes_per_page
+from jaxserve.models.kv_pool import KVPages, padded_bytes, pool_padding
 from jaxserve.models.llama import resolve_layer_loop, step_compiler_options
 from jaxserve.models.loaded import abstract_params, model_for, unstack_layers
 from jaxserve.models.sharding import ShardingPlan, make_mesh
@@ -50,7 +50,7 @@ class _StepProgram:
     replicated: object
     runner: RunnerConfig
     target: targets.Target
-    pool_shard_shape: tuple[int, ...]  # one device's K (or V) pool
+    pool_shard_shape: tuple[int, ...]  # one device's pool [L, pages, page_size, lanes]
     peaks: tuple[float, float] | None  # (FLOP/s, bytes/s) of one device
 
 
@@ -72,6 +72,12 @@ class BucketReport:
     bytes_accessed: float | None = None
     predicted_step_s: float | None = None  # roofline: max(flops / peak, bytes / bandwidth)
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Device memory the step needs beside its arguments: temporaries and the outputs that
+        do not reuse a donated argument."""
+        return self.temp_bytes + max(self.output_bytes - self.alias_bytes, 0)
+
 
 @dataclasses.dataclass
 class CompileReport:
@@ -88,6 +94,7 @@ class CompileReport:
     num_pages: int
     page_size: int
     pool_bytes_per_device: int
+    pool_padding: float  # the pool's device bytes over its keys' and values' own (1.0: none)
     param_bytes_per_device: int
     hbm_bytes_per_device: int | None
     buckets: list[BucketReport]
@@ -155,19 +162,20 @@ def size_pool(
     dtype,
     hbm_bytes: int | None,
     param_bytes: int,
-    kv_shards: int,
+    page_bytes: int,
     max_model_len: int,
     reserved_bytes: int = 0,
 ) -> int:
     """Pages of the KV pool for a target: the config's `num_pages`, else what fits
     `kv_cache_memory_fraction` of the device's HBM after its params and `reserved_bytes` (the
     step's temporaries, once a first compile has measured them), never more than max_num_seqs
-    full-length sequences need; on a target with no HBM figure, `kv_cache_memory_gb`."""
+    full-length sequences need; on a target with no HBM figure, `kv_cache_memory_gb`.
+    `page_bytes` is one page's bytes on one device as laid out (`pool_page_bytes`)."""
     pages_per_seq = math.ceil(max_model_len / config.page_size)
     cap = config.max_num_seqs * pages_per_seq
     if config.num_pages:
         return config.num_pages
-    page_bytes = max(1, kv_bytes_per_page(model, config.page_size, dtype) // kv_shards)
+    page_bytes = max(1, page_bytes)
     if hbm_bytes is None:
         budget = config.kv_cache_memory_gb * 2**30
     else:
@@ -175,26 +183,69 @@ def size_pool(
     return max(1, min(cap, int(budget // page_bytes)))
 
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*\w+\[([\d,]*)\]\S*\s+([\w-]+)\(")
+def pool_page_bytes(model: ModelConfig, page_size: int, dtype, sharding: ShardingPlan) -> int:
+    """Bytes of one page on each device: its KV shard's lanes over all layers, padded as the
+    platform lays them out (kv_pool.padded_bytes: whole 128-lane tiles on TPU, whose lanes are
+    already a multiple of 128, so only the sublane rows of a page_size under 8 pad there)."""
+    shard_lanes = sharding.kv_lanes // sharding.kv_shards
+    return model.num_layers * padded_bytes((page_size, shard_lanes), dtype, sharding.platform)
 
 
-def pool_copies(hlo_text: str, pool_shape: tuple[int, ...]) -> int:
-    """Copies or transposes in the compiled HLO whose result has as many elements as one
-    device's pool: a relayout of the whole pool (the in-place KV write is a scatter or a
-    dynamic-update-slice into the donated pool, not counted)."""
-    count, elements = 0, math.prod(pool_shape)
-    for line in hlo_text.splitlines():
-        m = _INSTR.match(line)
-        if not m or not m.group(2):
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\w+\[([\d,]*)\](?:\{[^}]*\})?\s+([\w\-]+)\((.*)$"
+)
+# Ops that materialise a whole pool again: a relayout, or a reshard of it across devices.
+_POOL_MOVES = (
+    "copy",
+    "copy-start",
+    "copy-done",
+    "transpose",
+    "all-gather",
+    "all-gather-start",
+    "all-gather-done",
+    "all-to-all",
+    "collective-permute",
+    "collective-permute-start",
+    "collective-permute-done",
+)
+
+
+def pool_copies(hlo_text: str, pool_shape: tuple[int, ...]) -> list[str]:
+    """Instructions of a compiled program (`compiled.as_text()`) that copy, transpose or reshard
+    a whole pool: a relayout the step pays every call (twice the pool in temporaries, and its
+    bandwidth), or a gather of it across devices. Empty for a step that keeps its pool in place.
+
+    `pool_shape` is one device's shard of the pool. Matched by element count, since a relayout
+    may also reshape; fusions count by their root's opcode. The pool's in-place update (a
+    scatter into the donated buffer) is not a copy and is not reported.
+    """
+    size = math.prod(pool_shape)
+    lines = hlo_text.splitlines()
+    roots: dict[str, str] = {}  # fused computation -> its root's opcode
+    current = None
+    for line in lines:
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(1)
+        elif current and line.lstrip().startswith("ROOT"):
+            ins = _INSTRUCTION.match(line)
+            if ins:
+                roots[current] = ins.group(2)
+    found = []
+    for line in lines:
+        ins = _INSTRUCTION.match(line)
+        if not ins or not ins.group(1):
             continue
-        name, dims, op = m.groups()
-        if math.prod(int(d) for d in dims.split(",")) != elements:
+        if math.prod(int(d) for d in ins.group(1).split(",")) != size:
             continue
-        if op in ("copy", "transpose", "copy-start") or (
-            op == "fusion" and ("copy" in name or "transpose" in name)
-        ):
-            count += 1
-    return count
+        op = ins.group(2)
+        if op == "fusion":
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            op = roots.get(called.group(1), "fusion") if called else "fusion"
+        if op in _POOL_MOVES:
+            found.append(line.strip()[:160])
+    return found
 
 
 def _cost(compiled) -> tuple[float | None, float | None]:
@@ -241,61 +292,49 @@ def compile_for_target(
             model.max_position_embeddings,
         )
         hbm = _hbm_per_device(where)
-        num_pages = size_pool(
-            config, model, dtype, hbm, param_bytes, sharding.kv_shards, max_model_len
-        )
-        runner = RunnerConfig(
-            num_pages=num_pages,
-            page_size=config.page_size,
-            max_model_len=max_model_len,
-            token_buckets=config.token_buckets,
-            seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
-            attention_backend=config.attention_backend,
-        )
-        pool_shape = (
-            model.num_layers,
-            num_pages,
-            config.page_size,
-            model.num_kv_heads,
-            model.head_dim,
-        )
-        kv_sharding = sharding.kv_pages
-        pool = jax.ShapeDtypeStruct(pool_shape, dtype, sharding=kv_sharding)
-        kv = KVPages(k=pool, v=pool)
-        shard_shape = kv_sharding.shard_shape(pool_shape)
-        pool_bytes = 2 * math.prod(shard_shape) * dtype.itemsize
-        rep = sharding.replicated
-        max_seqs = runner.seq_buckets[-1]
-        pen = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
-            jax.eval_shape(lambda: PenaltyState.zeros(max_seqs, model.vocab_size)),
-        )
-        last = jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=rep)
+        page_bytes = pool_page_bytes(model, config.page_size, dtype, sharding)
         module = model_for(model, dtype, config.attention_backend, sharding, layer_loop=layer_loop)
+
+        def program_of(num_pages: int) -> _StepProgram:
+            runner = RunnerConfig(
+                num_pages=num_pages,
+                page_size=config.page_size,
+                max_model_len=max_model_len,
+                token_buckets=config.token_buckets,
+                seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
+                attention_backend=config.attention_backend,
+            )
+            return step_program(module, params, param_shardings, runner, sharding, where)
+
+        def size(reserved: int) -> int:
+            return size_pool(
+                config, model, dtype, hbm, param_bytes, page_bytes, max_model_len, reserved
+            )
+
+        # The pool is sized from HBM, then again once the largest bucket's compile has measured
+        # what the step needs beside it (temporaries, outputs not donated): issue 28, item 4.
+        num_pages = size(0)
+        program = program_of(num_pages)
+        all_buckets = [b for b in program.runner.buckets() if not buckets or b[0] in buckets]
+        largest = _compile_bucket(program, *all_buckets[-1]) if all_buckets else None
+        if largest is not None and largest.compiled and hbm is not None and not config.num_pages:
+            resized = size(largest.reserved_bytes)
+            if resized != num_pages:
+                num_pages, program = resized, program_of(resized)
+                largest = _compile_bucket(program, *all_buckets[-1])
+        reports = []
+        for num_tokens, num_seqs in all_buckets:
+            if (num_tokens, num_seqs) == all_buckets[-1]:
+                report = largest
+            else:
+                report = _compile_bucket(program, num_tokens, num_seqs)
+            reports.append(report)
+            if log is not None:
+                log(report)
+        pool_bytes = num_pages * page_bytes
         from jaxserve.models.attention import resolve_backend
 
         backend = resolve_backend(config.attention_backend)
-        program = _StepProgram(
-            module=module,
-            params=params,
-            kv=kv,
-            pen=pen,
-            last=last,
-            param_shardings=param_shardings,
-            kv_sharding=kv_sharding,
-            replicated=rep,
-            runner=runner,
-            target=where,
-            pool_shard_shape=tuple(shard_shape),
-            peaks=_peaks(where, dtype),
-        )
-        reports = []
-        for num_tokens, num_seqs in runner.buckets():
-            if buckets and num_tokens not in buckets:
-                continue
-            reports.append(_compile_bucket(program, num_tokens, num_seqs))
-            if log is not None:
-                log(reports[-1])
     return CompileReport(
         target=where.name or "local",
         platform=where.platform,
@@ -308,10 +347,56 @@ def compile_for_target(
         num_pages=num_pages,
         page_size=config.page_size,
         pool_bytes_per_device=pool_bytes,
+        pool_padding=pool_padding(
+            model, sharding.kv_lanes, config.page_size, dtype, where.platform, sharding.kv_shards
+        ),
         param_bytes_per_device=param_bytes,
         hbm_bytes_per_device=hbm,
         buckets=reports,
     )
+
+
+def step_program(
+    module, params, param_shardings, runner: RunnerConfig, sharding: ShardingPlan, where
+) -> _StepProgram:
+    """The step's abstract inputs for `runner`'s buckets: `params` as ShapeDtypeStructs (or
+    arrays) laid out as `param_shardings`, the pool and the penalty state as shapes on
+    `sharding`'s mesh, compiled for target `where`."""
+    mc = sharding.config
+    dtype = jax.tree.leaves(params)[0].dtype
+    params = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, param_shardings
+    )
+    pool_shape = (mc.num_layers, runner.num_pages, runner.page_size, sharding.kv_lanes)
+    kv_sharding = sharding.kv_pages
+    rep = sharding.replicated
+    max_seqs = runner.seq_buckets[-1]
+    pen = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
+        jax.eval_shape(lambda: PenaltyState.zeros(max_seqs, mc.vocab_size)),
+    )
+    return _StepProgram(
+        module=module,
+        params=params,
+        kv=KVPages(kv=jax.ShapeDtypeStruct(pool_shape, dtype, sharding=kv_sharding)),
+        pen=pen,
+        last=jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=rep),
+        param_shardings=param_shardings,
+        kv_sharding=kv_sharding,
+        replicated=rep,
+        runner=runner,
+        target=where,
+        pool_shard_shape=tuple(kv_sharding.shard_shape(pool_shape)),
+        peaks=_peaks(where, dtype),
+    )
+
+
+def step_memory(module, params, runner: RunnerConfig, sharding: ShardingPlan) -> BucketReport:
+    """The largest bucket of `runner` compiled from shapes on `sharding`'s (real) devices,
+    nothing allocated: what the builder reserves beside the params and the pool."""
+    where = targets.current()
+    program = step_program(module, params, sharding.params(params), runner, sharding, where)
+    return _compile_bucket(program, *runner.buckets()[-1])
 
 
 def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketReport:
@@ -353,7 +438,7 @@ def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketRe
         report.temp_bytes = int(memory.temp_size_in_bytes)
         report.output_bytes = int(memory.output_size_in_bytes)
         report.alias_bytes = int(memory.alias_size_in_bytes)
-    report.pool_copies = pool_copies(compiled.as_text(), p.pool_shard_shape)
+    report.pool_copies = len(pool_copies(compiled.as_text(), p.pool_shard_shape))
     report.flops, report.bytes_accessed = _cost(compiled)
     if report.flops is None:  # priced from the shapes: every weight read once, 2 FLOPs each
         weights = _bytes_per_device(p.params, p.param_shardings)

@@ -14,8 +14,10 @@ from collections.abc import Callable
 from checkpoints import LoadedModel, load_model
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.kv_pool import kv_bytes_per_page, pages_that_fit
+from jaxserve.models.kv_pool import free_device_bytes, pages_that_fit
+from jaxserve.models.loaded import layer_loop_of, model_for
 from jaxserve.models.sharding import ShardingPlan, make_mesh
+from jaxserve.runtime import aot
 from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.runtime.model_runner import ModelRunner, RunnerConfig, enable_compilation_cache
 from jaxserve.runtime.multihost import agree_min
@@ -49,24 +51,56 @@ def build_runner(
     model = dataclasses.replace(model, params=sharding.place(model.params))
     max_model_len = max_model_len_for(config, model.config)
     pages_per_seq = math.ceil(max_model_len / config.page_size)
-    # Each device holds 1 / kv_shards of every page.
-    page_bytes = kv_bytes_per_page(model.config, config.page_size, model.dtype)
-    fit = pages_that_fit(
-        page_bytes // sharding.kv_shards,
-        list(mesh.devices.flat),
-        fraction=config.kv_cache_memory_fraction,
-        fallback_gb=config.kv_cache_memory_gb,
+    runner_config = RunnerConfig(
+        num_pages=config.num_pages or 1,  # sized below unless given
+        page_size=config.page_size,
+        max_model_len=max_model_len,
+        token_buckets=config.token_buckets,
+        seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
+        attention_backend=config.attention_backend,
     )
-    num_pages = config.num_pages or min(config.max_num_seqs * pages_per_seq, agree_min(fit))
-    return runner_class(
-        model,
-        RunnerConfig(
-            num_pages=num_pages,
-            page_size=config.page_size,
-            max_model_len=max_model_len,
-            token_buckets=config.token_buckets,
-            seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
-            attention_backend=config.attention_backend,
-        ),
+    if not config.num_pages:
+        devices = list(mesh.devices.flat)
+        cap = config.max_num_seqs * pages_per_seq
+        fit = pages_that_fit(
+            aot.pool_page_bytes(model.config, config.page_size, model.dtype, sharding),
+            devices,
+            fraction=config.kv_cache_memory_fraction,
+            fallback_gb=config.kv_cache_memory_gb,
+            reserved_bytes=step_reserved_bytes(model, runner_config, sharding, cap),
+        )
+        runner_config = dataclasses.replace(runner_config, num_pages=min(cap, agree_min(fit)))
+    return runner_class(model, runner_config, sharding)
+
+
+def step_reserved_bytes(model: LoadedModel, runner_config, sharding, cap: int) -> int:
+    """Device memory the largest bucket's step needs besides the params and the pool: its
+    temporaries and its outputs that do not alias a donated input, from the memory analysis of
+    the step compiled from shapes alone (runtime/aot.py), nothing allocated. 0 where the platform
+    reports no memory (the CPU), so nothing extra compiles there.
+
+    Compiled with the largest pool the engine may take (`cap` pages): the very program served
+    when the cap fits (a hit in the persistent compilation cache at precompile), else one at
+    least as large. With the pool never copied (kv_pool.py) the temporaries are the step's
+    activations and logits, tens of MiB, moving by a few tens of MiB with the pool's size as XLA
+    schedules differently (smollm2-135m on v5e, compiled: 22 MiB at 64 pages, 63 MiB at 2048
+    and 8192); kv_cache_memory_fraction is the margin for that. A step that copied its pool would
+    show it here, twice the pool, and shrink the pool instead of failing at its first step.
+    """
+    if free_device_bytes(list(sharding.mesh.devices.flat)) is None:
+        return 0
+    module = model_for(
+        model.config,
+        model.dtype,
+        runner_config.attention_backend,
         sharding,
+        layer_loop=layer_loop_of(model.params),
     )
+    probe = dataclasses.replace(runner_config, num_pages=cap)
+    report = aot.step_memory(module, model.params, probe, sharding)
+    if not report.compiled:
+        raise RuntimeError(
+            f"The largest step bucket ({report.num_tokens} tokens) does not compile on "
+            f"{sharding.platform} for sizing the KV pool: {report.error}"
+        )
+    return report.reserved_bytes

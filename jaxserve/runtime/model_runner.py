@@ -161,6 +161,7 @@ class ModelRunner:
             page_size=config.page_size,
             dtype=model.dtype,
             sharding=self.sharding.kv_pages,
+            lanes=self.sharding.kv_lanes,  # padded to whole 128-lane tiles on TPU
         )
         # Token counts of the penalties, one row per batch slot (sampling.PenaltyState).
         self.penalties = jax.device_put(

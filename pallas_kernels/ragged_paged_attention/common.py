@@ -15,25 +15,63 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+# TPU vector registers and HBM tiles are 128 lanes wide: a pool whose minor dimension is a
+# multiple of this keeps XLA:TPU's default (row-major) layout, so no step ever relays it out.
+LANES = 128
+
+
+def kv_lanes(num_kv_heads: int, head_dim: int, shards: int = 1, align: int = 1) -> int:
+    """The pool's minor dimension: each of `shards` holds its num_kv_heads / shards heads' keys
+    and values side by side (2 * heads * head_dim lanes), padded to a multiple of `align`
+    (LANES on TPU, 1 elsewhere)."""
+    per_shard = num_kv_heads // shards * 2 * head_dim
+    return shards * (-(-per_shard // align) * align)
+
+
+def kv_heads_of(kv_pool: jax.Array, head_dim: int, num_kv_heads: int | None) -> int:
+    """The KV heads a pool holds: given, or its whole (unpadded) minor dimension's."""
+    return num_kv_heads if num_kv_heads is not None else kv_pool.shape[-1] // (2 * head_dim)
+
+
+def fuse_kv(k: jax.Array, v: jax.Array, lanes: int, shards: int = 1) -> jax.Array:
+    """k, v [..., num_kv_heads, D] -> [..., lanes]: head h's keys at lanes [2hD, 2hD + D), its
+    values at [2hD + D, 2hD + 2D), each of `shards` contiguous blocks of heads padded to
+    lanes / shards. The pool's layout (jaxserve/models/kv_pool.py); `split_kv` reads it back."""
+    *batch, heads, head_dim = k.shape
+    kv = jnp.stack([k, v], axis=-2).reshape(*batch, shards, heads // shards * 2 * head_dim)
+    pad = lanes // shards - kv.shape[-1]
+    if pad:
+        kv = jnp.pad(kv, [(0, 0)] * (kv.ndim - 1) + [(0, pad)])
+    return kv.reshape(*batch, lanes)
+
+
+def split_kv(kv: jax.Array, num_kv_heads: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """[..., lanes] of one shard (or an unsharded pool) -> k, v [..., num_kv_heads, D]."""
+    kv = kv[..., : 2 * num_kv_heads * head_dim].reshape(*kv.shape[:-1], num_kv_heads, 2, head_dim)
+    return kv[..., 0, :], kv[..., 1, :]
+
 
 def check_args(
     q: jax.Array,  # [T, num_heads, head_dim]
-    k_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
-    v_pool: jax.Array,  # same as k_pool
+    kv_pool: jax.Array,  # [num_layers, num_pages, page_size, lanes]: keys and values (fuse_kv)
+    num_kv_heads: int,
     query_start: jax.Array,  # i32[S + 1]
     kv_lens: jax.Array,  # i32[S]
     page_tables: jax.Array,  # i32[S, P]
     sliding_window: int | None,
 ) -> None:
     """Raises ValueError, in a whole sentence with the values, on shapes the kernels cannot run."""
-    if q.ndim != 3 or k_pool.ndim != 5:
-        raise ValueError(f"Expected q [T, H, D] and a 5-d pool, got {q.shape=}, {k_pool.shape=}.")
-    if k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype:
-        raise ValueError(f"k_pool and v_pool differ: {k_pool.shape=} {v_pool.shape=}.")
+    if q.ndim != 3 or kv_pool.ndim != 4:
+        raise ValueError(
+            f"Expected q [T, H, D] and a 4-d pool [L, pages, page_size, lanes], got {q.shape=}, "
+            f"{kv_pool.shape=}."
+        )
     num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_pool.shape[3]
-    if k_pool.shape[4] != head_dim:
-        raise ValueError(f"The pool's head_dim {k_pool.shape[4]} is not q's {head_dim}.")
+    if num_kv_heads < 1 or kv_pool.shape[-1] < 2 * num_kv_heads * head_dim:
+        raise ValueError(
+            f"The pool's {kv_pool.shape[-1]} lanes cannot hold {num_kv_heads} KV heads of keys "
+            f"and values of head_dim {head_dim}."
+        )
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} is not a multiple of {num_kv_heads=} (GQA groups).")
     num_seqs = page_tables.shape[0]

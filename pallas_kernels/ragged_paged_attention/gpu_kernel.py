@@ -323,8 +323,7 @@ def _kernel(
     item_seq_ref,  # i32[W] sequence of each work item
     item_start_ref,  # i32[W] first token of each work item; -1: an unused slot
     q_ref,  # [num_kv_heads, padded_tokens * group, D] grouped queries
-    k_ref,  # [num_layers, num_pages, page_size, num_kv_heads, D]
-    v_ref,  # same as k_ref
+    kv_ref,  # [num_layers, num_pages, page_size, lanes]: keys and values (common.fuse_kv)
     o_ref,  # one split: [num_kv_heads, padded_tokens * group, D]; else f32[splits, ...same]
     *stat_refs,  # splits > 1 only: max and sum, f32[splits, num_kv_heads, padded_tokens * group]
     sm_scale: float,
@@ -336,7 +335,7 @@ def _kernel(
     num_splits: int,
 ):
     item, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    page_size, head_dim = k_ref.shape[2], k_ref.shape[4]
+    page_size, head_dim = kv_ref.shape[2], q_ref.shape[2]
     pages_per_seq = page_tables_ref.shape[1]
     block_kv = pages_per_block * page_size
     s, t_lo = item_seq_ref[item], item_start_ref[item]
@@ -370,16 +369,16 @@ def _kernel(
             # Read only the keys some row may see: others may be unwritten (or NaN in tests).
             visible = ((c >= kv_start) & (c < kv_end)).reshape(pages_per_block, page_size, 1)
             # Whole index arrays rather than slices: interpret mode cannot mix the two in a load.
+            # Head h's keys sit at lanes [2hD, 2hD + D) of each token, its values right after.
+            lanes = 2 * h * head_dim + jnp.arange(head_dim, dtype=jnp.int32)[None, None, :]
             index = (
                 layer,
                 pages[:, None, None],
                 jnp.arange(page_size, dtype=jnp.int32)[None, :, None],
-                h,
-                jnp.arange(head_dim, dtype=jnp.int32)[None, None, :],
             )
             visible = jnp.broadcast_to(visible, (pages_per_block, page_size, head_dim))
-            k = plgpu.load(k_ref.at[index], mask=visible, other=0)
-            v = plgpu.load(v_ref.at[index], mask=visible, other=0)
+            k = plgpu.load(kv_ref.at[(*index, lanes)], mask=visible, other=0)
+            v = plgpu.load(kv_ref.at[(*index, lanes + head_dim)], mask=visible, other=0)
             k = k.reshape(block_kv, head_dim)
             v = v.reshape(block_kv, head_dim)
             # Causal (and window) per row, without integer division: c <= t + pos_offset with
@@ -418,6 +417,7 @@ def _kernel(
     jax.jit,
     static_argnames=(
         "sm_scale",
+        "num_kv_heads",
         "sliding_window",
         "block_sizes",
         "compute_capability",
@@ -426,8 +426,7 @@ def _kernel(
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
-    k_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
-    v_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    kv_pool: jax.Array,  # [num_layers, num_pages, page_size, lanes] (common.fuse_kv)
     layer: jax.Array,  # i32[] which layer of the pool to read
     query_start: jax.Array,  # i32[S + 1]
     kv_lens: jax.Array,  # i32[S]
@@ -435,6 +434,7 @@ def ragged_paged_attention(
     num_seqs: jax.Array,  # i32[]
     *,
     sm_scale: float,
+    num_kv_heads: int | None = None,
     sliding_window: int | None = None,
     block_sizes: tuning.GpuBlockSizes | None = None,
     compute_capability: str | None = None,
@@ -447,9 +447,10 @@ def ragged_paged_attention(
     kernel choice was made for (default: the GPU Pallas compiles for). `interpret=True` runs the
     kernel on the CPU, for tests.
     """
-    common.check_args(q, k_pool, v_pool, query_start, kv_lens, page_tables, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, _ = k_pool.shape
+    num_kv_heads = common.kv_heads_of(kv_pool, head_dim, num_kv_heads)
+    common.check_args(q, kv_pool, num_kv_heads, query_start, kv_lens, page_tables, sliding_window)
+    page_size = kv_pool.shape[2]
     num_slots, pages_per_seq = page_tables.shape
     group = num_heads // num_kv_heads
     sizes = block_sizes or tuning.gpu_block_sizes()
@@ -461,7 +462,7 @@ def ragged_paged_attention(
         pages_per_seq,
         page_size,
         head_dim,
-        k_pool.dtype,
+        kv_pool.dtype,
         sizes,
         compute_capability,
     )
@@ -504,7 +505,7 @@ def ragged_paged_attention(
             pages_per_seq=pages_per_seq,
             page_size=page_size,
             head_dim=head_dim,
-            dtype=k_pool.dtype,
+            dtype=kv_pool.dtype,
             sliding_window=sliding_window,
         ),
         name="ragged_paged_attention_gpu",
@@ -516,8 +517,7 @@ def ragged_paged_attention(
         item_seq,
         item_start,
         q_grouped,
-        k_pool,
-        v_pool,
+        kv_pool,
     )
     out = outs[0] if splits == 1 else common.merge_splits(*outs).astype(q.dtype)
     # Rows of no work item (padding) were never written: zero them.

@@ -194,8 +194,7 @@ def _kernel(
     item_seq_ref,  # i32[W] sequence of each work item
     item_start_ref,  # i32[W] first token of each work item; -1: an unused slot
     q_ref,  # [num_kv_heads, padded_tokens * group, D] grouped queries
-    k_ref,  # [num_layers, num_pages, page_size, num_kv_heads, D]
-    v_ref,  # same as k_ref
+    kv_ref,  # [num_layers, num_pages, page_size, lanes]: keys and values (common.fuse_kv)
     *refs,  # outputs, then scratch (see `ragged_paged_attention`)
     sm_scale: float,
     sliding_window: int | None,
@@ -218,7 +217,7 @@ def _kernel(
         (o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem) = refs[:10]
         k_bars, v_bars, q_bar = refs[10:]
     item, h, split = lax.axis_index("item"), lax.axis_index("head"), lax.axis_index("split")
-    page_size, head_dim = k_ref.shape[2], k_ref.shape[4]
+    page_size, head_dim = kv_ref.shape[2], q_ref.shape[2]
     pages_per_seq = page_tables_ref.shape[1]
     block_kv = pages_per_block * page_size
     s, t_lo = item_seq_ref[item], item_start_ref[item]
@@ -241,9 +240,11 @@ def _kernel(
 
         def copy_page(slot, p, page):
             dst = pl.ds(p * page_size, page_size)
-            src = (layer, page, slice(None), h, slice(None))
-            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot, dst], k_bars.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot, dst], v_bars.at[slot])
+            # Head h's keys sit at lanes [2hD, 2hD + D) of each token, its values right after.
+            k_src = (layer, page, slice(None), pl.ds(2 * h * head_dim, head_dim))
+            v_src = (layer, page, slice(None), pl.ds((2 * h + 1) * head_dim, head_dim))
+            plgpu.copy_gmem_to_smem(kv_ref.at[k_src], k_smem.at[slot, dst], k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(kv_ref.at[v_src], v_smem.at[slot, dst], v_bars.at[slot])
 
         def skip_page(slot):
             # A page no row sees is not read (a short sequence's last block, a window's first):
@@ -552,12 +553,12 @@ def _gather_tokens(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "interpret")
+    jax.jit,
+    static_argnames=("sm_scale", "num_kv_heads", "sliding_window", "block_sizes", "interpret"),
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
-    k_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
-    v_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    kv_pool: jax.Array,  # [num_layers, num_pages, page_size, lanes] (common.fuse_kv)
     layer: jax.Array,  # i32[] which layer of the pool to read
     query_start: jax.Array,  # i32[S + 1]
     kv_lens: jax.Array,  # i32[S]
@@ -565,6 +566,7 @@ def ragged_paged_attention(
     num_seqs: jax.Array,  # i32[]
     *,
     sm_scale: float,
+    num_kv_heads: int | None = None,
     sliding_window: int | None = None,
     block_sizes: tuning.GpuBlockSizes | None = None,
     interpret=None,
@@ -575,12 +577,13 @@ def ragged_paged_attention(
     a program's query tile is one wgmma's 64 rows). `interpret=interpret_params()` runs the kernel
     on the CPU in Mosaic GPU interpret mode, for tests.
     """
-    common.check_args(q, k_pool, v_pool, query_start, kv_lens, page_tables, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, _ = k_pool.shape
+    num_kv_heads = common.kv_heads_of(kv_pool, head_dim, num_kv_heads)
+    common.check_args(q, kv_pool, num_kv_heads, query_start, kv_lens, page_tables, sliding_window)
+    page_size = kv_pool.shape[2]
     num_slots, pages_per_seq = page_tables.shape
     group = num_heads // num_kv_heads
-    dtype = k_pool.dtype
+    dtype = kv_pool.dtype
     if interpret is None and not supports_dtype(dtype):
         raise NotImplementedError(
             f"The Mosaic GPU kernel runs 16-bit pools only (wgmma cannot take an f32 K^T), got "
@@ -686,8 +689,7 @@ def ragged_paged_attention(
         item_seq,
         item_start,
         q_grouped,
-        k_pool,
-        v_pool,
+        kv_pool,
     )
     tiles = outs[0] if splits == 1 else common.merge_splits(*outs)
     out = _gather_tokens(tiles, item_start, num_tokens, group).astype(q.dtype)

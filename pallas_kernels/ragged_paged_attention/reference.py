@@ -6,6 +6,10 @@ Conventions shared with the kernels:
   all kv_lens[s] tokens of sequence s, and query i of a q_len-token chunk sits at position
   kv_lens[s] - q_len + i (causal within the chunk).
 - Rows past query_start[num_seqs] are padding; their output is 0.
+- The pool is one array [num_layers, num_pages, page_size, lanes]: each token's keys and values
+  side by side, head h's keys at lanes [2hD, 2hD + D) and its values right after, the rest of the
+  lanes padding (common.fuse_kv / split_kv). `num_kv_heads` (static) says how many heads it
+  holds; None means all its lanes (2 * num_kv_heads * head_dim == lanes).
 """
 
 from __future__ import annotations
@@ -13,14 +17,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention import common
+
 # A finite "minus infinity": a fully masked (padding) row then averages zeroed values, not NaN.
 _MASKED = -1e30
 
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
-    k_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
-    v_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    kv_pool: jax.Array,  # [num_layers, num_pages, page_size, lanes] (common.fuse_kv)
     layer: jax.Array,  # i32[] which layer of the pool to read
     query_start: jax.Array,  # i32[S + 1]
     kv_lens: jax.Array,  # i32[S]
@@ -28,11 +33,13 @@ def ragged_paged_attention(
     num_seqs: jax.Array,  # i32[]
     *,
     sm_scale: float,
+    num_kv_heads: int | None = None,
     sliding_window: int | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
     """Attention of every query row over its own sequence's cached keys and values."""
     num_tokens, num_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, _ = k_pool.shape
+    num_kv_heads = common.kv_heads_of(kv_pool, head_dim, num_kv_heads)
+    page_size = kv_pool.shape[2]
     num_slots = page_tables.shape[0]
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
     # The sequence of each row: how many sequence ends lie at or before it.
@@ -45,8 +52,9 @@ def ragged_paged_attention(
 
     pages = page_tables[seq]  # i32[T, P]
     context = pages.shape[1] * page_size
-    k = k_pool[layer, pages].reshape(num_tokens, context, num_kv_heads, head_dim)
-    v = v_pool[layer, pages].reshape(num_tokens, context, num_kv_heads, head_dim)
+    k, v = common.split_kv(kv_pool[layer, pages], num_kv_heads, head_dim)
+    k = k.reshape(num_tokens, context, num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, context, num_kv_heads, head_dim)
 
     kv_pos = jnp.arange(context, dtype=jnp.int32)[None, :]
     mask = (kv_pos <= q_pos[:, None]) & (kv_pos < kv_lens[seq][:, None]) & is_real[:, None]

@@ -8,17 +8,23 @@ Grid and data movement
 - Scalars ride in SMEM by scalar prefetch: the layer, query_start, kv_lens, the flattened page
   tables, and per block the first and last sequence it holds (computed by XLA beforehand, a
   searchsorted over query_start).
-- The pools stay in HBM (`pl.ANY`). A grid step walks its sequences in order and each sequence's
-  key blocks (`pages_per_block` pages) in order, as one flat loop; pages (the step's KV heads of
-  them) are copied by DMA from `pool[layer, page]` (the layer indexed inside the kernel, so no
-  layer slice of the pool is ever materialised) into one of two VMEM buffers, the next block's
-  copy starting before this block is computed (double buffering, across sequence boundaries too).
-  Only pages that hold keys some query of the block can see are copied.
-- Each key block is transposed once in VMEM to heads-first, [heads, keys, D], and a loop over the
-  heads (not unrolled) then reads each head's keys as a plain slab. In the page layout a head is
-  one row of every sublane tile; Mosaic reads such a row at a traced offset only from 32-bit
-  buffers, and an unrolled head loop gives every head its own VMEM for temporaries and compile
-  time (14 s against 2 s for 32 f32 heads on v6e, measured).
+- The pool stays in HBM (`pl.ANY`). It is one array, [layers, pages, page_size, lanes], each
+  token's keys and values side by side in the minor dimension (head h's keys at lanes
+  [2hD, 2hD + D), its values right after: common.fuse_kv). For every head_dim of 64 and up that
+  is a multiple of 128 lanes, so XLA:TPU keeps its default row-major layout with no padding (the
+  5-d [.., heads, head_dim] pool it replaced was laid out pages-minor whenever head_dim was 64,
+  and every step copied the whole pool into row-major for this kernel and back), and a page is
+  one contiguous DMA of keys and values. A grid step walks its sequences in order and each
+  sequence's key blocks (`pages_per_block` pages) in order, as one flat loop; pages (the step's
+  KV heads of them) are copied by DMA from `pool[layer, page]` (the layer indexed inside the
+  kernel, so no layer slice of the pool is ever materialised) into one of two VMEM buffers, the
+  next block's copy starting before this block is computed (double buffering, across sequence
+  boundaries too). Only pages that hold keys some query of the block can see are copied.
+- Each key block is copied once in VMEM to heads-first, [heads, keys, 2D] (a static lane slice
+  per head), and a loop over the heads (not unrolled) then reads each head's keys and values as
+  plain slabs. Mosaic cannot read the lane dimension at a traced offset, and an unrolled loop of
+  the attention itself gives every head its own VMEM for temporaries and compile time (14 s
+  against 2 s for 32 f32 heads on v6e, measured).
 - Softmax is online (flash attention): running max, sum and f32 accumulator per query row live in
   VMEM scratch across the loop; rows of other sequences are masked out of each block, so a block
   that mixes decode tokens of many sequences still reads each sequence's pages once per block.
@@ -79,19 +85,17 @@ def _kernel(
     last_seq_ref,  # i32[num_blocks] last one; < first_seq for a block of padding only
     # Inputs.
     q_ref,  # [heads, rows, D] VMEM: this block's queries, grouped (heads: KV heads per block)
-    k_hbm,  # [num_layers, num_pages, page_size, num_kv_heads, D] HBM
-    v_hbm,  # same as k_hbm
+    kv_hbm,  # [num_layers, num_pages, page_size, lanes] HBM: keys and values (common.fuse_kv)
     # Output.
     o_ref,  # [heads, rows, D] VMEM
     # Scratch.
-    k_buf,  # [2, pages_per_block, page_size, heads, D] VMEM: double buffer
-    v_buf,  # same as k_buf
-    sems,  # DMA semaphores [2 (k, v), 2 (buffer)]
+    kv_buf,  # [2, pages_per_block, page_size, block_lanes] VMEM: double buffer of this step's
+    #          heads' lanes of each page (all of the page's lanes when the step has every head)
+    sems,  # DMA semaphores [2 (buffer)]
     m_ref,  # f32[heads, rows, 1] running max
     l_ref,  # f32[heads, rows, 1] running sum
     acc_ref,  # f32[heads, rows, D] running numerator
-    k_heads,  # [heads, pages_per_block * page_size, D] VMEM: the key block, heads first
-    v_heads,  # same as k_heads
+    kv_heads,  # [heads, pages_per_block * page_size, 2 * D] VMEM: the key block, heads first
     *,
     sm_scale: float,
     sliding_window: int | None,
@@ -100,12 +104,13 @@ def _kernel(
     pages_per_seq: int,
 ):
     block = pl.program_id(0)
-    _, pages_per_block, page_size, block_heads, head_dim = k_buf.shape  # KV heads of this step
-    # This step's KV heads of the pool: all of them, or a slice (a strided DMA of each page).
-    head_slice = (
+    _, pages_per_block, page_size, block_lanes = kv_buf.shape
+    block_heads, _, head_dim = q_ref.shape  # KV heads of this step
+    # This step's heads' lanes of the pool: all of them, or a slice (a strided DMA of each page).
+    lane_slice = (
         slice(None)
-        if block_heads == k_hbm.shape[3]
-        else pl.ds(pl.program_id(1) * block_heads, block_heads)
+        if block_lanes == kv_hbm.shape[3]
+        else pl.ds(pl.program_id(1) * block_lanes, block_lanes)
     )
     rows = q_ref.shape[1]
     block_kv = pages_per_block * page_size
@@ -133,31 +138,29 @@ def _kernel(
         return lo, jnp.where(t_hi > t_lo, pl.cdiv(kv_end, block_kv), lo)
 
     def copies(s, j, slot):
-        """The DMAs of key block j of sequence s into buffer `slot`: (needed, k copy, v copy)."""
+        """The DMAs of key block j of sequence s into buffer `slot`: (needed, copy) per page, one
+        copy moving the page's keys and values together."""
         _, _, _, kv_start, kv_end = span(s)
         layer = layer_ref[0]
         out = []
         for p in range(pages_per_block):
             index = j * pages_per_block + p
             page = page_tables_ref[s * pages_per_seq + jnp.minimum(index, pages_per_seq - 1)]
-            k_copy = pltpu.make_async_copy(
-                k_hbm.at[layer, page, :, head_slice], k_buf.at[slot, p], sems.at[0, slot]
-            )
-            v_copy = pltpu.make_async_copy(
-                v_hbm.at[layer, page, :, head_slice], v_buf.at[slot, p], sems.at[1, slot]
+            copy = pltpu.make_async_copy(
+                kv_hbm.at[layer, page, :, lane_slice], kv_buf.at[slot, p], sems.at[slot]
             )
             # Pages wholly before a sliding window may have been recycled: never read them.
             needed = (index * page_size < kv_end) & ((index + 1) * page_size > kv_start)
-            out.append((needed, k_copy, v_copy))
+            out.append((needed, copy))
         return out
 
     def start_fetch(s, j, slot):
-        for needed, k_copy, v_copy in copies(s, j, slot):
-            _when(needed, k_copy.start, v_copy.start)
+        for needed, copy in copies(s, j, slot):
+            _when(needed, copy.start)
 
     def wait_fetch(s, j, slot):
-        for needed, k_copy, v_copy in copies(s, j, slot):
-            _when(needed, k_copy.wait, v_copy.wait)
+        for needed, copy in copies(s, j, slot):
+            _when(needed, copy.wait)
 
     def advance(s, j):
         """The key block after (s, j): the next one of s, else the first of the next sequence."""
@@ -188,19 +191,17 @@ def _kernel(
         visible = (c_col >= kv_start) & (c_col < kv_end)
         precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
-        # Heads first, once per key block (see the module docstring).
-        k_heads[...] = jnp.transpose(
-            k_buf[slot].reshape(block_kv, block_heads, head_dim), (1, 0, 2)
-        )
-        v_heads[...] = jnp.transpose(
-            v_buf[slot].reshape(block_kv, block_heads, head_dim), (1, 0, 2)
-        )
+        # Heads first, once per key block (see the module docstring): static lane slices.
+        for h in range(block_heads):
+            kv_heads[h] = kv_buf[slot, :, :, pl.ds(2 * h * head_dim, 2 * head_dim)].reshape(
+                block_kv, 2 * head_dim
+            )
 
         @pl.loop(0, block_heads)
         def _(h):
             q = q_ref[h]  # [rows, D]
-            k = k_heads[h]  # [block_kv, D]
-            v = v_heads[h]
+            k = kv_heads[h, :, pl.ds(0, head_dim)]  # [block_kv, D]
+            v = kv_heads[h, :, pl.ds(head_dim, head_dim)]
             v = jnp.where(visible, v, jnp.zeros((), v.dtype))
             scores = lax.dot_general(
                 q,
@@ -318,12 +319,19 @@ def _cost_estimate(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "block_sizes", "chip", "interpret")
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "num_kv_heads",
+        "sliding_window",
+        "block_sizes",
+        "chip",
+        "interpret",
+    ),
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
-    k_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
-    v_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    kv_pool: jax.Array,  # [num_layers, num_pages, page_size, lanes]: common.fuse_kv's layout
     layer: jax.Array,  # i32[] which layer of the pool to read
     query_start: jax.Array,  # i32[S + 1]
     kv_lens: jax.Array,  # i32[S]
@@ -331,6 +339,7 @@ def ragged_paged_attention(
     num_seqs: jax.Array,  # i32[]
     *,
     sm_scale: float,
+    num_kv_heads: int | None = None,  # None: the pool's lanes hold exactly its heads (no padding)
     sliding_window: int | None = None,
     block_sizes: tuning.TpuBlockSizes | None = None,
     chip: str | None = None,
@@ -346,9 +355,10 @@ def ragged_paged_attention(
     which are then shrunk to fit the chip's VMEM (ValueError, naming the shape and chip, if
     nothing fits). `interpret` runs the kernel on the CPU (`pltpu.InterpretParams()`), for tests.
     """
-    common.check_args(q, k_pool, v_pool, query_start, kv_lens, page_tables, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, _ = k_pool.shape
+    num_kv_heads = common.kv_heads_of(kv_pool, head_dim, num_kv_heads)
+    common.check_args(q, kv_pool, num_kv_heads, query_start, kv_lens, page_tables, sliding_window)
+    _, _, page_size, lanes = kv_pool.shape
     num_slots, pages_per_seq = page_tables.shape
     group = num_heads // num_kv_heads
     plan = tuning.plan_tpu_blocks(
@@ -359,12 +369,15 @@ def ragged_paged_attention(
         page_size=page_size,
         pages_per_seq=pages_per_seq,
         q_dtype=q.dtype,
-        kv_dtype=k_pool.dtype,
+        kv_dtype=kv_pool.dtype,
+        lanes=lanes,
         chip=chip,
         block_sizes=block_sizes,
     )
     block_tokens, rows, heads = plan.block_tokens, plan.rows, plan.heads_per_block
     pages_per_block = plan.pages_per_block
+    # Every head: the page's whole minor dim (padding lanes too), one contiguous DMA per page.
+    block_lanes = lanes if heads == num_kv_heads else 2 * heads * head_dim
     num_blocks = pl.cdiv(num_tokens, block_tokens)
     # Padded to whole blocks so that the last block's tile is in bounds; padding rows output 0.
     q_grouped = common.group_queries(q, num_kv_heads, num_blocks * block_tokens)
@@ -379,7 +392,7 @@ def ragged_paged_attention(
         pages_per_seq=pages_per_seq,
     )
     q_spec = pl.BlockSpec((heads, rows, head_dim), lambda i, h, *_: (h, i, 0))
-    buf = pltpu.VMEM((2, pages_per_block, page_size, heads, head_dim), k_pool.dtype)
+    buf = pltpu.VMEM((2, pages_per_block, page_size, block_lanes), kv_pool.dtype)
     stats = pltpu.VMEM((heads, rows, 1), jnp.float32)
     cost = _cost_estimate(
         num_tokens=num_tokens,
@@ -394,24 +407,22 @@ def ragged_paged_attention(
         block_kv=pages_per_block * page_size,
         sliding_window=sliding_window,
         q_dtype=q.dtype,
-        kv_dtype=k_pool.dtype,
+        kv_dtype=kv_pool.dtype,
     )
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_blocks, num_kv_heads // heads),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=q_spec,
             scratch_shapes=[
                 buf,
-                buf,
-                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.SemaphoreType.DMA((2,)),
                 stats,
                 stats,
                 pltpu.VMEM((heads, rows, head_dim), jnp.float32),
-                pltpu.VMEM((heads, pages_per_block * page_size, head_dim), k_pool.dtype),
-                pltpu.VMEM((heads, pages_per_block * page_size, head_dim), k_pool.dtype),
+                pltpu.VMEM((heads, pages_per_block * page_size, 2 * head_dim), kv_pool.dtype),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(q_grouped.shape, q.dtype),
@@ -432,7 +443,6 @@ def ragged_paged_attention(
         first_seq,
         last_seq,
         q_grouped,
-        k_pool,
-        v_pool,
+        kv_pool,
     )
     return common.ungroup_outputs(out, num_tokens, group)

@@ -181,33 +181,37 @@ def tpu_vmem_bytes(
     q_dtype,
     kv_dtype,
     chip: str,
+    lanes: int | None = None,
 ) -> int:
     """VMEM one grid step of the TPU kernel needs on `chip` (a generation), padded to TPU tiles:
     an upper bound.
 
-    `rows` query rows of `heads` KV heads; `pages_per_block` pages per key block. Counts
+    `rows` query rows of `heads` KV heads; `pages_per_block` pages per key block; `lanes` the
+    lanes of a page the step copies (default 2 * heads * head_dim: its heads' keys and values;
+    the pool's padded minor dim when the step takes every head). Counts
     - the q and out blocks, double-buffered by the Pallas pipeline;
-    - two K and two V page buffers (the KV head dim is the second-to-last, padded as
-      `_padded_rows` says) and the heads-first copy of the current K and V block;
+    - two page buffers ([pages, page_size, lanes]: page_size padded to sublane tiles) and the
+      heads-first copy of the current key block ([heads, keys, 2 * head_dim]);
     - the f32 accumulator, running max and running sum (a [rows, 1] column pads to 128 lanes);
-    - the kernel's temporaries, which Mosaic places in VMEM: the heads-first transposes of the K
-      and V blocks, the f32 scores, probabilities and masks ([rows, block_kv]) and PV products
+    - the kernel's temporaries, which Mosaic places in VMEM: the heads-first copies of the key
+      block, the f32 scores, probabilities and masks ([rows, block_kv]) and PV products
       ([rows, D]) of one head (the heads are walked in a loop, so once). Their multiples are upper
       bounds fitted to the scoped VMEM the compiler reports (tests/kernels/test_tpu_aot.py checks
       the bound on every chip it compiles for). For v4 the compiler keeps up to 1.5 times as much
       as for v5e and later (measured), so there they count double.
     """
     block_kv = pages_per_block * page_size
+    lanes = lanes or 2 * heads * head_dim
     q_out = 2 * 2 * padded_bytes((heads, rows, head_dim), q_dtype)
-    pages = 2 * 2 * padded_bytes((pages_per_block, page_size, heads, head_dim), kv_dtype)
-    heads_first = 2 * padded_bytes((heads, block_kv, head_dim), kv_dtype)
+    pages = 2 * padded_bytes((pages_per_block, page_size, lanes), kv_dtype)
+    heads_first = padded_bytes((heads, block_kv, 2 * head_dim), kv_dtype)
     acc = padded_bytes((heads, rows, head_dim), jnp.float32)
     stats = 2 * padded_bytes((heads, rows, 1), jnp.float32)
-    # Under 8 heads a page row's heads fill a fraction of a vreg, and the transposes' vector
-    # temporaries take more than their bytes: twice the allowance.
-    transposes = 3 * heads_first // 2 * (2 if heads < 8 else 1)
+    # Under 8 heads the heads-first copies' vector temporaries take more than their bytes: twice
+    # the allowance.
+    copies = 3 * heads_first // 2 * (2 if heads < 8 else 1)
     temps = (
-        transposes
+        copies
         + 6 * padded_bytes((rows, block_kv), jnp.float32)
         + 2 * padded_bytes((rows, head_dim), jnp.float32)
     )
@@ -231,8 +235,9 @@ class TpuBlockPlan:
 def _head_choices(num_kv_heads: int) -> list[int]:
     """KV heads per grid step, largest first: all of them, or a divisor that is a multiple of 8.
 
-    A grid step DMAs its heads' slice of each page, at a traced offset that Mosaic must prove
-    aligned to the pool's 8-row tiles: multiples of 8 are (it refuses one bf16 head per step).
+    A grid step DMAs its heads' lanes of each page, at a traced lane offset that Mosaic must
+    prove aligned to whole 128-lane tiles: 8 heads of keys and values (16 * head_dim lanes) are
+    for every head_dim from 8 up.
     """
     return [
         h
@@ -251,6 +256,7 @@ def plan_tpu_blocks(
     pages_per_seq: int,
     q_dtype,
     kv_dtype,
+    lanes: int | None = None,
     chip: str | None = None,
     block_sizes: TpuBlockSizes | None = None,
 ) -> TpuBlockPlan:
@@ -260,7 +266,8 @@ def plan_tpu_blocks(
     (`tpu_vmem_bytes`) exceeds the budget, shrinks first the KV heads per step (that costs only
     more grid steps), then whichever of the query rows and the pages per key block holds more
     VMEM, halving each down to one sublane tile of rows and one page. Raises ValueError when even
-    the smallest blocks do not fit.
+    the smallest blocks do not fit. `lanes` is the pool's minor dimension (padding included;
+    default: 2 * num_kv_heads * head_dim).
     """
     target = resolve_tpu_chip(chip)
     sizes = block_sizes or TPU_TABLE[target.name]
@@ -290,6 +297,7 @@ def plan_tpu_blocks(
             q_dtype=q_dtype,
             kv_dtype=kv_dtype,
             chip=target.name,
+            lanes=lanes if heads == num_kv_heads else None,
         )
         return tokens, vmem
 

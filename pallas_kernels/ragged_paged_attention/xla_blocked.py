@@ -54,6 +54,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention import common
+
 # Query rows per prefill tile: big enough for a real matmul against each key block, small enough
 # that a short chunk or the causal diagonal wastes little (module docstring: measured).
 _TILE_ROWS = 64
@@ -121,8 +123,7 @@ def plan_step(
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
-    k_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
-    v_pool: jax.Array,  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
+    kv_pool: jax.Array,  # [num_layers, num_pages, page_size, lanes] (common.fuse_kv)
     layer: jax.Array,  # i32[]
     query_start: jax.Array,  # i32[S + 1]
     kv_lens: jax.Array,  # i32[S]
@@ -131,13 +132,15 @@ def ragged_paged_attention(
     plan: StepPlan | None = None,  # plan_step(T, query_start, kv_lens, num_seqs); made if None
     *,
     sm_scale: float,
+    num_kv_heads: int | None = None,
     sliding_window: int | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
     """Same contract as reference.ragged_paged_attention (see its module docstring)."""
-    num_tokens = q.shape[0]
+    num_tokens, _, head_dim = q.shape
     if plan is None:
         plan = plan_step(num_tokens, query_start, kv_lens, num_seqs)
-    pool = (k_pool, v_pool, layer, page_tables, kv_lens)
+    num_kv_heads = common.kv_heads_of(kv_pool, head_dim, num_kv_heads)
+    pool = _Pool(kv_pool, layer, page_tables, kv_lens, num_kv_heads, head_dim)
     out = jnp.zeros((num_tokens, *q.shape[1:]), jnp.float32)
     decoded = _decode(q, pool, plan, sm_scale, sliding_window)
     out = out.at[plan.decode_rows].set(decoded, mode="drop")
@@ -155,6 +158,29 @@ def ragged_paged_attention(
     # profile of a 1-token step of smollm2-135m (unrolled, under load) copies were ~16 of ~56 ms.
     out = jax.lax.cond(plan.num_tiles > 0, prefill, lambda out: out, out)
     return out.astype(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pool:
+    """The pool and what reading a block of it needs (a plain tuple before the pool was fused)."""
+
+    kv: jax.Array  # [num_layers, num_pages, page_size, lanes]
+    layer: jax.Array
+    page_tables: jax.Array
+    kv_lens: jax.Array
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.shape[2]
+
+    def read(self, pages: jax.Array, keys: int) -> tuple[jax.Array, jax.Array]:
+        """Keys and values of `pages` [..., n] of the layer: each [..., keys, heads, head_dim]
+        (keys = n * page_size), one gather for both."""
+        k, v = common.split_kv(self.kv[self.layer, pages], self.num_kv_heads, self.head_dim)
+        shape = (*pages.shape[:-1], keys, self.num_kv_heads, self.head_dim)
+        return k.reshape(shape), v.reshape(shape)
 
 
 def _block_pages(table: jax.Array, block: jax.Array, pages_per_block: int) -> jax.Array:
@@ -177,8 +203,8 @@ def _online_softmax_step(carry, scores, mask, v, spec: str):
 
 def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window):
     """Every decoding sequence's one query, batched over sequence slots: f32[S, H, d]."""
-    k_pool, v_pool, layer, page_tables, kv_lens = pool
-    page_size, num_kv_heads, head_dim = k_pool.shape[2:]
+    page_tables, kv_lens = pool.page_tables, pool.kv_lens
+    page_size, num_kv_heads, head_dim = pool.page_size, pool.num_kv_heads, pool.head_dim
     num_slots = page_tables.shape[0]
     group = q.shape[1] // num_kv_heads
     decode_keys = _DECODE_KEYS_ONE_SEQ if num_slots == 1 else _DECODE_KEYS
@@ -199,8 +225,7 @@ def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window):
         pages = _block_pages(page_tables, block, pages_per_block)  # i32[S, pages_per_block]
         # Blocks wholly past a row's context read page 0 instead: the same cached lines.
         pages = jnp.where(block * block_keys < kv_len[:, None], pages, 0)
-        k = k_pool[layer, pages].reshape(num_slots, block_keys, num_kv_heads, head_dim)
-        v = v_pool[layer, pages].reshape(num_slots, block_keys, num_kv_heads, head_dim)
+        k, v = pool.read(pages, block_keys)  # [S, block_keys, num_kv_heads, head_dim] each
         v = jnp.where(mask[:, :, None, None], v, 0)  # unused slots may hold NaN; 0 * NaN = NaN
         scores = jnp.einsum("skgd,sckd->skgc", qd, k, preferred_element_type=jnp.float32)
         return _online_softmax_step(carry, scores, mask[:, None, None, :], v, "skgc,sckd->skgd")
@@ -218,8 +243,8 @@ def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window):
 
 def _prefill_tiles(q, pool, query_start, plan: StepPlan, out, sm_scale, sliding_window):
     """Runs the plan's query tiles, each over its own key blocks, into rows of `out` (f32)."""
-    k_pool, v_pool, layer, page_tables, kv_lens = pool
-    page_size, num_kv_heads, head_dim = k_pool.shape[2:]
+    page_tables, kv_lens = pool.page_tables, pool.kv_lens
+    page_size, num_kv_heads, head_dim = pool.page_size, pool.num_kv_heads, pool.head_dim
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
     pages_per_block = max(1, _TILE_KEYS // page_size)
@@ -240,8 +265,7 @@ def _prefill_tiles(q, pool, query_start, plan: StepPlan, out, sm_scale, sliding_
         def kv_body(block, carry):
             kv_pos = block * block_keys + jnp.arange(block_keys)  # i32[block_keys]
             pages = _block_pages(table, block, pages_per_block)
-            k = k_pool[layer, pages].reshape(block_keys, num_kv_heads, head_dim)
-            v = v_pool[layer, pages].reshape(block_keys, num_kv_heads, head_dim)
+            k, v = pool.read(pages, block_keys)  # [block_keys, num_kv_heads, head_dim] each
             # Only the tile's key range [lowest[0], kv_len) was ever written; the rest may hold
             # NaN, and 0 * NaN is NaN in the PV matmul. Inside the range, masked probs are 0.
             seen = (kv_pos >= lowest[0]) & (kv_pos < kv_len)

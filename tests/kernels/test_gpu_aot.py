@@ -79,11 +79,11 @@ class Shape:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
         num_pages = self.num_slots * self.pages_per_seq + 1
-        pool = sds((NUM_LAYERS, num_pages, self.page_size, NUM_KV_HEADS, self.head_dim), self.dtype)
+        lanes = 2 * NUM_KV_HEADS * self.head_dim  # keys and values side by side (common.fuse_kv)
+        pool = sds((NUM_LAYERS, num_pages, self.page_size, lanes), self.dtype)
         num_heads = NUM_KV_HEADS * self.group
         return (
             sds((self.num_tokens, num_heads, self.head_dim), self.dtype),
-            pool,
             pool,
             sds((), jnp.int32),  # layer
             sds((self.num_slots + 1,), jnp.int32),  # query_start

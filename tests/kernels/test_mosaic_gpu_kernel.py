@@ -114,7 +114,7 @@ def test_launch_shapes_of_the_cases():
             case.num_slots,
             case.num_kv_heads,
             case.num_heads // case.num_kv_heads,
-            args[6].shape[1],
+            args[5].shape[1],  # page_tables [S, P]
             case.page_size,
             case.head_dim,
             case.dtype,

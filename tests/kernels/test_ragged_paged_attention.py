@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention import gpu_kernel, reference, tpu_kernel, tuning
+from pallas_kernels.ragged_paged_attention import common, gpu_kernel, reference, tpu_kernel, tuning
 
 # bf16 rounds probabilities before the PV matmul, in a different order in each implementation.
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
@@ -57,6 +57,7 @@ class Case:
     num_tokens: int  # bucket: >= sum of q_len; the rest is padding
     num_slots: int  # bucket: >= len(chunks)
     sliding_window: int | None = None
+    lane_align: int = 1  # the pool's lanes padded to a multiple of this (128 on TPU)
 
 
 def make_inputs(case: Case, seed: int = 0) -> tuple:
@@ -85,10 +86,13 @@ def make_inputs(case: Case, seed: int = 0) -> tuple:
         offset += q_len
     query_start[len(case.chunks) :] = offset
     q = rng.normal(size=(case.num_tokens, case.num_heads, case.head_dim))
+    lanes = common.kv_lanes(case.num_kv_heads, case.head_dim, align=case.lane_align)
+    # Padding lanes hold NaN too: no kernel may read them.
+    kv_pool = np.array(common.fuse_kv(k_pool, v_pool, lanes))
+    kv_pool[..., 2 * case.num_kv_heads * case.head_dim :] = np.nan
     return (
         jnp.asarray(q, case.dtype),
-        jnp.asarray(k_pool, case.dtype),
-        jnp.asarray(v_pool, case.dtype),
+        jnp.asarray(kv_pool, case.dtype),
         jnp.int32(1),
         jnp.asarray(query_start),
         jnp.asarray(kv_lens),
@@ -106,6 +110,8 @@ CASES = {
     "mixed": Case(((5, 13), (1, 6), (4, 4), (1, 11)), 2, 2, 2, 64, jnp.bfloat16, 16, 4),
     # Mistral-style sliding window over a mixed batch, f32.
     "mixed_window": Case(((6, 14), (1, 9), (3, 3)), 4, 4, 2, 64, jnp.float32, 12, 4, 5),
+    # 3 KV heads of head_dim 16: 96 lanes of keys and values padded to 128, as on TPU.
+    "padded_lanes": Case(((3, 7), (1, 5)), 4, 6, 3, 16, jnp.float32, 8, 3, lane_align=128),
 }
 
 KERNELS = {
@@ -116,7 +122,11 @@ KERNELS = {
 
 def assert_matches_reference(kernel, case: Case, block_sizes) -> None:
     args = make_inputs(case)
-    kwargs = dict(sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window)
+    kwargs = dict(
+        sm_scale=case.head_dim**-0.5,
+        num_kv_heads=case.num_kv_heads,
+        sliding_window=case.sliding_window,
+    )
     want = np.asarray(reference.ragged_paged_attention(*args, **kwargs), np.float32)
     got = kernel(*args, block_sizes=block_sizes, **kwargs)
     assert got.shape == want.shape and got.dtype == case.dtype
@@ -170,8 +180,7 @@ def tiny_case() -> tuple:
     q = np.array([[[1, 0]], [[1, 0]], [[0.5, -2]], [[9, 9]]], np.float32)
     return (
         jnp.asarray(q),
-        jnp.asarray(k),
-        jnp.asarray(v),
+        common.fuse_kv(jnp.asarray(k), jnp.asarray(v), lanes=4),  # [k0 k1 v0 v1] per token
         jnp.int32(1),
         jnp.array([0, 2, 3, 3], jnp.int32),  # 3 slots: two sequences and a padding one
         jnp.array([3, 1, 0], jnp.int32),

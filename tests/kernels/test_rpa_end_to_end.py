@@ -11,7 +11,7 @@ import pytest
 
 import checkpoints
 from jaxserve.models.attention import get_attention_fn
-from jaxserve.models.kv_pool import KVPages
+from jaxserve.models.kv_pool import KVPages, kv_lanes
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
 
 PAGE_SIZE = 4
@@ -43,11 +43,9 @@ def generate(stories, backend: str) -> tuple[list[list[int]], np.ndarray]:
         return jnp.argmax(logits, axis=-1), logits, kv
 
     c = stories.config
-    shape = (c.num_layers, NUM_PAGES, PAGE_SIZE, c.num_kv_heads, c.head_dim)
+    shape = (c.num_layers, NUM_PAGES, PAGE_SIZE, kv_lanes(c))
     # NaN, not zeros: a slot read before it is written poisons the tokens.
-    kv = KVPages(
-        k=jnp.full(shape, jnp.nan, stories.dtype), v=jnp.full(shape, jnp.nan, stories.dtype)
-    )
+    kv = KVPages(kv=jnp.full(shape, jnp.nan, stories.dtype))
     seqs = [list(p) for p in PROMPTS]
     done = [0, 0]  # tokens of each sequence already in the cache
     generated: list[list[int]] = [[], []]

@@ -30,7 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import SingleDeviceSharding
 
 from pallas_kernels import chips
-from pallas_kernels.ragged_paged_attention import reference, tpu_kernel, tuning
+from pallas_kernels.ragged_paged_attention import common, reference, tpu_kernel, tuning
 
 # Single-chip topologies (v4, v5p and TPU7x name three axes).
 TOPOLOGIES = {
@@ -66,8 +66,14 @@ class Shape:
             pages_per_seq=self.pages_per_seq,
             q_dtype=self.dtype,
             kv_dtype=self.dtype,
+            lanes=self.lanes,
             chip=chip,
         )
+
+    @property
+    def lanes(self) -> int:
+        """The pool's minor dimension as the engine lays it out on TPU (whole 128-lane tiles)."""
+        return common.kv_lanes(self.num_kv_heads, self.head_dim, 1, common.LANES)
 
 
 BASE = Shape()
@@ -108,10 +114,9 @@ def _inputs(shape: Shape, sharding) -> tuple:
     """Abstract arguments (ShapeDtypeStructs) of the kernel for `shape`, placed by `sharding`."""
     dtype = jnp.dtype(shape.dtype)
     num_pages = shape.num_slots * shape.pages_per_seq + 1
-    pool = (2, num_pages, shape.page_size, shape.num_kv_heads, shape.head_dim)
+    pool = (2, num_pages, shape.page_size, shape.lanes)
     specs = [
         ((shape.num_tokens, shape.num_heads, shape.head_dim), dtype),
-        (pool, dtype),
         (pool, dtype),
         ((), jnp.int32),
         ((shape.num_slots + 1,), jnp.int32),
@@ -199,6 +204,7 @@ def _compile_and_check(chip: str, shape: Shape) -> None:
     fn = functools.partial(
         tpu_kernel.ragged_paged_attention,
         sm_scale=shape.head_dim**-0.5,
+        num_kv_heads=shape.num_kv_heads,
         sliding_window=shape.sliding_window,
         chip=device.device_kind,
     )
@@ -338,13 +344,11 @@ def test_a_kv_head_split_matches_the_reference_in_interpret_mode():
         chip="v5e",
     )
     sizes = tuning.TpuBlockSizes(q_rows=8, kv_tokens=8, vmem_limit_bytes=all_heads)
-    pool_shape = (2, 7, page_size, num_kv_heads, head_dim)
-    k_pool = jnp.asarray(rng.normal(size=pool_shape), jnp.float32)
-    v_pool = jnp.asarray(rng.normal(size=pool_shape), jnp.float32)
+    pool_shape = (2, 7, page_size, 2 * num_kv_heads * head_dim)
+    kv_pool = jnp.asarray(rng.normal(size=pool_shape), jnp.float32)
     args = (
         jnp.asarray(rng.normal(size=(num_tokens, num_kv_heads, head_dim)), jnp.float32),
-        k_pool,
-        v_pool,
+        kv_pool,
         jnp.int32(1),
         jnp.array([0, 3, 4], jnp.int32),
         jnp.asarray(kv_lens, jnp.int32),

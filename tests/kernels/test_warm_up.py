@@ -9,7 +9,7 @@ import pytest
 
 from checkpoints import load_model, model_for
 from jaxserve.models.attention import warm_up_batches
-from jaxserve.models.kv_pool import KVPages
+from jaxserve.models.kv_pool import KVPages, kv_lanes
 from pallas_kernels.ragged_paged_attention import xla_blocked
 
 NUM_PAGES = 6
@@ -52,15 +52,11 @@ def test_batches_leave_every_kv_slot_as_it_was():
     model = load_model("llama-tiny", layer_loop="scan")  # the CPU's "auto" would unroll it
     module = model_for(model.config, model.dtype, "xla", layer_loop="scan")
     c = model.config
-    shape = (c.num_layers, NUM_PAGES, 4, c.num_kv_heads, c.head_dim)
+    shape = (c.num_layers, NUM_PAGES, 4, kv_lanes(c))
     rng = np.random.default_rng(0)
-    kv = KVPages(
-        k=rng.standard_normal(shape).astype(np.float32),
-        v=rng.standard_normal(shape).astype(np.float32),
-    )
+    kv = KVPages(kv=rng.standard_normal(shape).astype(np.float32))
     step = jax.jit(lambda kv, batch: module.apply({"params": model.params}, kv, batch))
     for batch in warm_up_batches(8, 4, page_size=4, pages_per_seq=3, num_pages=NUM_PAGES):
         hidden, new_kv = step(kv, batch)
         assert np.isfinite(np.asarray(hidden)).all()
-        np.testing.assert_array_equal(np.asarray(new_kv.k), kv.k)
-        np.testing.assert_array_equal(np.asarray(new_kv.v), kv.v)
+        np.testing.assert_array_equal(np.asarray(new_kv.kv), kv.kv)

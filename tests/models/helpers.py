@@ -24,7 +24,7 @@ import transformers
 from checkpoints import LoadedModel, model_for
 from checkpoints.config_json import layer_loop_of
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.kv_pool import KVPages
+from jaxserve.models.kv_pool import KVPages, kv_lanes
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -192,13 +192,13 @@ class PagedSession:
             pages_per_seq=pages_per_seq,
             num_pages=num_pages,
         )
-        shape = (c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers, num_pages, page_size, kv_lanes(c))
         # Params and pool committed to one device: orbax restores committed arrays and the HF
         # loader uncommitted ones, and jit compiles each kind apart; committing both shares one.
         device = jax.devices()[0]
         self.params = jax.device_put(loaded.params, device)
         nan = np.full(shape, np.nan, loaded.dtype)
-        self.kv = KVPages(k=jax.device_put(nan, device), v=jax.device_put(nan, device))
+        self.kv = KVPages(kv=jax.device_put(nan, device))
         order = np.random.default_rng(seed).permutation(num_pages)
         self._free = [int(p) for p in order if p != 0]
         self._pages_per_seq = pages_per_seq

@@ -20,9 +20,10 @@ def tp2_engine() -> Engine:
 def test_the_model_and_pool_are_split(tp2_engine):
     runner = tp2_engine.runner
     assert runner.sharding.tensor_parallel == 2 and runner.sharding.kv_shards == 2
-    k = runner.kv.k  # [layers, pages, page_size, 4 KV heads, head_dim]: 2 heads per device
-    assert {s.data.shape[3] for s in k.addressable_shards} == {2}
-    assert len({s.device for s in k.addressable_shards}) == 2
+    kv = runner.kv.kv  # [layers, pages, page_size, lanes]: lanes of 2 of the 4 KV heads each
+    head_dim = tp2_engine.model.config.head_dim
+    assert {s.data.shape[3] for s in kv.addressable_shards} == {2 * 2 * head_dim}
+    assert len({s.device for s in kv.addressable_shards}) == 2
 
 
 def test_greedy_matches_transformers_generate(tp2_engine):

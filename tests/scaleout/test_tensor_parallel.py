@@ -209,8 +209,9 @@ def test_param_bytes_per_device_are_a_share_of_the_total(shape):
         page_size=4,
         sharding=ShardingPlan.create(make_mesh(4), config).kv_pages,
     )
-    shard_shapes = {s.data.shape for s in kv.k.addressable_shards}
-    assert shard_shapes == {(config.num_layers, 8, 4, config.num_kv_heads // 4, config.head_dim)}
+    shard_shapes = {s.data.shape for s in kv.kv.addressable_shards}
+    lanes = 2 * config.num_kv_heads // 4 * config.head_dim  # keys and values of its heads
+    assert shard_shapes == {(config.num_layers, 8, 4, lanes)}
 
 
 @pytest.mark.parametrize("shape", ["llama-kv4", "llama-kv2"])
