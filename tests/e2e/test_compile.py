@@ -40,6 +40,9 @@ def test_compiles_the_buckets_for_a_v5e_chip_and_prints_the_table(tmp_path):
     for bucket in report["buckets"]:
         assert bucket["compiled"] and bucket["argument_bytes"] > 0
         assert bucket["predicted_step_s"] > 0
+        assert bucket["pool_copies"] == 0  # the pool keeps its place (issue 28, defect 3)
+    # llama-tiny's 2 KV heads of 16: 64 lanes of keys and values, padded to one 128-lane tile.
+    assert report["pool_padding"] == 2.0 and "layout padding 2.00x" in proc.stdout
     # Sized from the chip's 16 GiB, so capped by 4 sequences of llama-tiny's 2048-token context.
     assert report["num_pages"] == 4 * 2048 // 16
     assert "tokens" in proc.stdout and "predicted step" in proc.stdout and "fits" in proc.stdout
@@ -64,4 +67,4 @@ def test_the_tpu_kernel_compiles_under_tensor_parallel_where_attention_is_not_he
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert report["num_devices"] == 2 and report["attention_backend"] == "pallas_tpu"
-    assert all(b["compiled"] for b in report["buckets"]), report["buckets"]
+    assert all(b["compiled"] and b["pool_copies"] == 0 for b in report["buckets"]), report

@@ -55,13 +55,11 @@ def test_the_step_never_copies_the_pool(chip):
 @pytest.mark.parametrize(
     ("model", "tensor_parallel"),
     [
-        ("llama-tiny", 1),
-        ("llama-tiny", 2),
-        ("llama-tiny", 4),
-        ("qwen3-tiny", 2),
+        # TP 1 of llama-tiny and TP 2 of smollm2-135m: tests/e2e/test_compile.py.
+        ("llama-tiny", 2),  # 2 KV heads over 2 devices: one each
+        ("llama-tiny", 4),  # 2 KV heads over 4: each KV head on two devices
         ("qwen3-tiny", 4),
-        ("smollm2-135m", 2),  # 3 KV heads over 2 devices: not head-local
-        ("smollm2-135m", 4),
+        ("smollm2-135m", 4),  # 3 KV heads over 4 devices: not head-local, the pool replicated
     ],
 )
 def test_tensor_parallel_steps_compile_with_the_pallas_kernel_and_no_pool_copy(
