@@ -256,6 +256,38 @@ def test_a_boolean_float_or_string_where_an_integer_belongs_is_a_400(server, fie
     assert_no_500(server)
 
 
+# Values every earlier check let through that break the device step or the beam ranking: a
+# temperature float32 reads as inf (1e300) or 0 (1e-300), a repetition penalty it reads as 0,
+# a length penalty whose power overflows Python's float once a beam has two tokens.
+_UNSOUND = [
+    ("temperature", 1e300, {}),
+    ("temperature", 1e-300, {}),
+    ("repetition_penalty", 1e-300, {}),
+    ("length_penalty", 1000.0, {"use_beam_search": True, "best_of": 2, "temperature": 0}),
+    ("length_penalty", -1e300, {"use_beam_search": True, "best_of": 2, "temperature": 0}),
+]
+
+
+@pytest.mark.parametrize("field,value,extra", _UNSOUND)
+def test_values_the_device_cannot_take_are_400_and_invalid_argument(server, field, value, extra):
+    status, _, body = _raw(
+        server,
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": PROMPT, "max_tokens": 4, field: value, **extra}).encode(),
+    )
+    assert status == 400, body
+    assert body["error"]["param"] == field
+    assert f"{field}={value!r} must be" in body["error"]["message"]
+    grpc_extra = {"beam_width": 2, "temperature": 0} if extra else {}
+    with server.client() as c, pytest.raises(grpc.RpcError) as err:
+        c.generate_unary(PROMPT, max_tokens=4, **{field: value}, **grpc_extra)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{field}={value!r} must be" in err.value.details()
+    assert server.server.engine.is_alive
+    assert_no_500(server)
+
+
 def test_priority_is_bounded_and_clients_may_only_lower_it_by_default(server, client, engine):
     got = client.completions.create(
         model="any", prompt=PROMPT, max_tokens=2, extra_body={"priority": 2**31 - 1}
