@@ -8,7 +8,6 @@ per-row arrays and never checks them again. Plain Python, no jax: the scheduler 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -18,6 +17,21 @@ MAX_LOGIT_BIAS = 32  # biased tokens per request (a fixed number of slots per ro
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 MAX_ABS_PENALTY = 2.0  # OpenAI's range of presence_penalty and frequency_penalty
 MAX_REPETITION_PENALTY = 10.0  # well past any useful value; bounds the division's blow-up
+# ... and its reciprocal below: 1e-300 passed (0, 10] but is 0 in float32, and the device's
+# division by it made every logit inf or NaN (the output was token 0 over and over).
+MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY
+# Temperature is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]. The device multiplies the
+# logits by 1 / temperature in float32: 1e-300 is 0 there, 1e300 is inf (the row's logits become
+# inf - inf = NaN); at 1e-5 a logit of 1000 stays far inside float32, and past 100 every real
+# model's distribution is flat to a few parts in a thousand, so nothing useful is refused.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
+# Token ids and top_k go to the device as int32: 2**31 raised OverflowError on the engine thread.
+MAX_INT32 = 2**31 - 1
+MAX_TOP_K = MAX_INT32  # any value from the vocabulary's size up turns top-k off, as 0 does
+# Beams are ranked by logprob / length ** length_penalty in Python floats: 1000 overflowed (and
+# -1e300 divided by zero) once a beam had two tokens. At 10 a 131072-token beam is 1.5e51.
+MAX_ABS_LENGTH_PENALTY = 10.0
 SEED_LIMIT = 2**32  # seeds become uint32 PRNG key data on the device
 # Each beam asks the engine for its 2 * beam_width most likely next tokens, as logprobs, and
 # the engine returns at most MAX_LOGPROBS of them.
@@ -87,10 +101,18 @@ class SamplingParams:
         top_p, min_p, seed, logprobs = self.top_p, self.min_p, self.seed, self.logprobs
         if not _is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"{max_tokens=} must be an integer >= 1.")
-        if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
-            raise ValueError(f"{temperature=} must be a finite number >= 0 (0 means greedy).")
-        if not _is_int(top_k) or top_k < 0:
-            raise ValueError(f"{top_k=} must be an integer >= 0 (0 turns top-k off).")
+        if not _is_real(temperature) or not (
+            temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE
+        ):
+            raise ValueError(
+                f"{temperature=} must be 0 (greedy) or a number in [{MIN_TEMPERATURE}, "
+                f"{MAX_TEMPERATURE}]."
+            )
+        if not _is_int(top_k) or not 0 <= top_k <= MAX_TOP_K:
+            raise ValueError(
+                f"{top_k=} must be an integer in [0, {MAX_TOP_K}] (0 turns top-k off, as does "
+                "any value from the vocabulary's size up)."
+            )
         if not _is_real(top_p) or not 0 < top_p <= 1:
             raise ValueError(f"{top_p=} must be in (0, 1] (1 turns top-p off).")
         if not _is_real(min_p) or not 0 <= min_p <= 1:
@@ -116,10 +138,12 @@ class SamplingParams:
                     f"{MAX_ABS_PENALTY}] (0 turns it off)."
                 )
         repetition_penalty = self.repetition_penalty
-        if not _is_real(repetition_penalty) or not 0 < repetition_penalty <= MAX_REPETITION_PENALTY:
+        if not _is_real(repetition_penalty) or not (
+            MIN_REPETITION_PENALTY <= repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
             raise ValueError(
-                f"{repetition_penalty=} must be a number in (0, {MAX_REPETITION_PENALTY}] "
-                "(1 turns it off)."
+                f"{repetition_penalty=} must be a number in [{MIN_REPETITION_PENALTY}, "
+                f"{MAX_REPETITION_PENALTY}] (1 turns it off)."
             )
         min_tokens = self.min_tokens
         if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
@@ -129,8 +153,10 @@ class SamplingParams:
                 f"logit_bias has {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS} allowed."
             )
         for t, v in self.logit_bias:
-            if not _is_int(t) or t < 0:
-                raise ValueError(f"logit_bias token {t!r} must be a token id (an integer >= 0).")
+            if not _is_int(t) or not 0 <= t <= MAX_INT32:
+                raise ValueError(
+                    f"logit_bias token {t!r} must be a token id (an integer in [0, {MAX_INT32}])."
+                )
             if not _is_real(v) or not -MAX_ABS_LOGIT_BIAS <= v <= MAX_ABS_LOGIT_BIAS:
                 raise ValueError(
                     f"logit_bias[{t}]={v!r} must be a number in "
@@ -152,8 +178,11 @@ class SamplingParams:
                 f"{len(stop_token_ids)} stop token ids given; at most {MAX_STOP_TOKEN_IDS} allowed."
             )
         for t in stop_token_ids:
-            if not _is_int(t) or t < 0:
-                raise ValueError(f"{stop_token_ids=} must hold integers >= 0; {t!r} is not.")
+            if not _is_int(t) or not 0 <= t <= MAX_INT32:
+                raise ValueError(
+                    f"{stop_token_ids=} must hold token ids (integers in [0, {MAX_INT32}]); "
+                    f"{t!r} is not."
+                )
 
     def _check_beam(self) -> None:
         beam_width, length_penalty = self.beam_width, self.length_penalty
@@ -162,8 +191,11 @@ class SamplingParams:
                 f"{beam_width=} must be an integer in [1, {MAX_BEAM_WIDTH}] (1 turns beam search "
                 "off)."
             )
-        if not _is_real(length_penalty) or not math.isfinite(length_penalty):
-            raise ValueError(f"{length_penalty=} must be a finite number.")
+        if not _is_real(length_penalty) or not abs(length_penalty) <= MAX_ABS_LENGTH_PENALTY:
+            raise ValueError(
+                f"{length_penalty=} must be a number in [{-MAX_ABS_LENGTH_PENALTY}, "
+                f"{MAX_ABS_LENGTH_PENALTY}]."
+            )
         if beam_width == 1:
             return
         # The search ranks beams by the model's own logprobs (temperature 1) and is

@@ -22,7 +22,12 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from jaxserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from jaxserve.sampling_params import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOP_K,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from jaxserve.engine.info import EngineInfo
@@ -36,9 +41,6 @@ MAX_REQUEST_ID_CHARS = 128
 # (--clients-may-raise-priority), a client may only lower its own: values below 0 are refused,
 # since any client could otherwise preempt everyone else's requests.
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
-# The largest top_k: gRPC's int32 field holds no more, and the engine's per-row arrays take it as
-# a machine integer (over HTTP 10**30 raised OverflowError on the engine thread and killed it).
-MAX_TOP_K = 2**31 - 1
 _LEADING_FIELD = re.compile(r"^(\w+)[=[ ]")
 
 

@@ -180,6 +180,18 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"Prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
+        # SamplingParams bounds ids to int32 but does not know the model: a bias on an id past
+        # the vocabulary would be dropped on the device without a word, and a stop id there
+        # could never match.
+        for name, ids_of in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = [t for t in ids_of if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"{name} token ids {bad[:5]} are outside the vocabulary [0, {vocab})."
+                )
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self.outputs.tracked:

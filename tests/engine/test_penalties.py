@@ -14,6 +14,7 @@ from jaxserve import SamplingParams
 from jaxserve.engine.core import Engine
 from jaxserve.engine.llm import LLM
 from jaxserve.engine_config import EngineConfig
+from jaxserve.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from tests.models.helpers import sequence_logits
 
 PROMPT = "Once upon a time"
@@ -160,6 +161,17 @@ def test_repetition_penalty_counts_the_prompt_too(stories_engine):
     [penalized] = llm.generate([prompt], SamplingParams(**greedy, repetition_penalty=1.8))
     assert penalized.token_ids != plain.token_ids
     _check_against_numpy(stories_engine, prompt, penalized, repetition=1.8)
+
+
+def test_repetition_penalty_at_its_bounds_is_the_formula(stories_engine):
+    """0.1 and 10, the accepted extremes, still compute as the formula says (1e-300 was
+    accepted before and is 0 in float32: every token came out as 0)."""
+    llm = LLM(engine=stories_engine)
+    prompt = stories_engine.encode(PROMPT)
+    greedy = dict(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    for penalty in (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY):
+        [out] = llm.generate([prompt], SamplingParams(**greedy, repetition_penalty=penalty))
+        _check_against_numpy(stories_engine, prompt, out, repetition=penalty)
 
 
 def test_a_preempted_request_resumes_with_its_counts(stories_engine):

@@ -185,7 +185,8 @@ def _must_refuse(data: bytes) -> bool:
         req.WhichOneof("prompt") is None
         or (req.WhichOneof("prompt") == "token_ids" and not ids)
         or any(t >= VOCAB for t in [*ids, *s.stop_token_ids])
-        or (has("temperature") and not (math.isfinite(s.temperature) and s.temperature >= 0))
+        # float32 reads 5e-324 as 0 and 1e308 as inf: SamplingParams' bounds (0, or 1e-5-100)
+        or (has("temperature") and not (s.temperature == 0 or 1e-5 <= s.temperature <= 100))
         or (has("top_k") and s.top_k < 0)
         or (has("top_p") and not 0 < s.top_p <= 1)
         or (has("min_p") and not 0 <= s.min_p <= 1)

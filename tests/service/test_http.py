@@ -160,6 +160,24 @@ def test_n_samples_each_equal_their_single_runs_with_seed_plus_i(served, client)
     assert got.usage.prompt_tokens == len(expected["greedy"].prompt_token_ids)  # counted once
 
 
+def test_n_samples_of_each_prompt_in_a_list_take_seed_plus_i_per_prompt(served, client):
+    """prompt=[P1, P2], n=2, seed=s: choice 2p + i is prompt p's single-sample run with seed
+    s + i (issue 29, item 19: counting the offset over all jobs gave P2 seeds s + 2, s + 3)."""
+    prompts = [PROMPT, "The little dog ran to the"]
+    seeded = dict(max_tokens=16, temperature=1.5, seed=7)  # hot: each seed its own story
+    got = client.completions.create(model="any", prompt=prompts, n=2, **seeded)
+    choices = sorted(got.choices, key=lambda c: c.index)
+    assert len(choices) == 4
+    single = {}
+    for p, prompt in enumerate(prompts):
+        for i in range(4):  # seeds s .. s + 3: the wrong offsets would match these
+            seed = seeded["seed"] + i
+            one = client.completions.create(model="any", prompt=prompt, **{**seeded, "seed": seed})
+            single[p, i] = one.choices[0].text
+        assert len({single[p, i] for i in range(4)}) == 4  # every seed tells itself apart
+    assert [c.text for c in choices] == [single[p, i] for p in range(2) for i in range(2)]
+
+
 def test_logit_bias_forces_a_token(served, client):
     _, expected = served
     assert expected["bias"].token_ids == [300] * 5

@@ -55,11 +55,43 @@ def test_health_says_serving_only_after_warm_up(engine):
     assert not built[0].is_alive
 
 
+def _once_all_have_a_token(engine, n: int, then):
+    """Wraps engine.step_updates (the engine thread's call each iteration): at the first
+    iteration at which the engine tracks `n` requests and each has an output token, `then()`
+    runs instead of the step (once); otherwise the real step runs. A stream of 200 tokens then
+    cannot have ended before the test acts, however slowly a loaded machine runs the test's
+    own thread (the engine waits for the event, not for a clock)."""
+    real, fired = engine.step_updates, threading.Event()
+
+    def step_updates():
+        tracked = list(engine.outputs.tracked.values())
+        began = len(tracked) == n and all(t.request.num_output_tokens >= 1 for t in tracked)
+        if began and not fired.is_set():
+            fired.set()
+            then()
+        return real()
+
+    engine.step_updates = step_updates
+    return fired
+
+
 def test_engine_failure_ends_every_open_stream_with_internal(engine):
-    """A crash of the engine thread fails all open streams at once; health turns NOT_SERVING."""
+    """A crash of the engine thread fails all open streams at once; health turns NOT_SERVING.
+
+    At once, not at a timeout: each stream has a 60 s deadline and must end INTERNAL with the
+    failure's message (a stream the failure never reached would end DEADLINE_EXCEEDED), within
+    10 s of the failure (~ms when it works; a loaded machine can stall a thread for a second).
+    """
     ids = [f"doomed-{i}" for i in range(4)]
+    failed_at = []
+
+    def fail():
+        failed_at.append(time.monotonic())
+        raise RuntimeError("injected device failure")
+
     try:
         with serving(engine) as server, server.client() as c:
+            _once_all_have_a_token(engine, len(ids), fail)
             calls = [
                 c.generate(
                     "Once upon a time",
@@ -67,25 +99,18 @@ def test_engine_failure_ends_every_open_stream_with_internal(engine):
                     max_tokens=200,
                     temperature=0.0,
                     ignore_eos=True,
+                    timeout=60,
                 )
                 for rid in ids
             ]
-            streams = [iter(call) for call in calls]
-            for s in streams:
-                next(s)
-
-            def broken_step():
-                raise RuntimeError("injected device failure")
-
-            engine.step_updates = broken_step  # the engine thread's next iteration raises
-            start = time.monotonic()
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
-                errors = list(pool.map(_error_of, streams))
-            assert time.monotonic() - start < 1.0  # at once, not at a timeout
-            for e in errors:
-                assert e.code() == grpc.StatusCode.INTERNAL
+                ended = list(pool.map(_error_and_time_of, calls))
+            for e, _, tokens in ended:
+                assert e.code() == grpc.StatusCode.INTERNAL, e
                 assert "injected device failure" in e.details()
-            wait_until(lambda: c.health() == "NOT_SERVING", timeout=5)
+                assert 1 <= tokens < 200  # it ended mid-stream, by the failure
+            assert max(t for _, t, _ in ended) - failed_at[0] < 10.0
+            wait_until(lambda: c.health() == "NOT_SERVING", timeout=30)
             with pytest.raises(grpc.RpcError) as err:
                 c.generate_unary("Hi", **GREEDY)
             assert err.value.code() == grpc.StatusCode.INTERNAL
@@ -99,40 +124,65 @@ def test_engine_failure_ends_every_open_stream_with_internal(engine):
 
 
 def test_engine_shutdown_ends_open_streams_and_leaves_the_engine_idle(engine):
-    """AsyncEngine.shutdown() aborts what runs: clients see ABORT, the pages come back."""
+    """AsyncEngine.shutdown() aborts what runs: clients see ABORT, the pages come back.
+
+    The engine waits, with both streams begun, until shutdown has been asked for: a stream
+    that finished by itself first (200 tokens) would end LENGTH, not ABORT."""
     async_engine = AsyncEngine(engine=engine)
     server = ServerThread(async_engine)
+    paused, release = threading.Event(), threading.Event()
+
+    def pause():
+        paused.set()
+        assert release.wait(60), "the test never released the engine"
+
     try:
         with server.client() as c:
+            _once_all_have_a_token(engine, 2, pause)
             streams = [
                 iter(
-                    c.generate("Once upon a time", max_tokens=200, temperature=0.0, ignore_eos=True)
+                    c.generate(
+                        "Once upon a time",
+                        max_tokens=200,
+                        temperature=0.0,
+                        ignore_eos=True,
+                        timeout=60,
+                    )
                 )
                 for _ in range(2)
             ]
             for s in streams:
                 next(s)
-            async_engine.shutdown()
+            assert paused.wait(60)
+            stopping = threading.Thread(target=async_engine.shutdown)
+            stopping.start()  # it asks the engine thread to stop, then joins it
+            wait_until(lambda: async_engine._stopping, timeout=30)
+            release.set()
             for s in streams:
                 assert list(s)[-1].finish_reason == pb.FINISH_REASON_ABORT
+            stopping.join(30)
         assert not engine.has_unfinished()
         assert engine.scheduler.num_pages_used == 0
         with server.client() as c:
-            wait_until(lambda: c.health() == "NOT_SERVING", timeout=5)
+            wait_until(lambda: c.health() == "NOT_SERVING", timeout=30)
             with pytest.raises(grpc.RpcError) as err:
                 c.generate_unary("Hi", **GREEDY)
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "shut down" in err.value.details()
     finally:
+        release.set()
+        engine.__dict__.pop("step_updates", None)
         server.stop()
 
 
-def _error_of(stream) -> grpc.RpcError:
+def _error_and_time_of(stream) -> tuple[grpc.RpcError, float, int]:
+    """The error that ended a stream, when it came (time.monotonic()), and the tokens before."""
+    tokens = 0
     try:
-        for _ in stream:
-            pass
+        for response in stream:
+            tokens += len(response.token_ids)
     except grpc.RpcError as e:
-        return e
+        return e, time.monotonic(), tokens
     raise AssertionError("the stream ended without an error")
 
 
