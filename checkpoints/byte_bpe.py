@@ -15,7 +15,10 @@ from __future__ import annotations
 import functools
 
 # Ids 0.. in this order; qwen3-tiny's eos_token_ids=(2,) is then <|im_end|>, as in Qwen's chat.
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Added after the merges, and not special (as in Qwen's tokenizer): decoded text keeps them,
+# which is how a front end finds a call in the output.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")
 
 # What the merges are learned from: prose, JSON and code-like text, so that common pieces of
 # all three become tokens (the grammar engines then see multi-character tokens that cross
@@ -60,19 +63,20 @@ def byte_bpe_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    base = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
+    base = len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
     if vocab_size < base:
         raise ValueError(f"{vocab_size=} must be at least {base} (256 bytes + special tokens).")
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(TOOL_TOKENS),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     raw.train_from_iterator(list(_CORPUS) * 8, trainer)
+    raw.add_tokens(list(TOOL_TOKENS))
     # A small text runs out of merges before a large vocabulary is full: the rest become
     # reserved tokens (as Llama 3's are), so ids cover the model's vocabulary exactly.
     missing = vocab_size - raw.get_vocab_size()
