@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import jsonschema
 import openai
 import pytest
 
 from jaxserve.runtime import compiles
+from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
 from service.http import tools
 from tests.service.conftest import serving
 
@@ -75,13 +77,18 @@ JSON_FORMAT = {
 
 
 @pytest.fixture(scope="module")
-def client(engine):
+def server(engine):
     engine.tokenizer.chat_template = CHAT_TEMPLATE
     try:
         with serving(engine, http_port=0) as server:
-            yield server.openai()
+            yield server
     finally:
         engine.tokenizer.chat_template = None
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai()
 
 
 def test_response_format_json_schema_on_chat_and_completions(client):
@@ -234,6 +241,28 @@ def test_bad_constraints_are_400_naming_the_problem(client, extra, words):
     assert words in str(e.value)
     ok = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
     assert ok.choices[0].finish_reason == "length"  # the engine serves on
+
+
+def test_grpc_structured_output_and_its_invalid_argument(server):
+    with server.client() as grpc_client:
+        for seed in range(2):
+            out = grpc_client.generate_unary(
+                "Once upon a time",
+                max_tokens=120,
+                temperature=1.0,
+                seed=seed,
+                structured_output={"json": SCHEMA},
+            )
+            assert out.finish_reason == pb.FINISH_REASON_STOP
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+        pick = grpc_client.generate_unary(
+            "Once", max_tokens=8, structured_output={"choice": ["left", "right"]}
+        )
+        assert pick.text in ("left", "right")
+        with pytest.raises(grpc.RpcError) as e:
+            grpc_client.generate_unary("Once", structured_output={"regex": "[z-a]"})
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling.structured_output.regex" in e.value.details()
 
 
 def test_auto_parses_hermes_tool_call_blocks():
