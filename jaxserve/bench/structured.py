@@ -2,6 +2,7 @@
 
     python -m jaxserve.bench.structured --samples 200          # the acceptance's 200 samples
     python -m jaxserve.bench.structured --tpot --rows 32       # TPOT, half the batch constrained
+    python -m jaxserve.bench.structured --step --rows 32       # the step with and without a mask
 
 `--samples N`: N samples at temperature 1.0 per model (the embedded stories260k, and qwen3-tiny's
 random weights with a byte-level BPE tokenizer) for each of a nested JSON schema, a regex and a
@@ -13,6 +14,11 @@ interleaved: none constrained; half constrained (the other half unconstrained); 
 constrained. It reports the TPOT of the unconstrained rows with and without constrained
 neighbours, and that of the constrained rows, as ratios (the machine is noisy; docs/
 benchmarks.md has the figures). The unconstrained rows are identical in both runs (checked).
+
+`--step`: the device step alone, a decode batch of `rows` rows at temperature 0.8, as a batch
+without grammar rows runs it (the mask branch skipped, the device-resident all-ones mask) and
+as one with grammar rows does (the branch taken, a mask shipped from the host), interleaved,
+each order in turn (whichever runs first in a pair is slower on this machine).
 """
 
 from __future__ import annotations
@@ -74,7 +80,7 @@ def _engines(args):
         show_progress=False,
     )
     yield "stories260k", Engine(EngineConfig(**config))
-    if not args.tpot:
+    if not (args.tpot or args.step):
         model = load_model("qwen3-tiny")
         model.tokenizer = byte_bpe_tokenizer(model.config.vocab_size)
         yield "qwen3-tiny", Engine(EngineConfig(**config), model=model)
@@ -162,6 +168,56 @@ def tpot(engine, rows: int, repeats: int, max_tokens: int) -> dict:
     }
 
 
+def step_times(engine, rows: int, repeats: int) -> dict:
+    """Median ms per device step of one decode batch, with and without the mask branch."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from jaxserve.models.step_batch import SeqChunk, pack_chunks
+    from jaxserve.runtime.sampling import SamplingBatch
+
+    runner = engine.runner
+    rc = runner.config
+    pages = -(-64 // rc.page_size)
+    chunks = [SeqChunk([5], 60, [pages * i + j for j in range(pages)]) for i in range(rows)]
+    num_tokens = next(t for t in rc.token_buckets if t >= rows)
+    num_seqs = rc.seq_bucket_for(num_tokens)
+    batch = pack_chunks(
+        chunks,
+        page_size=rc.page_size,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        pages_per_seq=rc.pages_per_seq,
+        num_pages=rc.num_pages,
+    )
+    plain = dataclasses.replace(
+        SamplingBatch.empty(num_seqs), temperature=np.full(num_seqs, 0.8, np.float32)
+    )
+    masked = dataclasses.replace(plain, constrained=np.bool_(True))
+    mask = np.full((num_seqs, runner.mask_words), -1, np.int32)
+    variants = {
+        "no grammar row": lambda: runner.execute(batch, plain),
+        "mask branch": lambda: runner.execute(batch, masked, None, mask.copy()),
+    }
+    times = {name: [] for name in variants}
+    for i in range(repeats):
+        order = list(variants.items())
+        for name, fn in order if i % 2 else order[::-1]:
+            jax.block_until_ready(fn().token_ids)
+            start = time.perf_counter()
+            for _ in range(20):
+                out = fn()
+            jax.block_until_ready(out.token_ids)
+            times[name].append((time.perf_counter() - start) / 20 * 1e3)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    return {
+        "step ms, no grammar row": med["no grammar row"],
+        "step with the mask branch / without": med["mask branch"] / med["no grammar row"],
+    }
+
+
 def dataclass_copy(p, **changes):
     import dataclasses
 
@@ -178,13 +234,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--tpot", action="store_true", help="measure TPOT instead of samples")
+    parser.add_argument("--step", action="store_true", help="time the device step's mask path")
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     for name, engine in _engines(args):
         start = time.perf_counter()
-        if args.tpot:
+        if args.step:
+            result = step_times(engine, args.rows, args.repeats)
+        elif args.tpot:
             result = tpot(engine, args.rows, args.repeats, args.max_tokens)
         else:
             result = samples(engine, args.samples)

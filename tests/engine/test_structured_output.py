@@ -9,6 +9,7 @@ tests take fewer to keep CI short.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jsonschema
@@ -113,3 +114,45 @@ def test_constrained_greedy_output_is_independent_of_the_batch(stories_engine):
         [p] + [SamplingParams(max_tokens=30, temperature=0.8, seed=i) for i in range(7)],
     )[0]
     assert batch.token_ids == alone.token_ids
+
+
+def test_token_mask_bits_and_untouched_rows():
+    """Bit j of word i allows token 32 i + j, in llguidance's layout (a vocabulary that is not
+    a multiple of 32 included); a row with every bit set keeps its logits bit for bit, and
+    every sampling mode then draws only allowed tokens."""
+    import jax
+    import jax.numpy as jnp
+    import llguidance.numpy as llnp
+    import numpy as np
+
+    from jaxserve.runtime.sampling import SamplingBatch, apply_token_mask, mask_words, sample
+
+    vocab, rows = 70, 4
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(rows, vocab)).astype(np.float32)
+    allowed = [[3], [0, 31, 32, 69], list(range(vocab)), [40, 41]]
+    mask = np.zeros((rows, mask_words(vocab)), np.int32)
+    for r, ids in enumerate(allowed):
+        for t in ids:  # set as the grammar engine's own layout says (its shape helper agrees)
+            mask.view(np.uint32)[r, t // 32] |= np.uint32(1 << (t % 32))
+    assert mask.shape == llnp.get_bitmask_shape(rows, vocab)
+    mask[2] = -1
+    out = np.asarray(apply_token_mask(jnp.asarray(logits), jnp.asarray(mask)))
+    for r, ids in enumerate(allowed):
+        finite = set(np.flatnonzero(np.isfinite(out[r])).tolist())
+        assert finite == set(ids)
+    assert np.array_equal(out[2], logits[2])
+    params = SamplingBatch.empty(rows)
+    params = dataclasses.replace(
+        params,
+        temperature=np.array([0.0, 1.5, 1.0, 0.7], np.float32),
+        top_p=np.array([1.0, 1.0, 0.9, 1.0], np.float32),
+        top_k=np.array([0, 0, 0, 5], np.int32),
+        seeds=np.arange(rows, dtype=np.uint32),
+        constrained=np.bool_(True),
+    )
+    draw = jax.jit(sample)  # one compile for every position below
+    for position in range(20):
+        p = dataclasses.replace(params, positions=np.full(rows, position, np.int32))
+        tokens = np.asarray(draw(jnp.asarray(logits), p, None, jnp.asarray(mask)).token_ids)
+        assert all(int(tokens[r]) in allowed[r] for r in range(rows))

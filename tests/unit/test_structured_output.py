@@ -100,3 +100,16 @@ def test_request_grammar_follows_outputs_and_rolls_back():
     assert not g.sync([2, 2])  # EOS at the start is refused: an error, not a crash
     assert g.error
     compiler.close()
+
+
+def test_a_compile_past_its_bound_is_a_clear_error_and_the_cache_serves_later():
+    from checkpoints.byte_bpe import byte_bpe_tokenizer
+    from jaxserve.engine.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(byte_bpe_tokenizer(1024), 1024, (2,), timeout_s=1e-6)
+    spec = StructuredOutput(json={"type": "object", "properties": {"q": {"type": "integer"}}})
+    with pytest.raises(ValueError, match=r"did not compile within 1e-06 s"):
+        compiler.matcher(spec)  # no compile (tokenizer description included) takes a microsecond
+    compiler.submit(spec).result(timeout=60)  # it went on, off the caller's thread
+    assert compiler.matcher(spec).is_accepting() is False  # now served from the cache at once
+    compiler.close()
