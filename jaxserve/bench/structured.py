@@ -16,9 +16,10 @@ neighbours, and that of the constrained rows, as ratios (the machine is noisy; d
 benchmarks.md has the figures). The unconstrained rows are identical in both runs (checked).
 
 `--step`: the device step alone, a decode batch of `rows` rows at temperature 0.8, as a batch
-without grammar rows runs it (the mask branch skipped, the device-resident all-ones mask) and
-as one with grammar rows does (the branch taken, a mask shipped from the host), interleaved,
-each order in turn (whichever runs first in a pair is slower on this machine).
+without grammar rows runs it (the mask branch skipped, the device-resident all-ones mask), as
+one with grammar rows does (the branch taken, a mask shipped from the host), and the two parts
+of the difference alone; interleaved, each first in turn (the first of a round runs slower on
+this machine).
 """
 
 from __future__ import annotations
@@ -146,6 +147,20 @@ def tpot(engine, rows: int, repeats: int, max_tokens: int) -> dict:
         "all": bound + [dataclass_copy(p, seed=p.seed + half) for p in bound],
     }
     times: dict[str, list[float]] = {"free_alone": [], "free_mixed": [], "bound": []}
+    # The engine thread's mask work (grammar.py's sync and fill for each grammar row), timed
+    # where the engine calls it.
+    masks = [0.0, 0, 0]  # seconds, steps, rows
+    fill = engine._token_mask
+
+    def timed_fill(rows, seqs, num_seqs):
+        start = time.perf_counter()
+        mask = fill(rows, seqs, num_seqs)
+        masks[0] += time.perf_counter() - start
+        masks[1] += 1
+        masks[2] += len(rows)
+        return mask
+
+    engine._token_mask = timed_fill
     reference = None
     for _ in range(repeats):
         for name, params in runs.items():
@@ -159,8 +174,11 @@ def tpot(engine, rows: int, repeats: int, max_tokens: int) -> dict:
                 assert [o.token_ids for o in outs[:half]] == reference, "batch invariance"
             else:
                 times["bound"].append(statistics.median(per_row))
+    engine._token_mask = fill
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
+        "host us per grammar row per step (mask)": masks[0] / max(masks[2], 1) * 1e6,
+        "host ms per step with grammar rows (mask)": masks[0] / max(masks[1], 1) * 1e3,
         "unconstrained TPOT, half the batch constrained / none": med["free_mixed"]
         / med["free_alone"],
         "constrained TPOT / unconstrained TPOT (no constraint)": med["bound"] / med["free_alone"],
@@ -196,25 +214,29 @@ def step_times(engine, rows: int, repeats: int) -> dict:
         SamplingBatch.empty(num_seqs), temperature=np.full(num_seqs, 0.8, np.float32)
     )
     masked = dataclasses.replace(plain, constrained=np.bool_(True))
-    mask = np.full((num_seqs, runner.mask_words), -1, np.int32)
-    variants = {
+    host = np.full((num_seqs, runner.mask_words), -1, np.int32)
+    device = runner.all_allowed(num_seqs)
+    variants = {  # what a step without grammar rows runs first, then the parts of the other
         "no grammar row": lambda: runner.execute(batch, plain),
-        "mask branch": lambda: runner.execute(batch, masked, None, mask.copy()),
+        "host mask, branch skipped": lambda: runner.execute(batch, plain, None, host.copy()),
+        "device mask, branch taken": lambda: runner.execute(batch, masked, None, device),
+        "host mask, branch taken": lambda: runner.execute(batch, masked, None, host.copy()),
     }
     times = {name: [] for name in variants}
-    for i in range(repeats):
-        order = list(variants.items())
-        for name, fn in order if i % 2 else order[::-1]:
+    items = list(variants.items())
+    for i in range(repeats):  # each variant first in turn: the first of a round runs slower
+        for name, fn in items[i % len(items) :] + items[: i % len(items)]:
             jax.block_until_ready(fn().token_ids)
             start = time.perf_counter()
             for _ in range(20):
                 out = fn()
             jax.block_until_ready(out.token_ids)
             times[name].append((time.perf_counter() - start) / 20 * 1e3)
-    med = {name: statistics.median(v) for name, v in times.items()}
-    return {
-        "step ms, no grammar row": med["no grammar row"],
-        "step with the mask branch / without": med["mask branch"] / med["no grammar row"],
+    base = statistics.median(times["no grammar row"])
+    return {"step ms, no grammar row": base} | {
+        f"{name} / no grammar row": statistics.median(v) / base
+        for name, v in times.items()
+        if name != "no grammar row"
     }
 
 
