@@ -285,3 +285,22 @@ def test_auto_parses_hermes_tool_call_blocks():
         "<tool_call>{broken</tool_call>",
         [],
     )
+
+
+def test_required_tool_call_streams_whole_as_non_streamed(client):
+    args = dict(
+        model="m",
+        messages=MESSAGES,
+        tools=[WEATHER, CLOCK],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=60,
+    )
+    (call,) = client.chat.completions.create(**args).choices[0].message.tool_calls
+    streamed, reasons = [], []
+    for chunk in client.chat.completions.create(**args, stream=True):
+        delta = chunk.choices[0].delta
+        streamed += [(c.function.name, c.function.arguments) for c in delta.tool_calls or ()]
+        reasons.append(chunk.choices[0].finish_reason)
+    assert streamed == [(call.function.name, call.function.arguments)]
+    assert reasons[-1] == "tool_calls"
