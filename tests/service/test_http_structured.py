@@ -304,3 +304,26 @@ def test_required_tool_call_streams_whole_as_non_streamed(client):
         reasons.append(chunk.choices[0].finish_reason)
     assert streamed == [(call.function.name, call.function.arguments)]
     assert reasons[-1] == "tool_calls"
+
+
+def test_a_history_with_a_call_and_its_answer_renders_and_runs(client):
+    """The assistant's earlier call and the tool's answer go back in the history."""
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    out = client.chat.completions.create(
+        model="m", messages=history, tools=[CLOCK], max_tokens=4, temperature=0
+    )
+    assert out.choices[0].finish_reason in ("stop", "length")
