@@ -79,6 +79,7 @@ def _engines(args):
         min_token_bucket=16,
         seq_bucket_factor=4,
         show_progress=False,
+        async_scheduling=not args.sync,
     )
     yield "stories260k", Engine(EngineConfig(**config))
     if not (args.tpot or args.step):
@@ -258,6 +259,9 @@ def main() -> None:
     parser.add_argument("--tpot", action="store_true", help="measure TPOT instead of samples")
     parser.add_argument("--step", action="store_true", help="time the device step's mask path")
     parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument(
+        "--sync", action="store_true", help="without asynchronous scheduling (no plan skipped)"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
