@@ -8,13 +8,14 @@ jax-free.
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams"]
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "StructuredOutput"]
 
 _LAZY = {
     "LLM": "jaxserve.engine.llm",
     "AsyncEngine": "jaxserve.engine.async_engine",
     "EngineConfig": "jaxserve.engine_config",
     "SamplingParams": "jaxserve.sampling_params",
+    "StructuredOutput": "jaxserve.structured_output",
 }
 
 

@@ -99,6 +99,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("cost_model", metavar="FILE"),
     Flag("calibrate_cost_model"),
     Flag("shed_late"),
+    Flag("grammar_compile_timeout_s", metavar="S"),
 )
 
 NOT_FLAGS: dict[str, str] = {

@@ -114,6 +114,9 @@ class EngineConfig:
     """Measure the cost model at warm-up (jaxserve/engine/calibration.py: a few timed steps per
     bucket, after precompile), saved to cost_model when a path is given. None: only when
     slo_scheduling has no file that applies; True: always; False: never (a file must apply)."""
+    grammar_compile_timeout_s: float = 10.0
+    """Structured output: seconds a request's grammar (JSON schema, regex, ...) may take to
+    compile before the request is refused as too complex (jaxserve/engine/grammar.py)."""
     shed_late: bool = False
     """With slo_scheduling and a TTFT target: refuse (finish reason "refused") a waiting request
     that would miss ttft_slo_s even if started now, rather than spend capacity on one lost."""
@@ -138,6 +141,11 @@ class EngineConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} must be one of {POLICIES}.")
         aging = self.priority_aging_s
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"EngineConfig.grammar_compile_timeout_s={self.grammar_compile_timeout_s} must "
+                "be > 0."
+            )
         if aging is not None and not (isinstance(aging, int | float) and 0 < aging < math.inf):
             raise ValueError(
                 f"priority_aging_s={aging!r} must be a finite number of seconds > 0, or None "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -79,6 +81,10 @@ class SamplingParams:
     # ranked by cumulative logprob / (generated tokens ** length_penalty).
     beam_width: int = 1
     length_penalty: float = 1.0
+    # The output must match this (a JSON schema, a regex, a choice, a grammar): each step's
+    # logits are masked to the tokens that keep it matchable, and EOS is allowed only where it
+    # is complete (jaxserve/structured_output.py; a dict is vLLM's `structured_outputs`).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         # Lists are accepted for convenience but stored as tuples, so params stay hashable.
@@ -93,6 +99,7 @@ class SamplingParams:
         self._check_numbers()
         self._check_stops()
         self._check_beam()
+        self._check_structured()
         penalized = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
         object.__setattr__(self, "_has_penalties", bool(penalized))
 
@@ -221,6 +228,36 @@ class SamplingParams:
                 "search is deterministic over the model's logprobs (temperature 0 or 1, no "
                 "filters, penalties, bias, min_tokens, stop strings or logprobs)."
             )
+
+    def _check_structured(self) -> None:
+        spec = self.structured_output
+        if isinstance(spec, dict):
+            spec = StructuredOutput.from_dict(spec)
+            object.__setattr__(self, "structured_output", spec)
+        if spec is None:
+            return
+        if not isinstance(spec, StructuredOutput):
+            raise ValueError(
+                f"structured_output={spec!r} must be a StructuredOutput, a dict of one, or None."
+            )
+        # The grammar decides when the output may end: EOS is allowed exactly when it is
+        # complete. Options that move the end elsewhere would contradict it.
+        conflicts = {
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens != 0,
+            "beam_width": self.beam_width != 1,
+        }
+        bad = [f"{name}={getattr(self, name)!r}" for name, on in conflicts.items() if on]
+        if bad:
+            raise ValueError(
+                f"A structured output ({spec.kind}) cannot be combined with {', '.join(bad)}: "
+                "the grammar alone decides where the output may end."
+            )
+
+    @property
+    def constrained(self) -> bool:
+        """Whether each step's token is masked by a grammar (structured_output is set)."""
+        return self.structured_output is not None
 
     @property
     def greedy(self) -> bool:

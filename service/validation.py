@@ -28,6 +28,7 @@ from jaxserve.sampling_params import (
     MAX_TOP_K,
     SamplingParams,
 )
+from jaxserve.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
     from jaxserve.engine.info import EngineInfo
@@ -245,3 +246,38 @@ def sampling_params(
         named = _LEADING_FIELD.match(str(e))
         param = prefix + named.group(1) if named else None
         raise InvalidRequest(f"Invalid sampling: {e}", param) from e
+
+
+def structured_output(spec: Mapping[str, Any] | None, field: str) -> StructuredOutput | None:
+    """The constraint of vLLM's `structured_outputs` object ({"json": schema}, {"regex": ...},
+    {"choice": [...]}, {"grammar": ...}, {"json_object": true}) as sent in `field`; None when
+    absent. A bad schema, regex or grammar is refused naming `field` and the problem."""
+    if spec is None:
+        return None
+    try:
+        return StructuredOutput.from_dict(dict(spec))
+    except (ValueError, TypeError) as e:
+        raise InvalidRequest(f"{field} cannot be used: {e}", field) from None
+
+
+def response_format(
+    kind: str, schema: Any = None, field: str = "response_format"
+) -> StructuredOutput | None:
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object) or
+    "json_schema" with its schema. OpenAI's `strict` changes nothing here: a schema is always
+    enforced, every keyword or none (an unsupported one is refused, never ignored)."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind != "json_schema":
+        raise InvalidRequest(
+            f"{field}.type={kind!r} must be one of 'text', 'json_object', 'json_schema'.",
+            f"{field}.type",
+        )
+    if schema is None:
+        raise InvalidRequest(
+            f"{field}.type='json_schema' needs {field}.json_schema.schema, the JSON schema.",
+            f"{field}.json_schema",
+        )
+    return structured_output({"json": schema}, f"{field}.json_schema.schema")

@@ -140,6 +140,9 @@ class AsyncEngine:
         `request_id` is the caller's name for the request (unique among requests the engine
         still holds); outputs carry it, but the engine sees a fresh internal id.
         """
+        spec = sampling_params.structured_output if sampling_params is not None else None
+        if spec is not None:  # compiled here, off the engine thread, within its bound
+            await self.engine.grammars.compile_async(spec)
         n = next(self._ids)
         user_id = request_id or f"async-{n}"
         internal_id = f"{user_id}#{n}"

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from jaxserve.engine.grammar import GrammarCompiler, RequestGrammar
 from jaxserve.engine.metrics import EngineMetrics, PhaseClock
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine_config import EngineConfig
@@ -125,6 +126,15 @@ class Engine:
             seq_bucket_for=rc.seq_bucket_for,
         )
         self.metrics = EngineMetrics(config.ttft_slo_s, config.tpot_slo_s)
+        # Structured output: grammars compile on the compiler's threads; each constrained
+        # request's matcher lives here, by request id, until its update says it finished.
+        self.grammars = GrammarCompiler(
+            self.tokenizer,
+            self.model.config.vocab_size,
+            self.model.config.eos_token_ids,
+            timeout_s=config.grammar_compile_timeout_s,
+        )
+        self._request_grammars: dict[str, RequestGrammar] = {}
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.metrics)
         # Dispatched plans awaiting their update, oldest first: at most two (the one being
         # taken in and the one just dispatched ahead of it).
@@ -201,6 +211,16 @@ class Engine:
                 "presence_penalty, frequency_penalty and repetition_penalty are not supported "
                 f"on a multi-host mesh ({jax.process_count()} processes) yet."
             )
+        grammar = None
+        if params.structured_output is not None:
+            if jax.process_count() > 1:
+                raise ValueError(
+                    "Structured output is not supported on a multi-host mesh "
+                    f"({jax.process_count()} processes) yet."
+                )
+            # Compiled on the compiler's threads; already cached when the AsyncEngine awaited
+            # it before sending the request here (grammar.py).
+            grammar = self.grammars.matcher(params.structured_output)
         request = Request(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -211,6 +231,8 @@ class Engine:
         )
         self.scheduler.add_request(request)  # raises when it can never fit or the queue is full
         self.outputs.add(request)
+        if grammar is not None:
+            self._request_grammars[request_id] = grammar
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -231,6 +253,7 @@ class Engine:
         """Ends a request whose output already ended it (its stop string, found by an output
         processor off the engine thread), freeing its slot and pages; a no-op once it ended."""
         self.scheduler.finish_request(request_id, reason)
+        self._request_grammars.pop(request_id, None)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -316,9 +339,12 @@ class Engine:
         sampling = step.sampling
         for row in step.special_rows.tolist():  # logit bias, min_tokens, penalties: rare rows
             self._fill_special_row(sampling, row, plan.seqs[row])
+        mask = None
+        if step.constrained_rows.size:  # grammar rows: their allowed tokens, the rest all ones
+            mask = self._token_mask(step.constrained_rows, plan.seqs, len(sampling.temperature))
         self._clock.lap("pack")
         self._probe_done()
-        out = self.runner.execute(step.batch, sampling, step.words)
+        out = self.runner.execute(step.batch, sampling, step.words, mask)
         # In flight only once the dispatch (and its copy to the device) has returned.
         self.metrics.device.dispatched(self._clock.lap("dispatch"))
         self._inflight.append(
@@ -357,6 +383,31 @@ class Engine:
             sb.repetition_penalty[row] = p.repetition_penalty
             sb.count_sampled[row] = seq.sample
 
+    def _token_mask(self, rows: np.ndarray, seqs, num_seqs: int) -> np.ndarray:
+        """The step's token bitmask (i32[num_seqs, W]): each grammar row's allowed tokens, every
+        token for the other rows (which then sample as without a mask).
+
+        A new array per step: the device may read a host array in place while the step runs.
+        A grammar row is never planned while its token is pending (running.py), so its
+        request's outputs are all known here and its matcher follows them first.
+        """
+        mask = np.full((num_seqs, self.runner.mask_words), -1, np.int32)
+        for row in rows.tolist():
+            seq = seqs[row]
+            grammar = self._request_grammars.get(seq.request_id)
+            if grammar is None:  # ended since its plan (an abort): its token is dropped
+                continue
+            if not grammar.sync(seq.request.output_token_ids):
+                # Only a token the mask forbade could do this: a bug, not the client's input.
+                logger.error(
+                    "Request %s: its grammar refused a token: %s", seq.request_id, grammar.error
+                )
+                seq.request.status_message = f"The grammar refused a token: {grammar.error}"
+                self.scheduler.abort_request(seq.request_id, FinishReason.ERROR)
+                continue
+            grammar.fill(mask, row)
+        return mask
+
     def _collect(self) -> list:
         """Waits for the oldest step in flight and applies its tokens to the scheduler."""
         flight = self._inflight[0]
@@ -364,6 +415,7 @@ class Engine:
         if flight.out is None:  # an empty plan: nothing ran
             self._inflight.popleft()
             updates = self.scheduler.update(plan, StepResult(sampled_token_ids=[]))
+            self._drop_grammars(updates)
             self._clock.lap("collect")
             return updates
         if not flight.seen_done:
@@ -390,6 +442,7 @@ class Engine:
         updates = self.scheduler.update(
             plan, StepResult(sampled_token_ids=tokens, logprobs=logprobs), now=time.monotonic()
         )
+        self._drop_grammars(updates)
         generated = plan.num_sampled
         real = plan.num_batched_tokens
         self.metrics.on_step(
@@ -400,6 +453,13 @@ class Engine:
         )
         self._clock.lap("collect")
         return updates
+
+    def _drop_grammars(self, updates) -> None:
+        """Forgets the matchers of the requests these updates finished."""
+        if self._request_grammars:
+            for update in updates:
+                if update.finished:
+                    self._request_grammars.pop(update.request.request_id, None)
 
     def _take_prompt_logprobs(self, out, seqs) -> None:
         """Copies the prompt logprobs of the rows that asked into their requests' lists.

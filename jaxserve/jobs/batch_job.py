@@ -2,7 +2,10 @@
 
 Input: one JSON object a line, `{"id": ..., "prompt": "..."}` or `"prompt_token_ids": [...]`,
 optionally `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`,
-`stop_token_ids`, `ignore_eos`, `beam_width`, `length_penalty`.
+`stop_token_ids`, `ignore_eos`, `beam_width`, `length_penalty`, and `structured_outputs` (a
+constraint as vLLM spells it: `{"json": schema}`, `{"regex": ...}`, `{"choice": [...]}`,
+`{"grammar": ...}`, `{"json_object": true}`; a bad one is a bad line). Its grammar compiles when
+the line is added, on the job's thread, within EngineConfig.grammar_compile_timeout_s.
 A line without an id gets `line-N`, N its line number (stable as long as the file is).
 Output: one JSON object a line as each request finishes, in completion order:
 `{"id", "text", "prompt_tokens", "output_tokens", "finish_reason"}` (+ `token_ids` if asked).
@@ -203,6 +206,8 @@ def parse_line(
     ):
         raise ValueError("prompt_token_ids must be a non-empty list of integers")
     changes = {k: obj[k] for k in ("max_tokens", *_SAMPLING_KEYS) if k in obj}
+    if "structured_outputs" in obj:  # vLLM's name on the line, SamplingParams' in the engine
+        changes["structured_output"] = obj["structured_outputs"]
     try:
         params = dataclasses.replace(defaults, **changes) if changes else defaults  # validates
     except TypeError as e:  # e.g. "stop": 5, which is not a list of strings

@@ -33,7 +33,7 @@ from jaxserve.models.sharding import ShardingPlan, make_mesh
 from jaxserve.models.step_batch import pack_chunks, to_words
 from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.runtime.model_runner import RunnerConfig, step_words
-from jaxserve.runtime.sampling import PenaltyState, SamplingBatch
+from jaxserve.runtime.sampling import PenaltyState, SamplingBatch, mask_words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,11 +412,14 @@ def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketRe
     words = to_words((batch, SamplingBatch.empty(num_seqs)))
     words_in = jax.ShapeDtypeStruct(np.shape(words.words), jnp.int32, sharding=p.replicated)
     options = step_compiler_options(num_tokens, p.target.platform) or None
+    mask_in = jax.ShapeDtypeStruct(
+        (num_seqs, mask_words(p.pen.output_counts.shape[1])), jnp.int32, sharding=p.replicated
+    )
     step = jax.jit(
         functools.partial(step_words, p.module),
-        static_argnums=(5,),
+        static_argnums=(6,),
         donate_argnums=(1, 3, 4),
-        in_shardings=(p.param_shardings, p.kv_sharding, p.replicated, p.replicated, p.replicated),
+        in_shardings=(p.param_shardings, p.kv_sharding, *[p.replicated] * 4),
         out_shardings=(p.replicated, p.kv_sharding, p.replicated, p.replicated),
         compiler_options=options,
     )
@@ -424,7 +427,9 @@ def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketRe
     start = time.perf_counter()
     try:
         compiled = (
-            step.trace(p.params, p.kv, words_in, p.pen, p.last, words.layout).lower().compile()
+            step.trace(p.params, p.kv, words_in, p.pen, p.last, mask_in, words.layout)
+            .lower()
+            .compile()
         )
     except Exception as e:  # the compiler's own words are the report
         report.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"

@@ -74,6 +74,9 @@ class InputBatch:
         # Rows that need per-row work on the host every step (logit bias, min_tokens,
         # penalties): rare, so the common row costs nothing for them.
         self.special = np.zeros(max_seqs, np.bool_)
+        # Rows whose tokens a grammar constrains (structured output): their mask rows are
+        # filled per step by the engine.
+        self.constrained = np.zeros(max_seqs, np.bool_)
         self._buffers: dict[int, _Buffer] = {}  # by token bucket: one packed step's memory
 
     def owner(self, slot: int) -> Request | None:
@@ -93,6 +96,7 @@ class InputBatch:
         self.seeds[slot] = p.seed
         self.logprobs[slot] = -1 if p.logprobs is None else p.logprobs
         self.special[slot] = bool(p.logit_bias or p.min_tokens or p.has_penalties)
+        self.constrained[slot] = p.structured_output is not None
         self.prompt_logprobs[slot] = p.prompt_logprobs is not None
         self.prompt_len[slot] = req.num_prompt_tokens
 
@@ -200,7 +204,10 @@ class InputBatch:
         sb.want_top_logprobs[...] = (sample & (asked > 0)).any()
         sb.want_logprobs[...] = (sample & (asked >= 0)).any()
         sb.want_prompt_logprobs[...] = prompt_rows.size > 0
-        return PackedStep(b, sb, self.special[slots].nonzero()[0], buf)
+        # Grammar rows that sample this step: the engine fills their masks (rare rows).
+        constrained = (self.constrained[slots] & sample).nonzero()[0]
+        sb.constrained[...] = constrained.size > 0
+        return PackedStep(b, sb, self.special[slots].nonzero()[0], buf, constrained)
 
 
 class _Buffer:
@@ -240,6 +247,7 @@ class PackedStep:
     sampling: SamplingBatch  # likewise; its bool fields are i32 views holding 0 or 1
     special_rows: np.ndarray  # i64[k] rows whose requests need per-row host work (`special`)
     _buffer: _Buffer
+    constrained_rows: np.ndarray = None  # i64[c] sampling rows a grammar constrains
 
     @property
     def words(self) -> StepWords:

@@ -42,6 +42,7 @@ from jaxserve.runtime.sampling import (
     SampleOutput,
     SamplingBatch,
     init_penalty_row,
+    mask_words,
     prompt_logprobs,
     sample_step,
 )
@@ -98,6 +99,8 @@ def step_impl(
     sampling: SamplingBatch,
     pen: PenaltyState,
     last: jax.Array,  # i32[max_seqs] each batch slot's last sampled token
+    mask: jax.Array
+    | None = None,  # i32[S, ceil(V / 32)] allowed tokens (sampling.apply_token_mask)
 ):
     """One step: the forward over the ragged batch, the LM head for the real rows, sampling,
     prompt logprobs; returns (SampleOutput, kv, penalties, last tokens)."""
@@ -114,7 +117,7 @@ def step_impl(
         batch.logits_indices,
         batch.num_seqs,
     )
-    out, pen = sample_step(logits, sampling, pen)
+    out, pen = sample_step(logits, sampling, pen, mask)
 
     def logits_of(h):  # the LM head over any tokens' hidden states
         return module.apply({"params": params}, h, method=module.logits)
@@ -129,11 +132,12 @@ def step_impl(
     return out, kv, pen, last
 
 
-def step_words(module, params, kv: KVPages, words: jax.Array, pen, last, layout):
-    """`step_impl` over the words `batch.to_words` packed (words: i32[N]; layout: static): the
-    function the runner jits per bucket, and `jaxserve compile` compiles for a target."""
+def step_words(module, params, kv: KVPages, words: jax.Array, pen, last, mask, layout):
+    """`step_impl` over the words `batch.to_words` packed (words: i32[N]; mask: i32[S, W] the
+    grammar rows' token bitmask; layout: static): the function the runner jits per bucket, and
+    `jaxserve compile` compiles for a target."""
     batch, sampling = from_words(words, layout)
-    return step_impl(module, params, kv, batch, sampling, pen, last)
+    return step_impl(module, params, kv, batch, sampling, pen, last, mask)
 
 
 class ModelRunner:
@@ -173,6 +177,9 @@ class ModelRunner:
         self.last_tokens = jax.device_put(
             jnp.zeros(config.seq_buckets[-1], jnp.int32), self.sharding.replicated
         )
+        # Grammar rows' allowed tokens cross as a packed bitmask per row (sampling.py).
+        self.mask_words = mask_words(model.config.vocab_size)
+        self._all_allowed: dict[int, jax.Array] = {}
         self.num_compiles = 0
         # The pool is donated: the step updates it in place instead of copying it every step.
         # Shardings are pinned, so the pool keeps its split from step to step (no recompiles) and
@@ -184,9 +191,9 @@ class ModelRunner:
         self._jit_step = functools.partial(
             jax.jit,
             self._step_words,
-            static_argnums=(5,),
+            static_argnums=(6,),
             donate_argnums=(1, 3, 4),
-            in_shardings=(self.sharding.params(self.params), kv, rep, rep, rep),
+            in_shardings=(self.sharding.params(self.params), kv, rep, rep, rep, rep),
             out_shardings=(rep, kv, rep, rep),
         )
         # Buckets that compile with XLA options of their own (llama.step_compiler_options) get
@@ -206,10 +213,20 @@ class ModelRunner:
                 max_seqs=config.seq_buckets[-1],
             )
 
-    def _step_words(self, params, kv: KVPages, words: jax.Array, pen, last, layout):
-        """The step over the words `batch.to_words` packed (words: i32[N]; layout: static)."""
+    def _step_words(self, params, kv: KVPages, words: jax.Array, pen, last, mask, layout):
+        """The step over the words `batch.to_words` packed (words: i32[N]; mask: i32[S, W];
+        layout: static)."""
         self.num_compiles += 1  # runs only while tracing: counts compilations
-        return step_words(self.module, params, kv, words, pen, last, layout)
+        return step_words(self.module, params, kv, words, pen, last, mask, layout)
+
+    def all_allowed(self, num_seqs: int) -> jax.Array:
+        """The token mask of a step without grammar rows (i32[num_seqs, W], every bit set): one
+        per row bucket, made once and kept on the device, so such a step ships no mask."""
+        mask = self._all_allowed.get(num_seqs)
+        if mask is None:
+            host = np.full((num_seqs, self.mask_words), -1, np.int32)
+            mask = self._all_allowed[num_seqs] = jax.device_put(host, self.sharding.replicated)
+        return mask
 
     def set_penalty_row(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
         """Fills batch slot `slot`'s penalty counts from a request's prompt and outputs so far.
@@ -227,24 +244,38 @@ class ModelRunner:
         )
 
     def execute(
-        self, batch: StepBatch, sampling: SamplingBatch, words: StepWords | None = None
+        self,
+        batch: StepBatch,
+        sampling: SamplingBatch,
+        words: StepWords | None = None,
+        mask: np.ndarray | None = None,
     ) -> SampleOutput:
         """Dispatches one step; returns device arrays without waiting for them.
 
         `words`, when given, is the same step already packed as one int32 array (the input
-        batch packs into one; batch.StepWords), which then crosses as is.
+        batch packs into one; batch.StepWords), which then crosses as is. `mask` (i32[S, W]):
+        the allowed tokens of a step with grammar rows (`sampling.constrained` set); None for
+        any other step.
         """
         if self.lockstep is not None:  # the other hosts must run this same step
+            if mask is not None:
+                raise RuntimeError("Structured output is not supported on a multi-host mesh yet.")
             self.lockstep.send(batch, sampling)
-        return self._dispatch(batch, sampling, words)
+        return self._dispatch(batch, sampling, words, mask)
 
     def _dispatch(
-        self, batch: StepBatch, sampling: SamplingBatch, words: StepWords | None = None
+        self,
+        batch: StepBatch,
+        sampling: SamplingBatch,
+        words: StepWords | None = None,
+        mask: np.ndarray | None = None,
     ) -> SampleOutput:
         if words is None:
             words = to_words((batch, sampling))
+        if mask is None:
+            mask = self.all_allowed(batch.logits_indices.shape[0])
         out, self.kv, self.penalties, self.last_tokens = self._step_for(batch)(
-            self.params, self.kv, words.words, self.penalties, self.last_tokens, words.layout
+            self.params, self.kv, words.words, self.penalties, self.last_tokens, mask, words.layout
         )
         if jax.process_count() > 1:  # this host's copy of the replicated result, readable here
             out = jax.tree.map(lambda a: a.addressable_data(0), out)
@@ -302,6 +333,13 @@ class ModelRunner:
                 num_tokens, num_seqs, pages_per_seq=self.config.pages_per_seq, **shape
             ):
                 out = self._dispatch(warm, SamplingBatch.empty(num_seqs))
+            # And through the grammar mask's branch (a step with a constrained row), with a
+            # mask from the host as such steps ship one.
+            constrained = dataclasses.replace(
+                SamplingBatch.empty(num_seqs), constrained=np.bool_(True)
+            )
+            mask = np.full((num_seqs, self.mask_words), -1, np.int32)
+            out = self._dispatch(batch, constrained, None, mask)
             jax.block_until_ready(out.token_ids)
         if self.lockstep is not None:
             self.lockstep.warm_up()

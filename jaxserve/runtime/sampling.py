@@ -92,6 +92,9 @@ class SamplingBatch:
     # row the prompt token after its chunk's last token (-1: none, the chunk ends the prompt).
     want_prompt_logprobs: jax.Array = None  # bool[]
     next_prompt_token: jax.Array = None  # i32[S]
+    # Some row is constrained by a grammar: only then is the step's token mask applied (a batch
+    # without one pays a scalar branch; see apply_token_mask).
+    constrained: jax.Array = None  # bool[]
 
     @staticmethod
     def empty(num_seqs: int) -> SamplingBatch:
@@ -114,6 +117,7 @@ class SamplingBatch:
             count_sampled=np.zeros(num_seqs, np.bool_),
             want_prompt_logprobs=np.bool_(False),
             next_prompt_token=np.full(num_seqs, -1, np.int32),
+            constrained=np.bool_(False),
         )
 
 
@@ -212,23 +216,54 @@ def apply_penalties(logits: jax.Array, params: SamplingBatch, state: PenaltyStat
     return jax.lax.cond(jnp.any(on), penalize, lambda: logits)
 
 
+def mask_words(vocab: int) -> int:
+    """int32 words of one row's token bitmask: bit j of word i allows token 32 * i + j."""
+    return -(-vocab // 32)
+
+
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """logits f32[S, V] with every token whose bit is clear in mask i32[S, ceil(V / 32)] at -inf.
+
+    The grammar engine's packed layout (llguidance): bit j of word i is token 32 * i + j. A row
+    whose words are all -1 (every bit set: the unconstrained rows of a constrained batch) keeps
+    its logits bit for bit, so its tokens are those it samples without any mask.
+    """
+    num_seqs, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = jnp.right_shift(mask[:, :, None], shifts) & 1  # i32[S, W, 32]; arithmetic: & 1 is exact
+    allowed = bits.reshape(num_seqs, -1)[:, :vocab] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def sample_step(
-    logits: jax.Array, params: SamplingBatch, state: PenaltyState
+    logits: jax.Array, params: SamplingBatch, state: PenaltyState, mask: jax.Array | None = None
 ) -> tuple[SampleOutput, PenaltyState]:
     """`sample` with penalties from `state`, and `state` with each counted row's new token added.
 
     The step's own update: the token sampled now is counted before the next step reads it.
+    mask: i32[S, ceil(V / 32)] the grammar rows' allowed tokens (apply_token_mask), or None.
     """
-    out = sample(logits, params, state)
+    out = sample(logits, params, state, mask)
     counts = state.output_counts.at[params.slots, out.token_ids].add(params.count_sampled * 1)
     return out, dataclasses.replace(state, output_counts=counts)
 
 
 def sample(
-    logits: jax.Array, params: SamplingBatch, penalties: PenaltyState | None = None
+    logits: jax.Array,
+    params: SamplingBatch,
+    penalties: PenaltyState | None = None,
+    mask: jax.Array | None = None,
 ) -> SampleOutput:
-    """Draws one token per row of logits f32[S, V] (jit-friendly, no host sync)."""
+    """Draws one token per row of logits f32[S, V] (jit-friendly, no host sync).
+
+    mask: i32[S, ceil(V / 32)] allowed tokens, applied first (so bias, penalties, every
+    sampling mode and the logprobs see the masked logits) when `params.constrained`.
+    """
     logits = logits.astype(jnp.float32)
+    if mask is not None and params.constrained is not None:  # static: a step built with a mask
+        logits = jax.lax.cond(
+            params.constrained, lambda: apply_token_mask(logits, mask), lambda: logits
+        )
     if params.bias_ids is not None:  # static: a batch built without bias slots has none
         rows = jnp.arange(logits.shape[0])[:, None]
         logits = logits.at[rows, params.bias_ids].add(params.bias_values)

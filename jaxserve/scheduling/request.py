@@ -116,6 +116,9 @@ class Request:
         eos = () if params.ignore_eos else self.eos_token_ids
         # The ids that end it: EOS (unless ignore_eos) and its stop_token_ids. Read-only.
         self.stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
+        # A grammar constrains its tokens: it is never planned while a token is pending, since
+        # the step's mask depends on that token (an attribute: the planner reads it per row).
+        self.constrained = params.structured_output is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -52,8 +52,14 @@ def plan_running(
             if total != start:
                 prefilling.append(req)
             continue
-        # A pending token that will end the request by length: nothing more to run.
-        if pending and (outputs + pending >= req.sampling_params.max_tokens or total >= max_len):
+        # A pending token that will end the request by length: nothing more to run. A grammar
+        # row waits for its pending token: its next mask depends on it (docs/architecture.md,
+        # "Structured output").
+        if pending and (
+            req.constrained
+            or outputs + pending >= req.sampling_params.max_tokens
+            or total >= max_len
+        ):
             continue
         rid = req.request_id
         table = tables[rid]

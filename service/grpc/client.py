@@ -11,6 +11,7 @@ Needs grpcio and protobuf only (no JAX), so it runs anywhere.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import grpc
@@ -46,9 +47,12 @@ def make_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     logit_bias: dict[int, float] | None = None,
+    structured_output: dict | None = None,
     **sampling,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest; `sampling` takes SamplingOptions' scalar fields (None: unset)."""
+    """A GenerateRequest; `sampling` takes SamplingOptions' scalar fields (None: unset), and
+    `structured_output` a constraint as vLLM spells it ({"json": schema}, {"regex": ...},
+    {"choice": [...]}, {"grammar": ...}, {"json_object": True})."""
     unknown = set(sampling) - set(_SCALARS)
     if unknown:
         raise TypeError(f"Unknown sampling options {sorted(unknown)}; known: {_SCALARS}.")
@@ -59,12 +63,26 @@ def make_request(
         logit_bias=logit_bias or {},
         **{k: v for k, v in sampling.items() if v is not None},
     )
+    if structured_output is not None:
+        options.structured_output.CopyFrom(_structured(structured_output))
     request = pb.GenerateRequest(sampling=options, priority=priority, request_id=request_id)
     if isinstance(prompt, str):
         request.text = prompt
     else:
         request.token_ids.ids.extend(prompt)
     return request
+
+
+def _structured(spec: dict) -> pb.StructuredOutput:
+    """The wire form of a constraint given as vLLM's dict (one key)."""
+    ((kind, value),) = spec.items()
+    if kind == "json":
+        return pb.StructuredOutput(
+            json_schema=value if isinstance(value, str) else json.dumps(value)
+        )
+    if kind == "choice":
+        return pb.StructuredOutput(choice=pb.Choices(choices=list(value)))
+    return pb.StructuredOutput(**{kind: value})
 
 
 class JaxServeClient:

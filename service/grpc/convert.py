@@ -108,6 +108,8 @@ def sampling_params(
     }
     if options.HasField("max_tokens"):
         fields["max_tokens"] = options.max_tokens
+    if options.HasField("structured_output"):
+        fields["structured_output"] = structured_output(options.structured_output)
     return validation.sampling_params(
         dict(
             fields,
@@ -120,6 +122,28 @@ def sampling_params(
         info=info,
         prefix="sampling.",
     )
+
+
+def structured_output(spec: pb.StructuredOutput):
+    """The constraint of a SamplingOptions.structured_output, checked (INVALID_ARGUMENT naming
+    the field and the problem)."""
+    kind = spec.WhichOneof("kind")
+    field = f"sampling.structured_output.{kind}"
+    if kind is None:
+        raise validation.InvalidRequest(
+            "sampling.structured_output is set but empty: set one of json_schema, json_object, "
+            "regex, choice, grammar.",
+            "sampling.structured_output",
+        )
+    value = getattr(spec, kind)
+    as_dict = {
+        "json_schema": {"json": value},
+        "json_object": {"json_object": value},
+        "regex": {"regex": value},
+        "choice": {"choice": list(value.choices) if kind == "choice" else None},
+        "grammar": {"grammar": value},
+    }[kind]
+    return validation.structured_output(as_dict, field)
 
 
 def response(

@@ -4,7 +4,10 @@ After vLLM's serving_chat.py. The messages are rendered by the model's chat temp
 tokenized on the server's tokenizer threads (serving.py), then run as one engine request per
 sample (`n`); a streamed response sends each choice's role first, then its content as deltas.
 Logprob tokens are decoded in context (token_texts.py): joined, they are the message's content.
-With vLLM's `use_beam_search`, beams.py runs the call instead.
+With vLLM's `use_beam_search`, beams.py runs the call instead. With `tools`, tools.py says
+what the output is constrained to and how its text becomes `tool_calls`; a streamed call sends
+a named function's arguments as deltas, and the calls of `auto` and `required` (which are
+known only once their text is complete) in one delta at the end.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import uuid
 from fastapi import Request
 
 from service import validation
-from service.http import beams, protocol, pumps, streaming
-from service.http.serving import OpenAIServing, include_usage
+from service.http import beams, protocol, pumps, streaming, tools
+from service.http.serving import OpenAIServing, include_usage, structured_output
 from service.validation import InvalidRequest
 
 
@@ -31,12 +34,22 @@ class OpenAIServingChat(OpenAIServing):
                 f"top_logprobs={body.top_logprobs} needs logprobs=true.", "top_logprobs"
             )
         priority = self.priority(body)
-        ids = await self.chat_ids(body.messages, body.add_generation_prompt)
+        plan = tools.plan(body)
+        if plan is not None and plan.constraint is not None and structured_output(body):
+            raise InvalidRequest(
+                f"tool_choice={plan.mode!r} constrains the output to a call, which cannot be "
+                "combined with response_format or structured_outputs.",
+                "tool_choice",
+            )
+        offered = plan.tools if plan is not None else None
+        ids = await self.chat_ids(body.messages, body.add_generation_prompt, offered)
         validation.check_prompt_fits("messages", ids, self.info, "messages")
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
         sampling = self.sampling_fields(body, max_tokens)
+        if plan is not None and plan.constraint is not None:
+            sampling["structured_output"] = plan.constraint
         if body.logprobs:
             sampling["logprobs"] = body.top_logprobs or 0
         width = beams.beam_width(body)
@@ -50,7 +63,7 @@ class OpenAIServingChat(OpenAIServing):
         running = await pumps.start(request, self.lifecycle, jobs, priority)
         head = self.head(cid, "chat.completion")
         if body.stream:
-            return self._events(head, jobs, running, include_usage(body))
+            return self._events(head, jobs, running, include_usage(body), plan)
         choices = await pumps.unless_gone(request, pumps.collect(running, len(jobs)))
 
         def build() -> list[dict]:  # decoding every logprob token in context: off the loop
@@ -60,23 +73,27 @@ class OpenAIServingChat(OpenAIServing):
                 lp = None
                 if body.logprobs:
                     lp = protocol.chat_logprobs(c.logprobs, self.token_texts(job.prompt_ids))
+                text, reason = "".join(c.text), c.last.finish_reason
+                msg = {"role": "assistant", "content": text}
+                if plan is not None:
+                    content, calls = tools.parse(text, plan)
+                    msg = tools.message(content, calls)
+                    reason = tools.finish_reason(plan, calls, reason)
                 out.append(
-                    {
-                        "index": job.index,
-                        "message": {"role": "assistant", "content": "".join(c.text)},
-                        "logprobs": lp,
-                        "finish_reason": c.last.finish_reason,
-                    }
+                    {"index": job.index, "message": msg, "logprobs": lp, "finish_reason": reason}
                 )
             return out
 
         built = await self.lifecycle.off_loop(build) if body.logprobs else build()
         return {**head, "choices": built, "usage": pumps.collected_usage(jobs, choices)}
 
-    async def _events(self, head, jobs, running: pumps.Pumps, include_usage: bool):
+    async def _events(
+        self, head, jobs, running: pumps.Pumps, include_usage: bool, plan: tools.ToolPlan | None
+    ):
         head = {**head, "object": "chat.completion.chunk"}
         outputs = [0] * len(jobs)
         texts = [self.token_texts(job.prompt_ids) for job in jobs]  # logprob tokens in context
+        calls = _CallStreams(plan, len(jobs)) if plan is not None else None
         async with contextlib.aclosing(running):
             for job in jobs:  # the role first, as OpenAI's stream does
                 delta = {"role": "assistant", "content": ""}
@@ -90,8 +107,46 @@ class OpenAIServingChat(OpenAIServing):
                 outputs[index] = out.num_output_tokens
                 if out.text_delta or lp or out.finished:
                     delta = {"content": out.text_delta} if out.text_delta else {}
-                    choice = streaming.delta_choice(index, delta, lp, out.finish_reason)
+                    reason = out.finish_reason
+                    if calls is not None:
+                        delta, reason = calls.delta(index, out.text_delta, reason)
+                    choice = streaming.delta_choice(index, delta, lp, reason)
                     yield streaming.chunk(head, include_usage, choice)
             if include_usage:
                 usage = pumps.usage(jobs, outputs, running.firsts)
                 yield {**head, "choices": [], "usage": usage}
+
+
+class _CallStreams:
+    """Turns each choice's text deltas into OpenAI's tool-call deltas.
+
+    A named function's output is its arguments: a first delta names the call, then each text
+    delta is an arguments delta. `auto` and `required` outputs are calls only once complete
+    (a `<tool_call>` block, or the JSON object naming the function): their text is held back
+    and sent at the end as content and/or calls, each call whole in one delta.
+    """
+
+    def __init__(self, plan: tools.ToolPlan, n: int):
+        self.plan = plan
+        self.held = [""] * n
+        self.ids = [tools.new_call_id() for _ in range(n)]
+        self.started = [False] * n
+
+    def delta(self, index: int, text: str, reason: str | None) -> tuple[dict, str | None]:
+        plan = self.plan
+        if plan.mode == "named":
+            call = {"index": 0, "function": {"arguments": text}}
+            if not self.started[index]:
+                self.started[index] = True
+                call = {**tools.call(plan.name, text, self.ids[index]), "index": 0}
+            return ({"tool_calls": [call]} if text or call.get("id") else {}), reason
+        self.held[index] += text
+        if reason is None:
+            return {}, None
+        content, calls = tools.parse(self.held[index], plan)
+        delta = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [{**c, "index": i} for i, c in enumerate(calls)]
+        return delta, tools.finish_reason(plan, calls, reason)

@@ -36,6 +36,23 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """response_format.json_schema: a named schema (`strict` is accepted; every schema is
+    enforced strictly)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: text, json_object (any JSON object) or json_schema."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Body):
     """Fields both endpoints share: how to sample and when to stop."""
 
@@ -67,6 +84,10 @@ class _Sampling(_Body):
     best_of: int | None = None
     length_penalty: float | None = None
     early_stopping: bool | str | None = None  # only true (or absent): the search stops early
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs ({"json": ...},
+    # {"regex": ...}, {"choice": [...]}, {"grammar": ...}); service/validation.py reads both.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -84,9 +105,25 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    """A call the assistant made, in a message sent back in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -94,8 +131,36 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """tool_choice naming one function: the output is a call of it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
+
+    tools: list[Tool] | None = None
+    # "none", "auto" (the default with tools), "required", or a named function (tools.py).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False

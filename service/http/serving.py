@@ -17,6 +17,7 @@ tokenizer, never the engine thread's state. Everything else runs on the server's
 from __future__ import annotations
 
 import dataclasses
+import json
 import reprlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SEED_LIMIT, SamplingParams
+from jaxserve.structured_output import StructuredOutput
 from service import validation
 from service.http import body as json_body
 from service.http import protocol
@@ -199,6 +201,9 @@ class OpenAIServing:
         fields["ignore_eos"] = body.ignore_eos
         if "logit_bias" in fields:
             fields["logit_bias"] = _logit_bias(fields["logit_bias"])
+        spec = structured_output(body)
+        if spec is not None:
+            fields["structured_output"] = spec
         return fields
 
     def jobs(self, prompts, body: protocol._Sampling, sampling: dict, fields: dict) -> list[Job]:
@@ -226,8 +231,14 @@ class OpenAIServing:
                 jobs.append(Job(len(jobs), i, ids, params, text))
         return jobs
 
-    async def chat_ids(self, messages: Sequence[protocol.ChatMessage], add_prompt: bool):
-        """The token ids of chat messages rendered by the model's chat template."""
+    async def chat_ids(
+        self,
+        messages: Sequence[protocol.ChatMessage],
+        add_prompt: bool,
+        tools: list[dict] | None = None,
+    ):
+        """The token ids of chat messages rendered by the model's chat template (with the
+        functions `tools` offers, where the call has them)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise InvalidRequest(
@@ -241,11 +252,11 @@ class OpenAIServing:
             limit.check(f"messages[{i}].content", text)
         # All of them become one prompt: together they must fit too (before rendering them).
         limit.check(f"messages (all {len(texts)} of them)", "".join(texts))
-        rendered = [{"role": m.role, "content": t} for m, t in zip(messages, texts, strict=True)]
+        rendered = [_rendered(m, t) for m, t in zip(messages, texts, strict=True)]
 
         def render() -> list[int]:
             text = tokenizer.apply_chat_template(
-                rendered, tokenize=False, add_generation_prompt=add_prompt
+                rendered, tools=tools, tokenize=False, add_generation_prompt=add_prompt
             )
             # The template writes the special tokens (BOS included) itself.
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -254,6 +265,51 @@ class OpenAIServing:
             return await self.lifecycle.off_loop(render)
         except Exception as e:  # a template that raises on these messages (e.g. roles order)
             raise InvalidRequest(f"The chat template refused the messages: {e}", "messages") from e
+
+
+def _rendered(message: protocol.ChatMessage, text: str) -> dict:
+    """A message as chat templates take it: role and content, and an assistant's tool calls
+    (arguments as objects, as Hermes / Qwen templates write them) or a tool's call id."""
+    out = {"role": message.role, "content": text}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "type": "function",
+                "id": c.id,
+                "function": {
+                    "name": c.function.name,
+                    "arguments": _arguments(c.function.arguments),
+                },
+            }
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def structured_output(body: protocol._Sampling) -> StructuredOutput | None:
+    """The call's constraint: vLLM's structured_outputs or OpenAI's response_format (one)."""
+    fmt = body.response_format
+    if body.structured_outputs is not None:
+        if fmt is not None and fmt.type != "text":
+            raise InvalidRequest(
+                "Send response_format or structured_outputs, not both.", "structured_outputs"
+            )
+        return validation.structured_output(body.structured_outputs, "structured_outputs")
+    if fmt is None:
+        return None
+    schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+    return validation.response_format(fmt.type, schema)
 
 
 def _too_large(what: str, limit: int) -> HttpError:

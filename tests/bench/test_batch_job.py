@@ -157,3 +157,33 @@ def test_stop_on_error_ends_at_the_first_bad_line_keeping_finished_work(tiny_eng
         run_batch(tiny_engine, inp, out, stop_on_error=True, progress=False)
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["a"]
     assert not tiny_engine.has_unfinished()
+
+
+def test_a_line_with_structured_outputs_is_constrained_and_a_bad_one_skipped(tiny_engine, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [
+        {"id": f"j{i}", "prompt": "Once", "max_tokens": 48, "temperature": 1.0, "seed": i,
+         "structured_outputs": {"regex": "[0-9]{2}-[a-c]{3}"}}
+        for i in range(3)
+    ]  # fmt: skip
+    lines.append(
+        {
+            "id": "c",
+            "prompt": "Once",
+            "max_tokens": 8,
+            "structured_outputs": {"choice": ["up", "down"]},
+        }
+    )
+    lines.append(
+        {"id": "bad", "prompt": "Once", "max_tokens": 8, "structured_outputs": {"regex": "[b-a]"}}
+    )
+    inp.write_text("\n".join(map(json.dumps, lines)) + "\n")
+    summary = run_batch(tiny_engine, inp, out, progress=False)
+    assert [n for n, _ in summary.bad_lines] == [5]
+    assert "regex" in summary.bad_lines[0][1]
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == {"j0", "j1", "j2", "c"}
+    import re
+
+    assert all(re.fullmatch("[0-9]{2}-[a-c]{3}", records[f"j{i}"]["text"]) for i in range(3))
+    assert records["c"]["text"] in ("up", "down")

@@ -71,6 +71,7 @@ SAMPLE = dict(
     cost_model="cost.json",
     calibrate_cost_model=False,
     shed_late=True,
+    grammar_compile_timeout_s=2.5,
 )
 
 

@@ -1,0 +1,115 @@
+"""Structured output without a model: validation at construction, the planner's skip of
+grammar rows with a pending token, and the host matcher against llguidance."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_output import StructuredOutput
+from tests.unit.helpers import make_request, make_scheduler
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"json": {"type": "strng"}}, "strng"),
+        ({"json": {"type": "object", "not": {"type": "null"}}}, "not"),
+        ({"regex": "[a-"}, "unclosed character class"),
+        ({"grammar": "start: missing_rule"}, "missing_rule"),
+        ({"choice": []}, "1 to 1024"),
+        ({"choice": "abc"}, "list of strings"),
+        ({}, "got none"),
+        ({"regex": "a", "choice": ["b"]}, "['regex', 'choice']"),
+        ({"jsn": {}}, "unknown keys ['jsn']"),
+    ],
+)
+def test_bad_constraints_are_refused_by_name(spec, words):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(structured_output=spec)
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize("other", [dict(ignore_eos=True), dict(min_tokens=2)])
+def test_options_that_move_the_end_conflict_with_a_grammar(other):
+    with pytest.raises(ValueError, match="grammar alone decides"):
+        SamplingParams(structured_output={"regex": "a+"}, **other)
+
+
+def test_equal_schemas_are_one_cache_key():
+    a = StructuredOutput(json={"type": "object", "required": ["x"]})
+    b = StructuredOutput(json=json.dumps({"required": ["x"], "type": "object"}, indent=2))
+    assert a == b and hash(a) == hash(b)
+    assert a != StructuredOutput(json={"type": "object"})
+    p = SamplingParams(structured_output={"choice": ["a", "b"]})
+    assert p.structured_output == StructuredOutput(choice=("a", "b")) and p.constrained
+
+
+def test_a_grammar_row_is_not_planned_while_its_token_is_pending():
+    """Asynchronous scheduling plans step t+1 before step t's token is known: a grammar row
+    sits that plan out (its mask needs the token), the other rows run every step."""
+    sched = make_scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    free = make_request("free", 4, max_tokens=8)
+    bound = make_request("bound", 4, max_tokens=8, structured_output={"regex": "a+"})
+    for r in (free, bound):
+        sched.add_request(r)
+    first = sched.schedule()  # both prefill and sample: both now have a pending token
+    assert {s.request_id for s in first.seqs} == {free.request_id, bound.request_id}
+    second = sched.schedule()  # planned before the first step's tokens are in
+    assert [s.request_id for s in second.seqs] == [free.request_id]
+    sched.update(first, _tokens(first, 5))
+    third = sched.schedule()  # the grammar row's token is known: it runs again
+    assert {s.request_id for s in third.seqs} == {free.request_id, bound.request_id}
+
+
+def _tokens(plan, token):
+    from jaxserve.scheduling.types import StepResult
+
+    return StepResult(sampled_token_ids=[token] * len(plan.seqs))
+
+
+def test_request_grammar_follows_outputs_and_rolls_back():
+    """The matcher consumes new outputs, and after outputs that are not an extension of what
+    it saw (a recompute that changed them) it rolls back to where they agree."""
+    from checkpoints.byte_bpe import byte_bpe_tokenizer
+    from jaxserve.engine.grammar import GrammarCompiler
+
+    tok = byte_bpe_tokenizer(1024)
+    compiler = GrammarCompiler(tok, 1024, (2,))
+    g = compiler.matcher(StructuredOutput(choice=("yes", "no")))
+    mask = np.zeros((1, 32), np.int32)
+
+    def allowed():
+        g.fill(mask, 0)
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+        return {int(t) for t in np.flatnonzero(bits)}
+
+    yes = [t for t in tok("yes", add_special_tokens=False)["input_ids"]]
+    no = [t for t in tok("no", add_special_tokens=False)["input_ids"]]
+    start = allowed()
+    assert yes[0] in start and no[0] in start and 2 not in start  # EOS only when complete
+    assert g.sync(yes)
+    assert g.is_accepting() and allowed() == {2}
+    assert g.sync(no)  # rolled back all of "yes", then consumed "no"
+    assert g.is_accepting() and allowed() == {2}
+    assert g.sync([]) and allowed() == start
+    assert not g.sync([2, 2])  # EOS at the start is refused: an error, not a crash
+    assert g.error
+    compiler.close()
+
+
+def test_a_compile_past_its_bound_is_a_clear_error_and_the_cache_serves_later():
+    from checkpoints.byte_bpe import byte_bpe_tokenizer
+    from jaxserve.engine.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(byte_bpe_tokenizer(1024), 1024, (2,), timeout_s=1e-6)
+    spec = StructuredOutput(json={"type": "object", "properties": {"q": {"type": "integer"}}})
+    with pytest.raises(ValueError, match=r"did not compile within 1e-06 s"):
+        compiler.matcher(spec)  # no compile (tokenizer description included) takes a microsecond
+    compiler.submit(spec).result(timeout=60)  # it went on, off the caller's thread
+    assert compiler.matcher(spec).is_accepting() is False  # now served from the cache at once
+    compiler.close()
