@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from jaxserve.scheduling.cost_model import CostModel, work_of
 from jaxserve.scheduling.host_pool import HostPagePool
 from jaxserve.scheduling.kv_cache_manager import KVCacheManager
 from jaxserve.scheduling.request import Request
@@ -162,3 +163,18 @@ class Offload:
             self.swap_out.append((page, host_page))
             self._written.add(host_page)
             self.stats.pages_offloaded += 1
+
+
+def prefill_seconds_by(cost: CostModel, chunk: int) -> Callable[[int], float]:
+    """Seconds to compute `n` tokens again as prefill chunks of `chunk` tokens (the step's token
+    budget), each priced by the step-cost model alone in its step."""
+
+    def seconds(n: int) -> float:
+        total, start = 0.0, 0
+        while start < n:
+            k = min(chunk, n - start)
+            total += cost.predict(work_of([(start, k)]))
+            start += k
+        return total
+
+    return seconds
