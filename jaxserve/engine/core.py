@@ -112,6 +112,7 @@ class Engine:
         bytes_per_page = kv_transfer.pool_bytes_per_page(self.runner.kv)
         num_host_pages = kv_transfer.host_pages_for(config.host_kv_gb, bytes_per_page)
         self.kv_transfer = None
+        self._restores_ahead = []  # staged by the last plan, written before the next step
         if num_host_pages:
             self.kv_transfer = kv_transfer.KVTransfer(self.runner.kv, num_host_pages)
             self.runner.kv = self.kv_transfer.warm_up(self.runner.kv)
@@ -320,8 +321,15 @@ class Engine:
         before it.
         """
         now = self._clock.lap("schedule")  # the plan was made just before this call
-        if plan.swap_out or plan.swap_in:  # before the step, which reads the restored pages
-            self.runner.kv = self.kv_transfer.copy(self.runner.kv, plan.swap_out, plan.swap_in)
+        # Page copies before the step (kv_transfer.py): restores staged by the last plan land
+        # first, then this plan's; those staged for the next plan wait in `_restores_ahead`.
+        if self._restores_ahead:
+            self.runner.kv = self.kv_transfer.write(self.runner.kv, self._restores_ahead)
+            self._restores_ahead = []
+        if plan.swap_out or plan.swap_in or plan.swap_in_ahead:
+            self.runner.kv, self._restores_ahead = self.kv_transfer.copy(
+                self.runner.kv, plan.swap_out, plan.swap_in, plan.swap_in_ahead
+            )
         # A step that finished while this one was planned (or packed, below) starts the device's
         # wait there, not at the next look, which would come after this dispatch and miss it.
         self._probe_done()

@@ -14,13 +14,17 @@ GROUP pages, padded, through one jitted gather and one jitted scatter, both comp
 Asynchronous: a save dispatches the gather on the device and starts its copy to the host
 (`copy_to_host_async`) without waiting; the bytes land in the host arrays later (`poll`, each
 engine iteration, takes what is done without blocking), and a restore blocks only when it reads
-a host page whose save has not landed yet. A restore puts the host bytes on the device and
-scatters them into the pool, dispatched before the step that reads them: the device runs them in
-order, so the step sees the pages.
+a host page whose save has not landed yet. A restore puts the host bytes on the device (an
+asynchronous copy) and scatters them into the pool, dispatched before the step that reads them:
+the device runs them in order, so the step sees the pages. A swapped request's restore is staged
+one plan ahead (`swap_in_ahead`): its copy runs while the step of the plan that admitted it
+runs, and the scatter waits for the next plan, the first step the request runs in, so no other
+request's step waits for that copy.
 
 Order within one plan (what makes freeing a page in the plan that copies it safe, host_pool.py):
-the restores' host reads first (into fresh staging arrays), then the saves' gathers, then the
-restores' scatters, then the step. Host writes land in the order the saves were made.
+the last plan's restores ahead are written, then this plan's restores read the host (into fresh
+staging arrays), then the saves' gathers, then the restores' scatters, then the step. Host
+writes land in the order the saves were made.
 """
 
 from __future__ import annotations
@@ -82,11 +86,23 @@ class KVTransfer:
     def host_bytes(self) -> int:
         return sum(a.nbytes for a in self.host)
 
-    def copy(self, pool, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]):
-        """Makes one plan's copies in the module's order; returns the pool (donated)."""
+    def copy(
+        self,
+        pool,
+        swap_out: Sequence[tuple[int, int]],
+        swap_in: Sequence[tuple[int, int]],
+        swap_in_ahead: Sequence[tuple[int, int]] = (),
+    ):
+        """Makes one plan's copies in the module's order; returns the pool (donated) and the
+        restores staged ahead, for `write` before the next plan's copies."""
         staged = [self._stage(chunk) for chunk in _chunks(swap_in, self.group)]
+        ahead = [self._stage(chunk) for chunk in _chunks(swap_in_ahead, self.group)]
         for chunk in _chunks(swap_out, self.group):
             self._save(pool, chunk)
+        return self.write(pool, staged), ahead
+
+    def write(self, pool, staged):
+        """Scatters staged restores into the pool (donated); returns it."""
         for pages, values in staged:
             pool = self._scatter(pool, pages, values)
         return pool
@@ -144,9 +160,9 @@ class KVTransfer:
         seconds = 0.0
         for _ in range(2):
             start = time.perf_counter()
-            pool = self.copy(pool, pairs, [])
+            pool, _ = self.copy(pool, pairs, [])
             self.drain()
-            pool = self.copy(pool, [], pairs)
+            pool, _ = self.copy(pool, [], pairs)
             jax.block_until_ready(pool)
             seconds = time.perf_counter() - start
         self.host_bytes_per_s = 2 * n * self.bytes_per_page / max(seconds, 1e-9)

@@ -65,6 +65,7 @@ class Offload:
         # The current plan's copies, taken by `take_copies` when the plan is done.
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
+        self.swap_in_ahead: list[tuple[int, int]] = []
         self._restored: set[int] = set()  # device pages this plan restores (written before step)
         # Host pages this plan writes: read only from the next plan on, since the engine makes a
         # plan's host reads before its host writes.
@@ -73,11 +74,15 @@ class Offload:
         if host.num_pages:
             kv.on_evict = self._save_evicted
 
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The plan's (swap_out, swap_in) pairs; starts the next plan's lists."""
-        out, into = self.swap_out, self.swap_in
-        self.swap_out, self.swap_in, self._restored, self._written = [], [], set(), set()
-        return out, into
+    def take_copies(self) -> dict[str, list[tuple[int, int]]]:
+        """The plan's copies by SchedulerOutput field; starts the next plan's lists."""
+        copies = dict(
+            swap_out=self.swap_out, swap_in=self.swap_in, swap_in_ahead=self.swap_in_ahead
+        )
+        self.swap_out, self.swap_in, self.swap_in_ahead = [], [], []
+        # A page restored ahead is written before the next plan's copies: no guard needed then.
+        self._restored, self._written = set(), set()
+        return copies
 
     # ---- preemption -----------------------------------------------------------------------
 
@@ -110,10 +115,11 @@ class Offload:
 
     def restore(self, req: Request) -> None:
         """Queues the copy of swapped `req`'s saved pages into the first pages of its new
-        device table (allocated already) and frees its host pages."""
+        device table (allocated already) and frees its host pages. The copy is written before
+        the next plan's step: `req` runs from then on, and no other request waits for it."""
         table = self.kv.table_of(req.request_id)
         host_pages = self.host.release(req.request_id)
-        self.swap_in += zip(host_pages, table, strict=False)
+        self.swap_in_ahead += zip(host_pages, table, strict=False)
         self._restored.update(table[: len(host_pages)])
         self.stats.pages_swapped_in += len(host_pages)
 

@@ -228,15 +228,13 @@ class Scheduler:
         if cfg.token_buckets is not None and cfg.enable_chunked_prefill:
             land_on_bucket(plan, cfg.token_buckets)
         self._step += 1
-        swap_out, swap_in = self.offload.take_copies()
         out = SchedulerOutput(
             seqs=list(plan.seqs.values()),
             num_batched_tokens=plan.num_tokens,
             preempted_ids=plan.preempted,
             aborted_ids=aborted,
             step=self._step,
-            swap_out=swap_out,
-            swap_in=swap_in,
+            **self.offload.take_copies(),
         )
         num_sampled = 0
         for seq in out.seqs:  # counted as done now: the next plan starts where this one ends

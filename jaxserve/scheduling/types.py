@@ -158,14 +158,17 @@ class SchedulerOutput:
     num_sampled: int = 0  # rows whose `sample` is set: the tokens this step generates
     # KV page copies to make before the step runs (offload.py), in this order: device page ->
     # host page (swapped requests' pages, evicted pages for the host tier), then host page ->
-    # device page (restored requests, host-tier prefix hits).
+    # device page (host-tier prefix hits, which this step reads).
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Host page -> device page copies started now and written before the NEXT plan's step:
+    # restored swapped requests, which run from that step on, so that only they wait for them.
+    swap_in_ahead: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         """Nothing to run and nothing to copy."""
-        return not self.seqs and not self.swap_out and not self.swap_in
+        return not (self.seqs or self.swap_out or self.swap_in or self.swap_in_ahead)
 
 
 @dataclasses.dataclass(kw_only=True)
