@@ -321,14 +321,14 @@ class Engine:
         before it.
         """
         now = self._clock.lap("schedule")  # the plan was made just before this call
-        # Page copies before the step (kv_transfer.py): restores staged by the last plan land
-        # first, then this plan's; those staged for the next plan wait in `_restores_ahead`.
+        # Page copies (kv_transfer.py): the restores the last plan staged are written before
+        # this step, the first their requests run in; this plan's wait for the next step.
         if self._restores_ahead:
             self.runner.kv = self.kv_transfer.write(self.runner.kv, self._restores_ahead)
             self._restores_ahead = []
-        if plan.swap_out or plan.swap_in or plan.swap_in_ahead:
-            self.runner.kv, self._restores_ahead = self.kv_transfer.copy(
-                self.runner.kv, plan.swap_out, plan.swap_in, plan.swap_in_ahead
+        if plan.swap_out or plan.swap_in:
+            self._restores_ahead = self.kv_transfer.copy(
+                self.runner.kv, plan.swap_out, plan.swap_in
             )
         # A step that finished while this one was planned (or packed, below) starts the device's
         # wait there, not at the next look, which would come after this dispatch and miss it.

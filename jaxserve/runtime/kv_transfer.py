@@ -2,7 +2,7 @@
 
 The scheduler decides which pages move (scheduling/offload.py) and each plan carries the pairs
 (`SchedulerOutput.swap_out`: device page -> host page, `swap_in`: host page -> device page);
-`KVTransfer.copy` makes them before the engine dispatches the plan's step. Nothing here knows the
+`KVTransfer.copy` starts them as the engine dispatches the plan's step. Nothing here knows the
 pool's layout: every leaf of the pool pytree holds its pages on axis 1 (today K and V of
 [layers, pages, page_size, kv_heads, head_dim]; any [layers, pages, ...] works), and the host
 pool mirrors each leaf with its own page count on that axis.
@@ -14,17 +14,16 @@ GROUP pages, padded, through one jitted gather and one jitted scatter, both comp
 Asynchronous: a save dispatches the gather on the device and starts its copy to the host
 (`copy_to_host_async`) without waiting; the bytes land in the host arrays later (`poll`, each
 engine iteration, takes what is done without blocking), and a restore blocks only when it reads
-a host page whose save has not landed yet. A restore puts the host bytes on the device (an
-asynchronous copy) and scatters them into the pool, dispatched before the step that reads them:
-the device runs them in order, so the step sees the pages. A swapped request's restore is staged
-one plan ahead (`swap_in_ahead`): its copy runs while the step of the plan that admitted it
-runs, and the scatter waits for the next plan, the first step the request runs in, so no other
-request's step waits for that copy.
+a host page whose save has not landed yet. A restore reads the host pages now and puts
+them on the device (an asynchronous copy), while the step of the plan that admitted the request
+runs; the scatter into the pool (`write`) is dispatched before the next plan's step, the first
+one the restored request runs in. The device runs them in order, so that step sees the pages,
+and no other request's step waits for the copy.
 
 Order within one plan (what makes freeing a page in the plan that copies it safe, host_pool.py):
-the last plan's restores ahead are written, then this plan's restores read the host (into fresh
-staging arrays), then the saves' gathers, then the restores' scatters, then the step. Host
-writes land in the order the saves were made.
+the last plan's restores are written, then this plan's restores read the host (into fresh
+staging arrays), then its saves' gathers, then its step. Host writes land in the order the saves
+were made.
 """
 
 from __future__ import annotations
@@ -86,20 +85,13 @@ class KVTransfer:
     def host_bytes(self) -> int:
         return sum(a.nbytes for a in self.host)
 
-    def copy(
-        self,
-        pool,
-        swap_out: Sequence[tuple[int, int]],
-        swap_in: Sequence[tuple[int, int]],
-        swap_in_ahead: Sequence[tuple[int, int]] = (),
-    ):
-        """Makes one plan's copies in the module's order; returns the pool (donated) and the
-        restores staged ahead, for `write` before the next plan's copies."""
+    def copy(self, pool, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]):
+        """Starts one plan's copies in the module's order: its restores' host reads, then its
+        saves; returns the restores staged, for `write` before the next plan's step."""
         staged = [self._stage(chunk) for chunk in _chunks(swap_in, self.group)]
-        ahead = [self._stage(chunk) for chunk in _chunks(swap_in_ahead, self.group)]
         for chunk in _chunks(swap_out, self.group):
             self._save(pool, chunk)
-        return self.write(pool, staged), ahead
+        return staged
 
     def write(self, pool, staged):
         """Scatters staged restores into the pool (donated); returns it."""
@@ -160,9 +152,9 @@ class KVTransfer:
         seconds = 0.0
         for _ in range(2):
             start = time.perf_counter()
-            pool, _ = self.copy(pool, pairs, [])
+            self.copy(pool, pairs, [])
             self.drain()
-            pool, _ = self.copy(pool, [], pairs)
+            pool = self.write(pool, self.copy(pool, [], pairs))
             jax.block_until_ready(pool)
             seconds = time.perf_counter() - start
         self.host_bytes_per_s = 2 * n * self.bytes_per_page / max(seconds, 1e-9)

@@ -109,7 +109,8 @@ class Admission:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             self.running.append(req)
-            if not swapped:  # a restored one runs from the next step, once its pages are back
+            # A restored one runs from the next step, once its pages are back (offload.py).
+            if not (swapped or host_hit):
                 plan.add_chunk(req, n)
 
     def _make_room(self, req: Request, num_tokens: int, hit: list[int], plan: StepPlan) -> bool:

@@ -2,8 +2,10 @@
 
 The scheduler decides, the runtime copies. While a plan is made this class records which pages
 move (`swap_out`: device page -> host page, `swap_in`: host page -> device page); the plan
-carries them (`SchedulerOutput`) and the engine copies them before it dispatches the step
-(runtime/kv_transfer.py), in the order host_pool.py's docstring gives. Three moves:
+carries them (`SchedulerOutput`) and the engine copies them as it dispatches the step
+(runtime/kv_transfer.py), in the order host_pool.py's docstring gives. A restored request runs
+from the next plan on: its pages are written before that plan's step, so its copy gates it
+alone. Three moves:
 
 - a preempted request's computed pages go to the host when that is cheaper than computing its
   tokens again (`preemption="auto"`, priced by `SwapPricer`), or always (`"swap"`); it waits
@@ -65,7 +67,6 @@ class Offload:
         # The current plan's copies, taken by `take_copies` when the plan is done.
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
-        self.swap_in_ahead: list[tuple[int, int]] = []
         self._restored: set[int] = set()  # device pages this plan restores (written before step)
         # Host pages this plan writes: read only from the next plan on, since the engine makes a
         # plan's host reads before its host writes.
@@ -76,11 +77,9 @@ class Offload:
 
     def take_copies(self) -> dict[str, list[tuple[int, int]]]:
         """The plan's copies by SchedulerOutput field; starts the next plan's lists."""
-        copies = dict(
-            swap_out=self.swap_out, swap_in=self.swap_in, swap_in_ahead=self.swap_in_ahead
-        )
-        self.swap_out, self.swap_in, self.swap_in_ahead = [], [], []
-        # A page restored ahead is written before the next plan's copies: no guard needed then.
+        copies = dict(swap_out=self.swap_out, swap_in=self.swap_in)
+        self.swap_out, self.swap_in = [], []
+        # A restored page is written before the next plan's copies: no guard needed then.
         self._restored, self._written = set(), set()
         return copies
 
@@ -119,7 +118,7 @@ class Offload:
         the next plan's step: `req` runs from then on, and no other request waits for it."""
         table = self.kv.table_of(req.request_id)
         host_pages = self.host.release(req.request_id)
-        self.swap_in_ahead += zip(host_pages, table, strict=False)
+        self.swap_in += zip(host_pages, table, strict=False)
         self._restored.update(table[: len(host_pages)])
         self.stats.pages_swapped_in += len(host_pages)
 
@@ -150,14 +149,12 @@ class Offload:
 
     def restore_hits(self, req: Request, num_hit: int, host_pages: list[int]) -> None:
         """Queues the copy of `host_pages` into `req`'s device pages after its `num_hit` device
-        hits (allocated already), and publishes them: their keys and values are known, and they
-        are written before the step that reads them."""
+        hits (allocated already). They are published once `req` runs, like the pages it
+        computes: until the next step they hold nothing, so no one else may match them now."""
         table = self.kv.table_of(req.request_id)
         dev = table[num_hit : num_hit + len(host_pages)]
         self.swap_in += zip(host_pages, dev, strict=True)
         self._restored.update(dev)
-        done = (num_hit + len(host_pages)) * self.page_size
-        self.kv.publish(req.request_id, req.page_hashes, done)
 
     def _save_evicted(self, page: int, page_hash: bytes) -> None:
         """KVCacheManager's eviction hook: the evicted page's keys and values go to the host

@@ -156,19 +156,18 @@ class SchedulerOutput:
     aborted_ids: list[str]  # aborts that took effect at this boundary (reported by update())
     step: int  # 1 for the first plan, counting up
     num_sampled: int = 0  # rows whose `sample` is set: the tokens this step generates
-    # KV page copies to make before the step runs (offload.py), in this order: device page ->
-    # host page (swapped requests' pages, evicted pages for the host tier), then host page ->
-    # device page (host-tier prefix hits, which this step reads).
+    # KV page copies (offload.py). `swap_out`, device page -> host page (swapped requests'
+    # pages, evicted pages for the host tier): made before this step. `swap_in`, host page ->
+    # device page (swapped requests, host-tier prefix hits): read from the host now, written
+    # before the NEXT plan's step, the first one the restored requests run in, so that only
+    # they wait for the copy.
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    # Host page -> device page copies started now and written before the NEXT plan's step:
-    # restored swapped requests, which run from that step on, so that only they wait for them.
-    swap_in_ahead: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         """Nothing to run and nothing to copy."""
-        return not (self.seqs or self.swap_out or self.swap_in or self.swap_in_ahead)
+        return not (self.seqs or self.swap_out or self.swap_in)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -43,10 +43,9 @@ def test_pages_go_out_and_come_back_where_the_plan_says(layout):
     serving = compiles.serving()
     # Six pages out (two groups, one padded), then back into other pages; page 19 untouched.
     out = [(p, 30 + p) for p in (0, 3, 5, 7, 11, 12)]
-    pool, ahead = transfer.copy(pool, out, [])
-    assert ahead == []
+    assert transfer.copy(pool, out, []) == []
     into = [(30 + 3, 19 - 3), (30 + 11, 1), (30 + 0, 2)]
-    pool, ahead = transfer.copy(pool, [], [], into)  # staged ahead: nothing written yet
+    ahead = transfer.copy(pool, [], into)  # staged: nothing written yet
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), pool, before)
     pool = transfer.write(pool, ahead)
     after = jax.tree.map(np.asarray, pool)
@@ -55,9 +54,9 @@ def test_pages_go_out_and_come_back_where_the_plan_says(layout):
         for host, dev in into:
             want[:, dev] = b[:, host - 30]
         np.testing.assert_array_equal(a, want)
-    # A restore straight into the step's plan, reading a host page written by a save just made.
-    pool, _ = transfer.copy(pool, [(19, 39)], [])
-    pool, _ = transfer.copy(pool, [], [(39, 0)])
+    # A restore reading a host page written by a save just made.
+    transfer.copy(pool, [(19, 39)], [])
+    pool = transfer.write(pool, transfer.copy(pool, [], [(39, 0)]))
     for a, b in zip(jax.tree.leaves(pool), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(np.asarray(a)[:, 0], b[:, 19])
     assert compiles.serving() == serving, "a copy compiled after warm-up"
@@ -67,8 +66,8 @@ def test_saves_land_without_blocking_and_in_order():
     pool = POOLS["lanes"]()
     transfer = KVTransfer(pool, num_host_pages=8, group=4)
     pool = transfer.warm_up(pool)
-    pool, _ = transfer.copy(pool, [(5, 1)], [])
-    pool, _ = transfer.copy(pool, [(6, 1)], [])  # the same host page again: the later one wins
+    transfer.copy(pool, [(5, 1)], [])
+    transfer.copy(pool, [(6, 1)], [])  # the same host page again: the later one wins
     transfer.drain()
     np.testing.assert_array_equal(transfer.host[0][:, 1], np.asarray(pool[0])[:, 6])
     transfer.poll()  # nothing pending: returns at once

@@ -29,7 +29,7 @@ class CopyingRunner(FakeRunner):
         super().__init__(page_size)
         self.host: dict[int, int] = {}  # host slot -> token id
         self.copies = collections.Counter()
-        self.ahead: list = []  # the last plan's swap_in_ahead, staged: written before this step
+        self.ahead: list = []  # the last plan's swap_in, staged: written before this step
 
     def _copy(self, src: dict, src_page: int, dst: dict, dst_page: int, values=None) -> None:
         ps = self.page_size
@@ -41,20 +41,18 @@ class CopyingRunner(FakeRunner):
 
     def execute(self, plan):
         ps = self.page_size
-        # The engine's order: the last plan's restores ahead land; then this plan's host reads,
-        # device reads (and host writes), device writes; the restores ahead wait a plan.
+        # The engine's order: the last plan's restores are written; then this plan's host
+        # reads (staged for the next plan), device reads and host writes.
         for dev, values in self.ahead:
             self._copy({}, 0, self.cache, dev, values)
 
         def stage(pairs):
             return [(d, [self.host.get(h * ps + i) for i in range(ps)]) for h, d in pairs]
 
-        staged, self.ahead = stage(plan.swap_in), stage(plan.swap_in_ahead)
+        self.ahead = stage(plan.swap_in)
         for dev, host in plan.swap_out:
             self._copy(self.cache, dev, self.host, host)
-        for dev, values in staged:
-            self._copy({}, 0, self.cache, dev, values)
-        self.copies.update(out=len(plan.swap_out), into=len(plan.swap_in) + len(plan.swap_in_ahead))
+        self.copies.update(out=len(plan.swap_out), into=len(plan.swap_in))
         return super().execute(plan)
 
 
