@@ -64,13 +64,17 @@ def test_an_evicted_prefix_returns_from_the_host_tier(stories_engine):
     engine = _short(stories_engine.model, preemption="recompute")
     llm = LLM(engine=engine)
     story = "Once upon a time there was a little girl named Lily. She liked to play outside. " * 2
-    params = SamplingParams(max_tokens=8, temperature=0)
-    first = llm.generate([story], params)[0].token_ids
+    params = [  # greedy and seeded
+        SamplingParams(max_tokens=8, temperature=0),
+        SamplingParams(max_tokens=8, temperature=1.0, seed=3),
+    ]
+    first = [o.token_ids for o in llm.generate([story] * 2, params)]
     llm.generate(["Tom had a red ball and a big dog"] * 1, SamplingParams(max_tokens=100))
-    again = llm.generate([story], params)[0].token_ids
+    again = [o.token_ids for o in llm.generate([story] * 2, params)]
     offload = engine.metrics.stats.kv_offload
     assert offload["pages_offloaded"] > 0 and offload["host_hits"] >= 16
-    assert again == first == LLM(engine=stories_engine).generate([story], params)[0].token_ids
+    ample = [o.token_ids for o in LLM(engine=stories_engine).generate([story] * 2, params)]
+    assert again == first == ample
     assert engine.metrics.stats.compiles_after_warmup == 0
 
 
