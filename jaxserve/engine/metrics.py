@@ -199,8 +199,8 @@ class EngineMetrics:
         self.stats.num_preemptions = total
 
     def on_kv_offload(self, totals: dict[str, int], **gauges: int) -> None:
-        """Takes the host pool's counters since start (OffloadStats as a dict) and its gauges;
-        Prometheus gets the increments."""
+        """Takes the host pool's counters since start (OffloadStats' fields, read, not kept) and
+        its gauges; Prometheus gets the increments."""
         s = self.stats
         self.set_gauges(**gauges)
         if totals == s.kv_offload:

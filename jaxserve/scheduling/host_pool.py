@@ -58,13 +58,14 @@ class HostPagePool:
         self._cached: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # LRU first
         self._page_of: dict[bytes, int] = {}  # hash -> cached host page
         self._swapped: dict[str, list[int]] = {}  # request id -> its saved pages, in table order
+        self._num_swapped = 0  # pages in _swapped, kept so the engine's gauges cost nothing
         self.stats = OffloadStats()
 
     # ---- gauges ---------------------------------------------------------------------------
 
     @property
     def num_swapped_pages(self) -> int:
-        return sum(map(len, self._swapped.values()))
+        return self._num_swapped
 
     @property
     def num_cached_pages(self) -> int:
@@ -102,11 +103,13 @@ class HostPagePool:
             return None
         pages = [self._take() for _ in range(num_pages)]
         self._swapped[request_id] = pages
+        self._num_swapped += num_pages
         return pages
 
     def release(self, request_id: str) -> list[int]:
         """Frees a request's saved pages (restored, or the request ended); returns them."""
         pages = self._swapped.pop(request_id, [])
+        self._num_swapped -= len(pages)
         self._free.extend(reversed(pages))
         return pages
 
@@ -155,6 +158,8 @@ class HostPagePool:
         """Raises AssertionError unless every host page handed out is swapped, cached or free
         exactly once, and the hash index matches the cached pages."""
         swapped = [p for pages in self._swapped.values() for p in pages]
+        if len(swapped) != self._num_swapped:
+            raise AssertionError(f"{len(swapped)} swapped host pages, counted {self._num_swapped}.")
         every = swapped + list(self._cached) + self._free
         if sorted(every) != list(range(self._fresh)) or self._fresh > self.num_pages:
             raise AssertionError(
