@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from jaxserve.engine_config import EngineConfig
-from jaxserve.scheduling.types import BATCHING_MODES, POLICIES
+from jaxserve.scheduling.types import BATCHING_MODES, POLICIES, PREEMPTION_MODES
 
 
 def _parse_mesh(text: str) -> tuple[int, int]:
@@ -77,6 +77,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("enable_chunked_prefill", ("--chunked-prefill",)),
     Flag("async_scheduling"),
     Flag("enable_prefix_caching", ("--prefix-caching",)),
+    Flag("host_kv_gb", metavar="GB"),
+    Flag("preemption", choices=PREEMPTION_MODES),
     Flag("policy", choices=POLICIES),
     Flag("priority_aging_s", metavar="S"),
     Flag("batching", choices=BATCHING_MODES),

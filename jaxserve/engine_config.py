@@ -7,7 +7,12 @@ import math
 import os
 
 from jaxserve.runtime.buckets import bucket_ladder
-from jaxserve.scheduling.types import BATCHING_MODES, POLICIES, SchedulerConfig
+from jaxserve.scheduling.types import (
+    BATCHING_MODES,
+    POLICIES,
+    PREEMPTION_MODES,
+    SchedulerConfig,
+)
 
 
 def default_compilation_cache_dir() -> str | None:
@@ -61,6 +66,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV of full pages a request shares with one served before (a system prompt, a
     chat's history): admission skips them, and freed pages stay cached until needed."""
+    host_kv_gb: float | None = None
+    """Host memory for KV pages beyond the device pool (jaxserve/scheduling/offload.py): preempted
+    requests' pages swapped out, and the host tier of the prefix cache. None: a quarter of the
+    memory free at start-up, at most 64 GB (taken only as pages are used); 0: off."""
+    preemption: str | None = None
+    """What a preempted request's KV becomes: recompute (dropped, computed again), swap (copied to
+    the host pool and restored) or auto (per request, whichever the cost model prices cheaper);
+    None: auto with a host pool, else recompute."""
     policy: str = "fcfs"
     """Order of admission: fcfs (arrival), or priority (a request's priority, then arrival)."""
     priority_aging_s: float | None = 10.0
@@ -151,6 +164,20 @@ class EngineConfig:
                 f"priority_aging_s={aging!r} must be a finite number of seconds > 0, or None "
                 f"for strict priority."
             )
+        if self.host_kv_gb is not None and not (
+            isinstance(self.host_kv_gb, int | float) and 0 <= self.host_kv_gb < math.inf
+        ):
+            raise ValueError(
+                f"host_kv_gb={self.host_kv_gb!r} must be a number of GB >= 0 (0: no host pool), "
+                f"or None to size it from free memory."
+            )
+        if self.preemption is not None and self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption={self.preemption!r} must be one of {PREEMPTION_MODES}.")
+        if self.preemption in ("swap", "auto") and self.host_kv_gb == 0:
+            raise ValueError(
+                f"preemption={self.preemption!r} swaps pages to the host KV pool, which "
+                f"host_kv_gb=0 turns off: give it memory, or use preemption='recompute'."
+            )
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages={self.num_pages} must be >= 1 (or None to size it).")
         if self.kv_cache_memory_gb <= 0:
@@ -204,11 +231,18 @@ class EngineConfig:
         )
 
     def scheduler_config(
-        self, *, max_model_len: int, num_pages: int, prefix_cache_key: str = ""
+        self,
+        *,
+        max_model_len: int,
+        num_pages: int,
+        prefix_cache_key: str = "",
+        num_host_pages: int = 0,
     ) -> SchedulerConfig:
         """The scheduler's limits and mode for an engine of this config: the one mapping the
-        engine and the simulator share (the pool size and context are the engine's to decide)."""
+        engine and the simulator share (the pool sizes and context are the engine's to decide)."""
         return SchedulerConfig(
+            num_host_pages=num_host_pages,
+            preemption=self.preemption or ("auto" if num_host_pages else "recompute"),
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             num_pages=num_pages,

@@ -34,12 +34,13 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.loaded import LoadedModel
 from jaxserve.outputs import RequestOutput, TokenLogprob
-from jaxserve.runtime import compiles
+from jaxserve.runtime import compiles, kv_transfer
 from jaxserve.runtime.builder import build_runner
 from jaxserve.runtime.input_batch import InputBatch
 from jaxserve.runtime.model_runner import ModelRunner
 from jaxserve.runtime.sampling import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduling.offload import SwapPricer, prefill_seconds_by
 from jaxserve.scheduling.request import FinishReason, Request
 from jaxserve.scheduling.scheduler import Scheduler, SchedulerOutput, StepResult
 from jaxserve.scheduling.types import RequestUpdate
@@ -107,10 +108,20 @@ class Engine:
         self.tokenizer = self.model.tokenizer
         self.max_model_len = self.runner.config.max_model_len
         num_pages = self.runner.config.num_pages
+        # The host KV pool (swapped requests, the prefix cache's host tier): its copies compiled
+        # and the host copy rate measured now, at start-up.
+        bytes_per_page = kv_transfer.pool_bytes_per_page(self.runner.kv)
+        num_host_pages = kv_transfer.host_pages_for(config.host_kv_gb, bytes_per_page)
+        self.kv_transfer = None
+        self._restores_ahead = []  # staged by the last plan, written before the next step
+        if num_host_pages:
+            self.kv_transfer = kv_transfer.KVTransfer(self.runner.kv, num_host_pages)
+            self.runner.kv = self.kv_transfer.warm_up(self.runner.kv)
         self.scheduler = Scheduler(
             config.scheduler_config(
                 max_model_len=self.max_model_len,
                 num_pages=num_pages,
+                num_host_pages=num_host_pages,
                 # Caches of different weights must never match (one engine, one model; the key
                 # matters where pages could outlive a model swap).
                 prefix_cache_key=f"{self.model.source}:{self.model.dtype}",
@@ -148,6 +159,23 @@ class Engine:
         # SLO-aware scheduling, when configured; after precompile, since measuring the step-cost
         # model at warm-up times steps of the compiled buckets.
         self.slo_policy = budget_policy(self) if budget_policy is not None else None
+        if self.scheduler.config.preemption == "auto":
+            self.scheduler.offload.pricer = self._swap_pricer()
+
+    def _swap_pricer(self) -> SwapPricer:
+        """Prices a swap against a recompute: the host copy rate measured at warm-up against the
+        step-cost model's prefill (the SLO policy's), else timed full steps."""
+        cost = getattr(self.slo_policy, "cost", None)
+        budget = self.config.max_num_batched_tokens
+        return SwapPricer(
+            bytes_per_page=self.kv_transfer.bytes_per_page,
+            host_bytes_per_s=self.kv_transfer.host_bytes_per_s,
+            prefill_seconds=(
+                prefill_seconds_by(cost, budget)
+                if cost is not None
+                else kv_transfer.timed_prefill_seconds(self.runner)
+            ),
+        )
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -304,6 +332,8 @@ class Engine:
         """Gauges, the device timeline, and the iteration's host time by phase."""
         self._refresh_gauges()
         self._probe_done()
+        if self.kv_transfer is not None:
+            self.kv_transfer.poll()  # saves whose bytes reached the host land, without waiting
         self._clock.lap("outputs")
         self.metrics.on_host_step(self._clock.phases)
 
@@ -326,6 +356,15 @@ class Engine:
         before it.
         """
         now = self._clock.lap("schedule")  # the plan was made just before this call
+        # Page copies (kv_transfer.py): the restores the last plan staged are written before
+        # this step, the first their requests run in; this plan's wait for the next step.
+        if self._restores_ahead:
+            self.runner.kv = self.kv_transfer.write(self.runner.kv, self._restores_ahead)
+            self._restores_ahead = []
+        if plan.swap_out or plan.swap_in:
+            self._restores_ahead = self.kv_transfer.copy(
+                self.runner.kv, plan.swap_out, plan.swap_in
+            )
         # A step that finished while this one was planned (or packed, below) starts the device's
         # wait there, not at the next look, which would come after this dispatch and miss it.
         self._probe_done()
@@ -512,6 +551,14 @@ class Engine:
             queries=cache.queries, hits=cache.hits, evictions=cache.evictions
         )
         self.metrics.on_preemptions(s.num_preemptions)
+        host = s.offload.host
+        self.metrics.on_kv_offload(
+            vars(host.stats),  # copied only when it changed: asdict would cost every step
+            host_kv_pages_total=host.num_pages,
+            host_kv_pages_used=host.num_used_pages,
+            host_kv_pages_swapped=host.num_swapped_pages,
+            host_kv_bytes=0 if self.kv_transfer is None else self.kv_transfer.host_bytes,
+        )
         # Every compile of the process, and those outside any warm-up since this one's.
         self.metrics.on_compiles(compiles.total(), compiles.serving() - self._warm_compiles)
 

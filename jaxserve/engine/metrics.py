@@ -37,6 +37,13 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens served from cached pages
     prefix_cache_evictions: int = 0  # cached pages dropped to make fresh ones
     num_preemptions: int = 0
+    # The host KV pool (scheduling/offload.py): its size and use, and counters since start by
+    # OffloadStats' names (swap_preemptions, pages_swapped_out, host_hits, device_hits, ...).
+    host_kv_pages_total: int = 0
+    host_kv_pages_used: int = 0  # swapped requests' pages and the prefix cache's host tier
+    host_kv_pages_swapped: int = 0
+    host_kv_bytes: int = 0  # the host pool's arrays (mapped lazily: RAM taken as pages are used)
+    kv_offload: dict[str, int] = dataclasses.field(default_factory=dict)
     num_compiles: int = 0
     compiles_after_warmup: int = 0
     num_steps: int = 0
@@ -95,6 +102,10 @@ class EngineMetrics:
                 ("padding_efficiency", "Real over padded tokens since start."),
                 ("device_idle_share", "Share of working wall time with no step in flight."),
                 ("cost_model_fit_rel_rms", "Step-cost model's relative RMS error; -1: none."),
+                ("host_kv_pages_total", "Pages of the host KV pool."),
+                ("host_kv_pages_used", "Host KV pages holding swapped requests or the host tier."),
+                ("host_kv_pages_swapped", "Host KV pages holding swapped requests."),
+                ("host_kv_bytes", "Bytes of the host KV pool."),
             ]
         }
         # Read from the stats when scraped, not set every step (each set takes a lock).
@@ -112,6 +123,13 @@ class EngineMetrics:
                 ("evictions", "Cached KV pages evicted for fresh ones."),
             ]
         }
+        self._offload = Counter(
+            "jaxserve_kv_offload",
+            "Host KV pool events since start (swap preemptions, pages copied each way, prefix "
+            "cache hits by tier in tokens, recomputed tokens), by kind.",
+            ["kind"],
+            registry=r,
+        )
         self._prompt = Counter("jaxserve_prompt_tokens", "Prompt tokens computed.", registry=r)
         self._gen = Counter("jaxserve_generation_tokens", "Tokens generated.", registry=r)
         self._finished = Counter(
@@ -179,6 +197,19 @@ class EngineMetrics:
         if total > self.stats.num_preemptions:
             self._preemptions.inc(total - self.stats.num_preemptions)
         self.stats.num_preemptions = total
+
+    def on_kv_offload(self, totals: dict[str, int], **gauges: int) -> None:
+        """Takes the host pool's counters since start (OffloadStats' fields, read, not kept) and
+        its gauges; Prometheus gets the increments."""
+        s = self.stats
+        self.set_gauges(**gauges)
+        if totals == s.kv_offload:
+            return  # most steps: nothing new
+        for kind, total in totals.items():
+            change = total - s.kv_offload.get(kind, 0)
+            if change > 0:
+                self._offload.labels(kind=kind).inc(change)
+        s.kv_offload = dict(totals)
 
     def on_prefix_cache(self, *, queries: int, hits: int, evictions: int) -> None:
         """Takes the KV manager's totals since start; Prometheus gets the increments."""

@@ -3,10 +3,12 @@
 Waiting requests start in order of importance (request_queue.py) while a slot, the token budget
 and pages allow, each with its first prefill chunk; the head of the queue blocks the rest, since
 passing it for smaller ones could starve it. With the prefix cache a request starts after its
-cached pages (prefix_sharing.py), and the budget counts only what is left to compute; one that
-waits for pages another request is computing now is passed for this step, not waited on. Under the
-priority policy a request that finds no room preempts less important running ones
-(preemption.py). `check_fits` refuses at submission what could never be admitted.
+cached pages (prefix_sharing.py: those on the device, then those restored from the host tier,
+offload.py), a swapped request after its own restored pages, and the budget counts only what is
+left to compute; one that waits for pages another request is computing now is passed for this
+step, not waited on. Under the priority policy a request that finds no room preempts less
+important running ones (preemption.py). `check_fits` refuses at submission what could never be
+admitted.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import heapq
 
 from jaxserve.scheduling.batching import ContinuousBatching
 from jaxserve.scheduling.kv_cache_manager import KVCacheManager
+from jaxserve.scheduling.offload import Offload
 from jaxserve.scheduling.preemption import Preemption
 from jaxserve.scheduling.prefix_sharing import PrefixSharing
 from jaxserve.scheduling.request import Request, RequestStatus
@@ -33,6 +36,7 @@ class Admission:
         prefix: PrefixSharing | None,
         batching: ContinuousBatching,
         preemption: Preemption,
+        offload: Offload,
         running: list[Request],
         free_slots: list[int],
     ):
@@ -41,6 +45,7 @@ class Admission:
         self.prefix = prefix  # None: the prefix cache is off
         self.batching = batching
         self.preemption = preemption
+        self.offload = offload  # swapped requests' pages and the host tier of the prefix cache
         self.running = running  # the scheduler's, in admission order: admitted ones join it
         self.free_slots = free_slots  # the scheduler's heap of free slots, lowest first
         # Only a waiting request under the priority policy, continuously batched, preempts.
@@ -68,21 +73,34 @@ class Admission:
             # recomputes its outputs, so it waits until they are known): not back yet.
             if req.request_id in plan.preempted or req.num_pending:
                 return
-            hit = [] if prefix is None else prefix.match(req)
-            if prefix is not None and prefix.waits(req, hit):
+            swapped = self.offload.host.is_swapped(req.request_id)
+            hit = [] if prefix is None or swapped else prefix.match(req)
+            # The prefix continues in the host tier past the device's pages: restored, not run.
+            host_hit = [] if prefix is None or swapped else self.offload.match_host(req, len(hit))
+            if prefix is not None and not swapped and prefix.waits(req, hit + host_hit):
                 # It waits for another request's pages, not for room: those behind it go
                 # ahead (they take nothing it waits for), and it is first again next step.
                 set_aside.append(queue.pop_entry())
                 continue
-            computed = len(hit) * self.config.page_size
+            # A swapped request continues where it stopped, its pages restored.
+            ps = self.config.page_size
+            computed = req.num_computed_tokens if swapped else (len(hit) + len(host_hit)) * ps
             # The budget counts only the tokens still to compute, not those the cache serves.
             n = plan.chunk_len(req, computed)
             # Head of line blocks the rest: skipping it for smaller ones could starve it.
             if not n or not self._make_room(req, computed + n, hit, plan):
                 return
             queue.pop()
-            if prefix is not None:
-                prefix.admitted(req, len(hit))
+            if swapped:
+                self.offload.restore(req)
+            else:
+                if host_hit:
+                    self.offload.restore_hits(req, len(hit), host_hit)
+                self.offload.readmitted(req, computed)
+                if prefix is not None:
+                    prefix.admitted(req, len(hit) + len(host_hit))
+                    self.offload.stats.device_hits += len(hit) * ps
+                    self.offload.stats.host_hits += len(host_hit) * ps
             req.num_computed_tokens = computed
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = min(computed, req.num_prompt_tokens)
@@ -91,7 +109,9 @@ class Admission:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             self.running.append(req)
-            plan.add_chunk(req, n)
+            # A restored one runs from the next step, once its pages are back (offload.py).
+            if not (swapped or host_hit):
+                plan.add_chunk(req, n)
 
     def _make_room(self, req: Request, num_tokens: int, hit: list[int], plan: StepPlan) -> bool:
         """A slot and the pages of `num_tokens` for waiting `req`, allocated, starting with the

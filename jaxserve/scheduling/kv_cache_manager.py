@@ -27,7 +27,7 @@ import array
 import collections
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 
 class PageHasher:
@@ -105,6 +105,9 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._published: dict[str, int] = {}  # leading pages of each table already published
         self.stats = PrefixCacheStats()
+        # Called with (page, hash) as a published page is evicted, before it is handed out
+        # again: the host tier saves it there (scheduling/offload.py). None: dropped.
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     # ---- gauges ---------------------------------------------------------------------------
 
@@ -205,9 +208,12 @@ class KVCacheManager:
             page = self._free.pop()
         else:
             page, _ = self._cached.popitem(last=False)
-            del self._page_of[self._hash_of[page]]
+            page_hash = self._hash_of[page]
+            del self._page_of[page_hash]
             self._hash_of[page] = None
             self.stats.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(page, page_hash)
         self._refs[page] = 1
         return page
 

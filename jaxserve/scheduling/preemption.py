@@ -1,7 +1,8 @@
 """Preemption: freeing the least important running requests when pages or slots run out.
 
 A victim gives back its pages and slot and waits again under its old key (request_queue.py), to
-recompute its prompt and outputs later; the outputs it produced are kept. Two needs preempt: a
+recompute its prompt and outputs later, or, when the host pool takes its pages (offload.py), to
+restore them and continue; the outputs it produced are kept either way. Two needs preempt: a
 running request that needs a page when none is left (`allocate_or_preempt`, any policy), and,
 under the priority policy, a waiting request that finds no slot or pages and is more important
 than enough running requests (`victims_for`, which admission then preempts).
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from jaxserve.scheduling.kv_cache_manager import KVCacheManager
+from jaxserve.scheduling.offload import Offload
 from jaxserve.scheduling.request import Request, RequestStatus
 from jaxserve.scheduling.step_plan import StepPlan
 
@@ -27,12 +29,14 @@ class Preemption:
         *,
         release: Callable[[Request], None],
         requeue: Callable[[Request], None],
+        offload: Offload,
     ):
         self.kv = kv
         self.running = running  # the scheduler's running requests, in admission order
         self.keys = keys  # every unfinished request's key, by id
         self._release = release  # gives back a running request's pages and slot
         self._requeue = requeue  # queues a preempted request under its key
+        self.offload = offload  # saves a victim's pages to the host when that is cheaper
         self.num_preemptions = 0  # total, for metrics
 
     def allocate_or_preempt(self, req: Request, num_tokens: int, plan: StepPlan) -> bool:
@@ -49,10 +53,13 @@ class Preemption:
         return True
 
     def preempt(self, req: Request, plan: StepPlan) -> None:
-        """Frees running `req`'s pages and slot, unplans it and queues it to recompute later."""
+        """Frees running `req`'s pages and slot, unplans it and queues it to be restored or
+        recomputed later."""
+        swapped = self.offload.save(req)  # reads its table: before the release drops it
         self._release(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0  # recompute prompt + outputs; the outputs are kept
+        if not swapped:
+            req.num_computed_tokens = 0  # recompute prompt + outputs; the outputs are kept
         req.num_preemptions += 1
         self.num_preemptions += 1
         plan.drop(req.request_id)

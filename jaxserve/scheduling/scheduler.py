@@ -11,6 +11,8 @@ slot, the pages and the budget allow. There are no prefill and decode modes (DES
 - preemption.py: the least important running requests give back their pages when they run out;
 - request_queue.py: the waiting queue and the order of importance, one for admission and victims;
 - prefix_sharing.py: cached prefixes matched at admission, pages computed once, then published;
+- offload.py, host_pool.py: a victim's pages swapped to host memory, and the host tier of the
+  prefix cache; a plan carries the page copies the engine makes before its step;
 - batching.py: continuous batching, and the static and dynamic groups kept for comparison;
 - bucket_landing.py: the last prefill chunk trimmed so the step fills its token bucket;
 - step_plan.py: the step being built; invariants.py: the books checked against each other.
@@ -44,7 +46,9 @@ from jaxserve.scheduling import invariants
 from jaxserve.scheduling.admission import Admission, check_fits
 from jaxserve.scheduling.batching import batching_of
 from jaxserve.scheduling.bucket_landing import land_on_bucket
+from jaxserve.scheduling.host_pool import HostPagePool
 from jaxserve.scheduling.kv_cache_manager import KVCacheManager
+from jaxserve.scheduling.offload import Offload
 from jaxserve.scheduling.preemption import Preemption
 from jaxserve.scheduling.prefix_sharing import PrefixSharing
 from jaxserve.scheduling.request import FinishReason, Request, RequestStatus
@@ -79,6 +83,10 @@ class Scheduler:
             if config.enable_prefix_caching
             else None
         )
+        # Pages beyond the device pool: swapped requests and the host tier (offload.py).
+        self.offload = Offload(
+            self.kv, HostPagePool(config.num_host_pages), config.preemption, config.page_size
+        )
         self._order = ImportanceOrder(config.policy, config.priority_aging_s)
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._keys: dict[str, tuple] = {}  # admission order; the largest key is preempted first
@@ -86,7 +94,12 @@ class Scheduler:
         self._free_slots = list(range(config.max_num_seqs))  # a heap: lowest slot first
         self.batching = batching_of(config)  # owns the waiting queues
         self._preemption = Preemption(
-            self.kv, self._running, self._keys, release=self._release, requeue=self._requeue
+            self.kv,
+            self._running,
+            self._keys,
+            release=self._release,
+            requeue=self._requeue,
+            offload=self.offload,
         )
         self._admission = Admission(
             config,
@@ -94,6 +107,7 @@ class Scheduler:
             prefix=self.prefix,
             batching=self.batching,
             preemption=self._preemption,
+            offload=self.offload,
             running=self._running,
             free_slots=self._free_slots,
         )
@@ -220,6 +234,7 @@ class Scheduler:
             preempted_ids=plan.preempted,
             aborted_ids=aborted,
             step=self._step,
+            **self.offload.take_copies(),
         )
         num_sampled = 0
         for seq in out.seqs:  # counted as done now: the next plan starts where this one ends
@@ -303,6 +318,7 @@ class Scheduler:
         """Raises AssertionError if the books disagree; tests call it after every step."""
         invariants.check_invariants(
             kv=self.kv,
+            host=self.offload.host,
             prefix=self.prefix,
             running=self._running,
             free_slots=self._free_slots,
@@ -330,6 +346,7 @@ class Scheduler:
             self._release(req)
         else:
             self.batching.remove(req)
+            self.offload.forget(req)  # a swapped request's host pages
         req.status = status
         req.finished_time = now
         del self._requests[req.request_id]

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 from jaxserve.scheduling.request import FinishReason, Request
 
 POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 BATCHING_MODES = ("continuous", "static", "dynamic")
 
 
@@ -47,6 +48,12 @@ class SchedulerConfig:
     # shapes the KV, the model: caches of different keys never match.
     enable_prefix_caching: bool = True
     prefix_cache_key: str = ""
+    # Pages of the host KV pool (scheduling/host_pool.py): swapped requests and the host tier
+    # of the prefix cache. 0: none, every preemption recomputes.
+    num_host_pages: int = 0
+    # What a preempted request's pages become (offload.py): 'recompute' (dropped), 'swap' (to
+    # the host when they fit) or 'auto' (swap when the SwapPricer prices it cheaper).
+    preemption: str = "recompute"
 
     def __post_init__(self):
         if self.batch_size is None:
@@ -95,6 +102,16 @@ class SchedulerConfig:
             )
         if self.max_waiting_requests is not None:
             _check_positive_int("max_waiting_requests", self.max_waiting_requests)
+        hosts = self.num_host_pages
+        if not isinstance(hosts, int) or isinstance(hosts, bool) or hosts < 0:
+            raise ValueError(f"SchedulerConfig.num_host_pages={hosts!r} must be an integer >= 0.")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption={self.preemption!r} must be one of {PREEMPTION_MODES}.")
+        if self.preemption != "recompute" and not hosts:
+            raise ValueError(
+                f"preemption={self.preemption!r} saves pages to the host KV pool, which has "
+                f"num_host_pages={hosts}: give it pages, or use preemption='recompute'."
+            )
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -139,10 +156,18 @@ class SchedulerOutput:
     aborted_ids: list[str]  # aborts that took effect at this boundary (reported by update())
     step: int  # 1 for the first plan, counting up
     num_sampled: int = 0  # rows whose `sample` is set: the tokens this step generates
+    # KV page copies (offload.py). `swap_out`, device page -> host page (swapped requests'
+    # pages, evicted pages for the host tier): made before this step. `swap_in`, host page ->
+    # device page (swapped requests, host-tier prefix hits): read from the host now, written
+    # before the NEXT plan's step, the first one the restored requests run in, so that only
+    # they wait for the copy.
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs
+        """Nothing to run and nothing to copy."""
+        return not (self.seqs or self.swap_out or self.swap_in)
 
 
 @dataclasses.dataclass(kw_only=True)
