@@ -71,6 +71,10 @@ SAMPLE = dict(
     cost_model="cost.json",
     calibrate_cost_model=False,
     shed_late=True,
+    speculative="ngram",
+    num_speculative_tokens=6,
+    prompt_lookup_min=1,
+    prompt_lookup_max=4,
 )
 
 
