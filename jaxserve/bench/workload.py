@@ -13,6 +13,10 @@ Profiles:
 - `shared-prefix`: every request starts with the same `prefix_len` tokens (a system prompt)
   followed by a short question of its own, Poisson arrivals at each rate: what the prefix cache
   is for.
+- `repetitive`: one request at a time, each prompt a short passage said three times, so that
+  what follows repeats what came before (an edit or summary of given text is the everyday
+  case): where speculative decoding's n-gram proposals pay. Text prompts: the model needs a
+  tokenizer.
 - `trace`: a JSONL file, one request a line: `arrival_time` (s), one of `prompt` (text),
   `prompt_token_ids` or `prompt_len`, and `max_tokens`; `id` and `priority` are optional.
 """
@@ -26,7 +30,18 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-PROFILES = ("baseline", "concurrency", "mixed", "shared-prefix", "trace")
+PROFILES = ("baseline", "concurrency", "mixed", "shared-prefix", "repetitive", "trace")
+
+# The `repetitive` profile's passages: plain children's-story sentences, as the embedded model
+# (TinyStories) writes them.
+REPETITIVE_PASSAGES = (
+    "Lily and Tom went to the park to play on the swings. ",
+    "The little dog ran to the big tree and barked at the cat. ",
+    "Mom made a cake for Sam. Sam was very happy and said thank you. ",
+    "Tim saw a red ball in the garden. He wanted to play with it. ",
+    "The bird sang a song in the sun. The bird was happy. ",
+    "Anna had a doll named Sue. She liked to play with Sue every day. ",
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -233,6 +248,28 @@ def shared_prefix_workloads(
         name = f"shared-prefix{prefix_len}@{_rate_tag(rate)}/s"
         workloads.append(Workload(name=name, load=rate, load_kind="rate", requests=specs))
     return workloads
+
+
+def repetitive_workloads(*, num_requests: int, max_tokens: int, repeats: int = 3) -> list[Workload]:
+    """One request at a time (concurrency 1), each prompt one of REPETITIVE_PASSAGES said
+    `repeats` times, in turn (profile repetitive)."""
+    if num_requests < 1 or max_tokens < 1 or repeats < 1:
+        raise ValueError(
+            f"repetitive needs {num_requests=}, {max_tokens=} and {repeats=} all >= 1."
+        )
+    specs = []
+    for i in range(num_requests):
+        text = REPETITIVE_PASSAGES[i % len(REPETITIVE_PASSAGES)] * repeats
+        specs.append(
+            RequestSpec(
+                request_id=f"rep-{i}",
+                arrival_s=0.0,
+                prompt_len=len(text.split()),  # an estimate until it is tokenized
+                max_tokens=max_tokens,
+                prompt=text,
+            )
+        )
+    return [Workload(name="repetitive", load=1, load_kind="concurrency", requests=tuple(specs))]
 
 
 def poisson_arrivals(n: int, rate: float, *, seed: int = 0) -> list[float]:

@@ -44,6 +44,7 @@ from jaxserve.runtime.sampling import (
     init_penalty_row,
     prompt_logprobs,
     sample_step,
+    verify,
 )
 
 logger = logging.getLogger(__name__)
@@ -112,9 +113,19 @@ def step_impl(
         lambda h: module.apply({"params": params}, h, method=module.logits),
         hidden,
         batch.logits_indices,
-        batch.num_seqs,
+        batch.num_seqs if batch.num_rows is None else batch.num_rows,
     )
     out, pen = sample_step(logits, sampling, pen)
+    after = out.token_ids  # each row's next token: its sample, or after its accepted proposals
+    if batch.num_proposals is not None:  # static: batches packed with the verification fields
+        accepted, after = verify(
+            out.token_ids,
+            batch.token_ids,
+            batch.logits_indices,
+            batch.num_proposals,
+            batch.extra_start,
+        )
+        out = dataclasses.replace(out, num_accepted=accepted)
 
     def logits_of(h):  # the LM head over any tokens' hidden states
         return module.apply({"params": params}, h, method=module.logits)
@@ -125,7 +136,7 @@ def step_impl(
     out = dataclasses.replace(
         out, prompt_logprobs=lp, prompt_top_ids=top_ids, prompt_top_logprobs=top_lp
     )
-    last = last.at[batch.sample_slots].set(out.token_ids, mode="drop")
+    last = last.at[batch.sample_slots].set(after, mode="drop")
     return out, kv, pen, last
 
 
@@ -307,6 +318,25 @@ class ModelRunner:
         else:  # the penalty initialiser (single host only), on a slot past the end: no write
             self.set_penalty_row(self.config.seq_buckets[-1], (), 0)
         return time.perf_counter() - start
+
+    def time_bucket(self, num_tokens: int, repeats: int = 3) -> float:
+        """Seconds of one step of the `num_tokens` bucket, best of `repeats` (an all-padding
+        batch: it runs the bucket's matmuls and writes nothing); for pricing steps."""
+        num_seqs = self.config.seq_bucket_for(num_tokens)
+        batch = pack_chunks(
+            [],
+            page_size=self.config.page_size,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            pages_per_seq=self.config.pages_per_seq,
+            num_pages=self.config.num_pages,
+        )
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(self._dispatch(batch, SamplingBatch.empty(num_seqs)).token_ids)
+            best = min(best, time.perf_counter() - start)
+        return best
 
 
 @functools.cache
