@@ -75,7 +75,9 @@ def build_workloads(args) -> list[Workload]:
             max_tokens=args.output_len,
         )
     if args.profile == "repetitive":
-        return repetitive_workloads(num_requests=args.num_requests, max_tokens=args.output_len)
+        return repetitive_workloads(
+            num_requests=args.num_requests, prompt_len=args.prompt_len, max_tokens=args.output_len
+        )
     if args.profile == "shared-prefix":
         return shared_prefix_workloads(
             parse_list(args.rates, float),

@@ -13,10 +13,9 @@ Profiles:
 - `shared-prefix`: every request starts with the same `prefix_len` tokens (a system prompt)
   followed by a short question of its own, Poisson arrivals at each rate: what the prefix cache
   is for.
-- `repetitive`: one request at a time, each prompt a short passage said three times, so that
-  what follows repeats what came before (an edit or summary of given text is the everyday
-  case): where speculative decoding's n-gram proposals pay. Text prompts: the model needs a
-  tokenizer.
+- `repetitive`: one request at a time, each prompt a random passage said three times, so that
+  a model that continues what it was given repeats it (an edit or a summary of given text is
+  the everyday case): where speculative decoding's n-gram proposals pay.
 - `trace`: a JSONL file, one request a line: `arrival_time` (s), one of `prompt` (text),
   `prompt_token_ids` or `prompt_len`, and `max_tokens`; `id` and `priority` are optional.
 """
@@ -31,17 +30,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 PROFILES = ("baseline", "concurrency", "mixed", "shared-prefix", "repetitive", "trace")
-
-# The `repetitive` profile's passages: plain children's-story sentences, as the embedded model
-# (TinyStories) writes them.
-REPETITIVE_PASSAGES = (
-    "Lily and Tom went to the park to play on the swings. ",
-    "The little dog ran to the big tree and barked at the cat. ",
-    "Mom made a cake for Sam. Sam was very happy and said thank you. ",
-    "Tim saw a red ball in the garden. He wanted to play with it. ",
-    "The bird sang a song in the sun. The bird was happy. ",
-    "Anna had a doll named Sue. She liked to play with Sue every day. ",
-)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,6 +46,9 @@ class RequestSpec:
     # The first this many random prompt tokens are the run's shared prefix, the same in every
     # request that has one (random_prompt_ids); the rest are the request's own.
     shared_prefix_len: int = 0
+    # Random prompts only: the prompt is its first ceil(prompt_len / repeats) tokens said again
+    # and again (profile repetitive).
+    repeats: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -250,26 +241,27 @@ def shared_prefix_workloads(
     return workloads
 
 
-def repetitive_workloads(*, num_requests: int, max_tokens: int, repeats: int = 3) -> list[Workload]:
-    """One request at a time (concurrency 1), each prompt one of REPETITIVE_PASSAGES said
-    `repeats` times, in turn (profile repetitive)."""
-    if num_requests < 1 or max_tokens < 1 or repeats < 1:
+def repetitive_workloads(
+    *, num_requests: int, prompt_len: int, max_tokens: int, repeats: int = 3
+) -> list[Workload]:
+    """One request at a time (concurrency 1), each prompt a random passage of its own said
+    `repeats` times, `prompt_len` tokens in all (profile repetitive)."""
+    if num_requests < 1 or max_tokens < 1 or not 1 <= repeats <= prompt_len:
         raise ValueError(
-            f"repetitive needs {num_requests=}, {max_tokens=} and {repeats=} all >= 1."
+            f"repetitive needs {num_requests=} and {max_tokens=} >= 1 and 1 <= {repeats=} <= "
+            f"{prompt_len=}."
         )
-    specs = []
-    for i in range(num_requests):
-        text = REPETITIVE_PASSAGES[i % len(REPETITIVE_PASSAGES)] * repeats
-        specs.append(
-            RequestSpec(
-                request_id=f"rep-{i}",
-                arrival_s=0.0,
-                prompt_len=len(text.split()),  # an estimate until it is tokenized
-                max_tokens=max_tokens,
-                prompt=text,
-            )
+    specs = tuple(
+        RequestSpec(
+            request_id=f"rep-{i}",
+            arrival_s=0.0,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            repeats=repeats,
         )
-    return [Workload(name="repetitive", load=1, load_kind="concurrency", requests=tuple(specs))]
+        for i in range(num_requests)
+    )
+    return [Workload(name="repetitive", load=1, load_kind="concurrency", requests=specs)]
 
 
 def poisson_arrivals(n: int, rate: float, *, seed: int = 0) -> list[float]:
@@ -375,4 +367,9 @@ def random_prompt_ids(spec: RequestSpec, vocab_size: int, seed: int = 0) -> list
     own = random.Random(f"{seed}:{spec.request_id}")
     n = min(spec.shared_prefix_len, spec.prompt_len)
     prefix = [shared.randrange(low, vocab_size) for _ in range(n)]
+    if spec.repeats > 1:  # a passage said again and again
+        passage = [
+            own.randrange(low, vocab_size) for _ in range(-(-spec.prompt_len // spec.repeats))
+        ]
+        return (prefix + passage * spec.repeats)[: spec.prompt_len]
     return prefix + [own.randrange(low, vocab_size) for _ in range(spec.prompt_len - n)]

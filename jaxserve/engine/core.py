@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import gc
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -141,26 +142,37 @@ class Engine:
         # model at warm-up times steps of the compiled buckets.
         self.slo_policy = budget_policy(self) if budget_policy is not None else None
         if self.scheduler.spec is not None:
-            self.scheduler.set_step_cost(self._spec_step_cost())
+            self.scheduler.set_step_cost(self._spec_step_cost(), config.async_scheduling)
 
     def _spec_step_cost(self):
         """What speculative decoding prices steps by (scheduling/speculation.py): the SLO
-        policy's step-cost model when the engine has one, else each token bucket's step time
-        measured now (the matmuls run the padded bucket whatever its tokens: the intercept of
-        the cost model's line, which the low load that speculation serves is mostly made of)."""
+        policy's step-cost model when the engine has one, else steps of each token bucket
+        timed now (`ModelRunner.time_buckets`): a bucket's decodes (every sequence slot of it
+        runs the decode loop, whatever the rows) and what each verification chunk adds."""
         cost = getattr(self.slo_policy, "cost", None)
         if cost is not None:
             return lambda spans: cost.predict(work_of(spans))
-        buckets = self.runner.config.token_buckets
-        seconds = {t: self.runner.time_bucket(t) for t in buckets}
+        rc = self.runner.config
+        buckets = rc.token_buckets
+        chunk = self.config.num_speculative_tokens + 1
+        # A typical context, within the pool (a small pool holds fewer slots than a context).
+        context = max(1, min(256, self.max_model_len // 2, rc.num_pages * rc.page_size - chunk - 1))
+        times = self.runner.time_buckets(context, chunk)
         logger.info(
-            "speculative decoding prices steps by bucket: %s",
-            ", ".join(f"{t}: {1e3 * s:.2f} ms" for t, s in seconds.items()),
+            "speculative decoding prices steps at context %d (decodes / a %d-token chunk): %s",
+            context,
+            chunk,
+            ", ".join(
+                f"{t}: {1e3 * d:.2f}/{'-' if c is None else f'{1e3 * c:.2f}'} ms"
+                for t, (d, c) in times.items()
+            ),
         )
 
         def step_cost(spans) -> float:
             tokens = sum(n for _, n in spans)
-            return seconds[pick_bucket(buckets, min(max(tokens, 1), buckets[-1]))]
+            decode, chunk_s = times[pick_bucket(buckets, min(max(tokens, 1), buckets[-1]))]
+            chunks = sum(n > 1 for _, n in spans)
+            return decode + chunks * (math.inf if chunk_s is None and chunks else chunk_s or 0.0)
 
         return step_cost
 

@@ -29,6 +29,7 @@ from jaxserve.models.llama import logits_of_rows, step_compiler_options
 from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for
 from jaxserve.models.sharding import ShardingPlan, make_mesh
 from jaxserve.models.step_batch import (
+    SeqChunk,
     StepBatch,
     StepWords,
     from_words,
@@ -319,24 +320,53 @@ class ModelRunner:
             self.set_penalty_row(self.config.seq_buckets[-1], (), 0)
         return time.perf_counter() - start
 
-    def time_bucket(self, num_tokens: int, repeats: int = 3) -> float:
-        """Seconds of one step of the `num_tokens` bucket, best of `repeats` (an all-padding
-        batch: it runs the bucket's matmuls and writes nothing); for pricing steps."""
-        num_seqs = self.config.seq_bucket_for(num_tokens)
-        batch = pack_chunks(
-            [],
-            page_size=self.config.page_size,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            pages_per_seq=self.config.pages_per_seq,
-            num_pages=self.config.num_pages,
-        )
-        best = math.inf
-        for _ in range(repeats):
+    def time_buckets(
+        self, context: int, chunk: int, rounds: int = 5
+    ) -> dict[int, tuple[float, float | None]]:
+        """Per token bucket, the seconds of a step with one decode at `context` (the decode loop
+        runs every sequence slot of the bucket, so this is what the bucket's decodes cost),
+        and the seconds one `chunk`-token chunk at that context adds to it (None where the
+        bucket cannot hold both). The best of `rounds` rounds, each timing every bucket once
+        (interleaved: a busy moment of the machine cannot make one bucket look dearer).
+
+        For pricing steps (speculative decoding). Call it before serving: its steps write the
+        keys and values of made-up tokens into the pool's first pages, which no request holds
+        yet and which every request writes before it reads.
+        """
+        cfg = self.config
+        context = max(1, min(context, cfg.max_model_len - chunk - 1))
+        table = list(range(min(cfg.pages_per_seq, cfg.num_pages)))
+        if len(table) * cfg.page_size < context + chunk + 1:
+            raise ValueError(
+                f"Timing steps at context {context} needs {context + chunk + 1} cache slots; "
+                f"the pool has {cfg.num_pages} pages of {cfg.page_size}."
+            )
+        decode = SeqChunk([1], context - 1, table)
+        verify = SeqChunk([1] * chunk, context, table)
+
+        def batch_of(chunks, num_tokens):
+            return pack_chunks(
+                chunks,
+                page_size=cfg.page_size,
+                num_tokens=num_tokens,
+                num_seqs=cfg.seq_bucket_for(num_tokens),
+                pages_per_seq=cfg.pages_per_seq,
+                num_pages=cfg.num_pages,
+            )
+
+        def seconds(batch) -> float:
             start = time.perf_counter()
-            jax.block_until_ready(self._dispatch(batch, SamplingBatch.empty(num_seqs)).token_ids)
-            best = min(best, time.perf_counter() - start)
-        return best
+            out = self._dispatch(batch, SamplingBatch.empty(len(batch.kv_lens)))
+            jax.block_until_ready(out.token_ids)
+            return time.perf_counter() - start
+
+        best = {t: [math.inf, math.inf] for t in cfg.token_buckets}
+        for _ in range(rounds):
+            for t, times in best.items():
+                times[0] = min(times[0], seconds(batch_of([decode], t)))
+                if t >= chunk + 1 and cfg.seq_bucket_for(t) >= 2:
+                    times[1] = min(times[1], seconds(batch_of([decode, verify], t)))
+        return {t: (d, None if math.isinf(c) else max(0.0, c - d)) for t, (d, c) in best.items()}
 
 
 @functools.cache

@@ -119,10 +119,11 @@ class Scheduler:
         self.spec = SpecDecider(config.speculative, None) if config.speculative else None
         self._verifying = 0  # plans outstanding that verify proposals
 
-    def set_step_cost(self, step_cost: StepCost | None) -> None:
-        """Prices steps for the speculation decision (speculation.SpecDecider); no-op when off."""
+    def set_step_cost(self, step_cost: StepCost | None, sync_penalty: bool = False) -> None:
+        """Prices steps for the speculation decision (speculation.SpecDecider; `sync_penalty`:
+        a verification costs the overlap of asynchronous scheduling); no-op when off."""
         if self.spec is not None:
-            self.spec = SpecDecider(self.spec.config, step_cost)
+            self.spec = SpecDecider(self.spec.config, step_cost, sync_penalty)
 
     # Gauges, for metrics and tests.
     @property

@@ -110,11 +110,16 @@ def test_sampled_verification_draws_from_the_target_and_a_biased_one_is_caught()
 @pytest.fixture(scope="module")
 def spec_engine(stories_engine) -> Engine:
     """Speculation on, the shared engine's buckets, and pages for ~2 long requests: its steps
-    verify proposals, chunk prompts, share prefixes and preempt."""
-    return Engine(
+    verify proposals, chunk prompts, share prefixes and preempt. Steps are priced flat, so
+    every proposal is verified: these tests are about exactness (the decision is
+    tests/unit/test_speculation.py's)."""
+    engine = Engine(
         EngineConfig(speculative="ngram", num_pages=14, page_size=16, **SMALL),
         model=stories_engine.model,
     )
+    assert engine.scheduler.spec.step_cost is not None  # priced at warm-up
+    engine.scheduler.set_step_cost(lambda spans: 1.0)
+    return engine
 
 
 def test_greedy_with_speculation_is_token_for_token_the_same(stories_engine, spec_engine):
@@ -145,6 +150,11 @@ def test_greedy_with_speculation_is_token_for_token_the_same(stories_engine, spe
     assert stats.num_preemptions > preemptions and stats.prefix_cache_hits > hits
     assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens
     assert sum(c.num_accepted_tokens for c in got) > 0
+    prometheus = spec_engine.metrics.registry.get_sample_value
+    assert prometheus("jaxserve_spec_accepted_tokens_total") == stats.spec_accepted_tokens
+    assert prometheus("jaxserve_spec_acceptance_rate") == pytest.approx(
+        stats.spec_accepted_tokens / stats.spec_proposed_tokens
+    )
     assert spec_engine.scheduler.num_pages_used == 0
     assert stats.compiles_after_warmup == 0
 

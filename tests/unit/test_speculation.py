@@ -21,14 +21,18 @@ SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_l
 
 
 def brute_force(tokens: list[int], k: int, sizes) -> list[int]:
-    """Prompt lookup by scanning: the latest earlier occurrence of the longest matching tail."""
+    """Prompt lookup by scanning: the latest earlier occurrence of the longest matching tail,
+    its continuation copied on (the proposal included) past the end."""
     for n in sizes:
         if len(tokens) <= n:
             continue
         tail = tokens[-n:]
         for c in range(len(tokens) - 1, n - 1, -1):  # continuation start, latest first
             if tokens[c - n : c] == tail:
-                return tokens[c : c + k]
+                extended = list(tokens)
+                for j in range(k):
+                    extended.append(extended[c + j])
+                return extended[len(tokens) :]
     return []
 
 
@@ -49,6 +53,8 @@ def test_ngram_proposer_prefers_the_longest_match_then_the_latest():
     assert proposer.propose([4, 5, 6, 7, 5, 9, 4, 5], 2) == [6, 7]
     proposer = NgramProposer(1, 2)
     assert proposer.propose([4, 5, 6, 1, 4, 5, 8, 2, 4, 5], 1) == [8]  # the latest "4 5"
+    # A loop of period 2 matched just before the end: the proposal goes on around it.
+    assert NgramProposer(1, 2).propose([3, 7, 8, 7, 8], 5) == [7, 8, 7, 8, 7]
     assert NgramProposer(2, 3).propose([1, 2, 3, 4], 3) == []  # nothing repeats
 
 
@@ -66,6 +72,14 @@ def test_decider_speculates_only_when_the_step_cost_allows():
     good, bad = SpecState(NgramProposer(1, 1), rate=0.95), SpecState(NgramProposer(1, 1), rate=0.0)
     assert cheap.choose([bad, good], 2, 10) == 1
     assert cheap.rank([bad, good]) == [1, 0]
+    # Under asynchronous scheduling a verification also costs a plain step of lost overlap: one
+    # row alone pays only when it expects more accepted tokens than c(1) / c(0) = 15 / 11.
+    overlap = SpecDecider(SPEC, lambda spans: 10.0 + sum(n for _, n in spans), sync_penalty=True)
+    assert overlap.choose([good], 1, 10) == 1  # expects ~2.7
+    assert overlap.choose([SpecState(NgramProposer(1, 1), rate=0.5)], 1, 10) == 0  # ~0.9
+    # One good row among 8: its tokens do not make up for the 8 rows' lost overlap; 8 good do.
+    assert overlap.choose([good, *[bad] * 7], 8, 10) == 0
+    assert overlap.choose([good] * 8, 8, 10) == 8
 
 
 def test_acceptance_rate_follows_the_outcomes():
