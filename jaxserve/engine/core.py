@@ -159,20 +159,25 @@ class Engine:
         context = max(1, min(256, self.max_model_len // 2, rc.num_pages * rc.page_size - chunk - 1))
         times = self.runner.time_buckets(context, chunk)
         logger.info(
-            "speculative decoding prices steps at context %d (decodes / a %d-token chunk): %s",
+            "speculative decoding prices steps at context %d (decodes / padding / a %d-token "
+            "chunk): %s",
             context,
             chunk,
             ", ".join(
-                f"{t}: {1e3 * d:.2f}/{'-' if c is None else f'{1e3 * c:.2f}'} ms"
-                for t, (d, c) in times.items()
+                f"{t}: {1e3 * d:.2f}/{1e3 * p:.2f}/{'-' if c is None else f'{1e3 * c:.2f}'} ms"
+                for t, (d, p, c) in times.items()
             ),
         )
 
         def step_cost(spans) -> float:
             tokens = sum(n for _, n in spans)
-            decode, chunk_s = times[pick_bucket(buckets, min(max(tokens, 1), buckets[-1]))]
+            decode, padding, chunk_s = times[pick_bucket(buckets, min(max(tokens, 1), buckets[-1]))]
             chunks = sum(n > 1 for _, n in spans)
-            return decode + chunks * (math.inf if chunk_s is None and chunks else chunk_s or 0.0)
+            # The decode loop runs only in a step that has a decode.
+            base = decode if chunks < len(spans) else padding
+            if chunks and chunk_s is None:
+                return math.inf
+            return base + chunks * (chunk_s or 0.0)
 
         return step_cost
 

@@ -322,12 +322,13 @@ class ModelRunner:
 
     def time_buckets(
         self, context: int, chunk: int, rounds: int = 5
-    ) -> dict[int, tuple[float, float | None]]:
-        """Per token bucket, the seconds of a step with one decode at `context` (the decode loop
-        runs every sequence slot of the bucket, so this is what the bucket's decodes cost),
-        and the seconds one `chunk`-token chunk at that context adds to it (None where the
-        bucket cannot hold both). The best of `rounds` rounds, each timing every bucket once
-        (interleaved: a busy moment of the machine cannot make one bucket look dearer).
+    ) -> dict[int, tuple[float, float, float | None]]:
+        """Per token bucket, the seconds of (a step with one decode at `context`: the decode
+        loop runs every sequence slot of the bucket, so this is what the bucket's decodes
+        cost; a step without decodes, its padding alone; what one `chunk`-token chunk at that
+        context adds, None where the bucket cannot hold it). The best of `rounds` rounds, each
+        timing every bucket once (interleaved: a busy moment of the machine cannot make one
+        bucket look dearer).
 
         For pricing steps (speculative decoding). Call it before serving: its steps write the
         keys and values of made-up tokens into the pool's first pages, which no request holds
@@ -360,13 +361,16 @@ class ModelRunner:
             jax.block_until_ready(out.token_ids)
             return time.perf_counter() - start
 
-        best = {t: [math.inf, math.inf] for t in cfg.token_buckets}
+        best = {t: [math.inf, math.inf, math.inf] for t in cfg.token_buckets}
         for _ in range(rounds):
             for t, times in best.items():
                 times[0] = min(times[0], seconds(batch_of([decode], t)))
-                if t >= chunk + 1 and cfg.seq_bucket_for(t) >= 2:
-                    times[1] = min(times[1], seconds(batch_of([decode, verify], t)))
-        return {t: (d, None if math.isinf(c) else max(0.0, c - d)) for t, (d, c) in best.items()}
+                times[1] = min(times[1], seconds(batch_of([], t)))
+                if t >= chunk:
+                    times[2] = min(times[2], seconds(batch_of([verify], t)))
+        return {
+            t: (d, p, None if math.isinf(c) else max(0.0, c - p)) for t, (d, p, c) in best.items()
+        }
 
 
 @functools.cache
