@@ -47,17 +47,10 @@ from jaxserve.scheduling.bucket_landing import land_on_bucket
 from jaxserve.scheduling.kv_cache_manager import KVCacheManager
 from jaxserve.scheduling.preemption import Preemption
 from jaxserve.scheduling.prefix_sharing import PrefixSharing
-from jaxserve.scheduling.request import PENDING_TOKEN, FinishReason, Request, RequestStatus
+from jaxserve.scheduling.request import FinishReason, Request, RequestStatus
 from jaxserve.scheduling.request_queue import ImportanceOrder
 from jaxserve.scheduling.running import plan_running
-from jaxserve.scheduling.speculation import (
-    PRIOR_RATE,
-    RATE_RECOVERY,
-    NgramProposer,
-    SpecDecider,
-    SpecState,
-    StepCost,
-)
+from jaxserve.scheduling.speculation import SpecDecider, StepCost
 from jaxserve.scheduling.step_plan import StepPlan
 from jaxserve.scheduling.types import (  # noqa: F401 - re-exported: the scheduler's API
     BATCHING_MODES,
@@ -70,6 +63,7 @@ from jaxserve.scheduling.types import (  # noqa: F401 - re-exported: the schedul
     SchedulerOutput,
     StepResult,
 )
+from jaxserve.scheduling.verification import Verification
 
 # (running requests, waiting requests in admission order, now) -> this step's token budget.
 BudgetPolicy = Callable[[list[Request], list[Request], float], int]
@@ -114,16 +108,24 @@ class Scheduler:
         # SLO-aware scheduling (slo_policy.attach): a callable that sizes each step's token
         # budget (it may also abort waiting requests). None: every step gets the whole budget.
         self.budget_policy: BudgetPolicy | None = None
-        # Speculative decoding (speculation.py): whether a step verifies proposals. It never
-        # does until the engine prices steps (`set_step_cost`).
-        self.spec = SpecDecider(config.speculative, None) if config.speculative else None
-        self._verifying = 0  # plans outstanding that verify proposals
+        # Speculative decoding (verification.py); None: off. It verifies nothing until the
+        # engine prices steps (`set_step_cost`).
+        self._verify = (
+            Verification(config, self.kv, self.prefix, self._running, finish=self._finish)
+            if config.speculative
+            else None
+        )
+
+    @property
+    def spec(self) -> SpecDecider | None:
+        """Speculative decoding's per-step decision (speculation.SpecDecider); None when off."""
+        return None if self._verify is None else self._verify.decider
 
     def set_step_cost(self, step_cost: StepCost | None, sync_penalty: bool = False) -> None:
         """Prices steps for the speculation decision (speculation.SpecDecider; `sync_penalty`:
         a verification costs the overlap of asynchronous scheduling); no-op when off."""
-        if self.spec is not None:
-            self.spec = SpecDecider(self.spec.config, step_cost, sync_penalty)
+        if self._verify is not None:
+            self._verify.decider = SpecDecider(self.spec.config, step_cost, sync_penalty)
 
     # Gauges, for metrics and tests.
     @property
@@ -186,9 +188,8 @@ class Scheduler:
                 f"{self.batching.slots_open(len(self._free_slots))} free slots "
                 f"(max_waiting_requests={limit})."
             )
-        if self.spec is not None and req.spec is None and _may_speculate(req):
-            cfg = self.spec.config
-            req.spec = SpecState(NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+        if self._verify is not None:
+            self._verify.add(req)
         self._requests[req.request_id] = req
         self._keys[req.request_id] = self._order.key_of(req)
         self.batching.waiting.push(self._keys[req.request_id], req)
@@ -230,8 +231,8 @@ class Scheduler:
         self.batching.form_group(now, self._keys)
         plan = StepPlan(budget=budget, tables=self.kv.tables, chunked=cfg.enable_chunked_prefill)
         plan_running(plan, self._running, self._keys, cfg, self._preemption.allocate_or_preempt)
-        if self.spec is not None and plan.seqs:
-            self._propose(plan)
+        if self._verify is not None and plan.seqs:
+            self._verify.propose(plan)
         if not plan.preempted:  # pages are short: admitting now would only preempt again
             self._admission.admit(plan, now)
         if cfg.token_buckets is not None and cfg.enable_chunked_prefill:
@@ -260,7 +261,7 @@ class Scheduler:
         out.num_sampled = num_sampled
         out.num_proposed = num_proposed
         if num_proposed:
-            self._verifying += 1
+            self._verify.verifying += 1
         self._outstanding.append(out)
         return out
 
@@ -288,9 +289,10 @@ class Scheduler:
         prefix = self.prefix
         preempted, running = RequestStatus.PREEMPTED, RequestStatus.RUNNING
         append = updates.append
+        verify = self._verify
         if plan.num_proposed:
-            self._verifying -= 1
-        spec_on = self.spec is not None and self._speculation_may_pay()
+            verify.verifying -= 1
+        spec_on = verify is not None and verify.may_pay()
         # The hot path: a row per running request, every step.
         for seq, token, row_logprobs in zip(
             plan.seqs, result.sampled_token_ids, logprobs, strict=True
@@ -299,7 +301,7 @@ class Scheduler:
             if seq.num_proposals:
                 req.spec.in_flight = False
                 if req.status <= preempted:
-                    self._update_verified(seq, token, row_logprobs, updates, now)
+                    updates.append(verify.update(seq, token, row_logprobs, now))
                 continue
             if req.status > preempted:  # finished: same as req.is_finished
                 continue
@@ -330,7 +332,7 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status, now)
             elif spec_on and req.spec is not None:
-                self._hint(req)
+                verify.hint(req)
             append(  # positional: (request, new_token_ids, finished, logprobs)
                 RequestUpdate(
                     req,
@@ -341,125 +343,11 @@ class Scheduler:
             )
         return updates
 
-    # ---- speculative decoding (speculation.py) ------------------------------------------------
-
     def wants_known_tokens(self) -> bool:
-        """Whether the next plan should wait until every step in flight is taken in: one
-        verifies proposals (its request's next tokens depend on how many it accepts), or a
-        request whose known tokens make a proposal would verify it once its pending token is
-        known. The engine then plans the next step synchronously."""
-        if self.spec is None:
-            return False
-        if self._verifying:
-            return True
-        if not self._speculation_may_pay():
-            return False
-        hinted = [r.spec for r in self._running if r.spec is not None and r.spec.hint]
-        if not hinted:
-            return False
-        longest = max(r.num_computed_tokens for r in self._running)
-        return self.spec.choose(hinted, len(self._running), longest) > 0
-
-    def _speculation_may_pay(self) -> bool:
-        """Whether proposals on one row at this load could pay at all: the per-row work of
-        speculation is skipped (no lookups, no hints) at loads where they never would."""
-        n = len(self._running)
-        if not n:
-            return False
-        k = self.spec.config.num_speculative_tokens
-        return self.spec.breakeven(n, 1, 1) < k
-
-    def _hint(self, req: Request) -> None:
-        """After a plain decode: whether `req`'s known tokens make a proposal now, and its
-        acceptance rate drifts back toward the prior (speculation.RATE_RECOVERY)."""
-        spec = req.spec
-        spec.rate += RATE_RECOVERY * (PRIOR_RATE - spec.rate)
-        k = self.spec.config.num_speculative_tokens
-        spec.hint = spec.expected(k) > self.spec.breakeven(len(self._running), 1, 1) and bool(
-            spec.proposer.propose(req.all_token_ids, 1)
-        )
-
-    def _propose(self, plan: StepPlan) -> None:
-        """Turns this step's decode rows whose requests propose tokens into verifications,
-        when that pays (speculation.SpecDecider); their pages are taken now, never by
-        preempting anyone: a row whose pages do not fit verifies nothing."""
-        decodes = [s for s in plan.seqs.values() if len(s.token_ids) == 1 and s.sample]
-        if not decodes or not self._speculation_may_pay():
-            return
-        cfg = self.config
-        k = self.spec.config.num_speculative_tokens
-        candidates = []
-        longest = 0
-        for seq in decodes:
-            req = seq.request
-            longest = max(longest, seq.start_pos + 1)
-            spec = req.spec
-            if spec is None or seq.token_ids[0] == PENDING_TOKEN or spec.in_flight:
-                continue
-            # Never past max_tokens: the verification's last sampled token is output k + 1.
-            room = min(k, req.sampling_params.max_tokens - len(req.output_token_ids) - 1)
-            room = min(room, cfg.max_model_len - seq.start_pos - 2)
-            if room < 1:
-                continue
-            proposal = spec.proposer.propose(req.all_token_ids, room)
-            spec.hint = False
-            if proposal:
-                candidates.append((seq, proposal))
-        states = [seq.request.spec for seq, _ in candidates]
-        chosen = self.spec.choose(states, len(decodes), longest)
-        # Every proposal is a sampled row of the step (the sampler's rows, max_num_seqs).
-        rows = len(plan.seqs)
-        for i in self.spec.rank(states)[:chosen]:
-            seq, proposal = candidates[i]
-            n = min(len(proposal), plan.budget, cfg.max_num_seqs - rows)
-            if n < 1:
-                break
-            proposal = proposal[:n]
-            if not self.kv.allocate(seq.request_id, seq.start_pos + 1 + n):
-                continue
-            plan.seqs[seq.request_id] = seq._replace(
-                token_ids=seq.token_ids + proposal, num_proposals=n
-            )
-            plan.budget -= n
-            rows += n
-
-    def _update_verified(
-        self, seq: ScheduledSeq, tokens: list[int], row_logprobs, updates: list, now: float
-    ) -> None:
-        """A verification row's update: the accepted proposals and the token sampled after
-        them, up to the first that ends the request; the KV of the rejected ones is left
-        unread (the next step overwrites it) and their pages given back."""
-        req = seq.request
-        req.num_pending -= 1
-        accepted = len(tokens) - 1
-        req.spec.record(seq.num_proposals, accepted)
-        out = req.output_token_ids
-        status = None
-        kept = []
-        for token in tokens:
-            token = int(token)
-            kept.append(token)
-            out.append(token)
-            if token in req.stop_ids:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-                break
-            if len(out) >= req.sampling_params.max_tokens:
-                status = RequestStatus.FINISHED_LENGTH
-                break
-        if req.first_token_time is None:
-            req.first_token_time = now
-        if req.status == RequestStatus.RUNNING:
-            # The last token and the accepted proposals are in the cache; the sampled token
-            # after them is the next step's to run.
-            req.num_computed_tokens = seq.start_pos + len(tokens)
-            if self.prefix is not None:
-                self.prefix.publish(req)
-            if status is None:
-                self.kv.trim(req.request_id, req.num_computed_tokens + 1)
-        if status is not None:
-            self._finish(req, status, now)
-        logprobs = None if row_logprobs is None else list(row_logprobs[: len(kept)])
-        updates.append(RequestUpdate(req, kept, status is not None, logprobs))
+        """Whether the next plan should wait until every step in flight is taken in
+        (speculative decoding: verification.Verification.wants_known_tokens); the engine then
+        plans the next step synchronously."""
+        return self._verify is not None and self._verify.wants_known_tokens()
 
     def check_invariants(self) -> None:
         """Raises AssertionError if the books disagree; tests call it after every step."""
@@ -542,13 +430,6 @@ def _check_result(plan: SchedulerOutput, result: StepResult) -> None:
         # `type(...) is int` first: the ABC check alone costs a fraction of a microsecond a row.
         if seq.sample and type(token) is not int and not isinstance(token, numbers.Integral):
             raise ValueError(f"Request {seq.request_id!r} needed a sampled token, got {token!r}.")
-
-
-def _may_speculate(req: Request) -> bool:
-    """Whether `req`'s sampling allows verifying proposals: not with logit bias, min_tokens
-    or penalties, whose per-row host work (engine._fill_special_row) covers one sampled row."""
-    p = req.sampling_params
-    return not (p.logit_bias or p.min_tokens or p.has_penalties)
 
 
 def _now(now: float | None) -> float:
