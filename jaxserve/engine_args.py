@@ -38,6 +38,16 @@ def _show_mesh(shape) -> str:
     return "x".join(str(n) for n in shape)
 
 
+def _speculative(text: str) -> str | None:
+    """ngram, or none / off (no speculation)."""
+    word = text.strip().lower()
+    if word in ("none", "off", ""):
+        return None
+    if word != "ngram":
+        raise ValueError(f"--speculative takes ngram or none, not {text!r}")
+    return word
+
+
 @dataclasses.dataclass(frozen=True)
 class Flag:
     """How one EngineConfig field is spelled on the command line; its help is the field's
@@ -100,6 +110,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("slo_scheduling"),
     Flag("cost_model", metavar="FILE"),
     Flag("calibrate_cost_model"),
+    Flag("speculative", metavar="METHOD", parse=lambda text: _speculative(text)),
+    Flag("num_speculative_tokens", metavar="K"),
+    Flag("prompt_lookup_min", metavar="N"),
+    Flag("prompt_lookup_max", metavar="N"),
     Flag("shed_late"),
     Flag("grammar_compile_timeout_s", metavar="S"),
 )

@@ -7,6 +7,7 @@ import math
 import os
 
 from jaxserve.runtime.buckets import bucket_ladder
+from jaxserve.scheduling.speculation import SpeculativeConfig
 from jaxserve.scheduling.types import (
     BATCHING_MODES,
     POLICIES,
@@ -130,6 +131,18 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 10.0
     """Structured output: seconds a request's grammar (JSON schema, regex, ...) may take to
     compile before the request is refused as too complex (jaxserve/engine/grammar.py)."""
+    speculative: str | None = None
+    """Speculative decoding: "ngram" proposes the tokens that followed the latest earlier
+    occurrence of a request's last few tokens in its prompt and output (prompt lookup), and each
+    step verifies them where that makes tokens cheaper; outputs are the same as without; None:
+    off."""
+    num_speculative_tokens: int = 4
+    """Speculative decoding: tokens proposed per request per step, at most."""
+    prompt_lookup_min: int = 2
+    """Speculative decoding: the shortest n-gram of a request's last tokens looked up."""
+    prompt_lookup_max: int = 3
+    """Speculative decoding: the longest n-gram of a request's last tokens looked up (tried
+    first)."""
     shed_late: bool = False
     """With slo_scheduling and a TTFT target: refuse (finish reason "refused") a waiting request
     that would miss ttft_slo_s even if started now, rather than spend capacity on one lost."""
@@ -210,11 +223,24 @@ class EngineConfig:
                 f"shed_late needs slo_scheduling and a TTFT target: slo_scheduling="
                 f"{self.slo_scheduling}, ttft_slo_s={self.ttft_slo_s!r}."
             )
+        self.speculative_config  # noqa: B018 - validates the speculative fields (ValueError)
         if self.token_bucket_factor < 2 or self.seq_bucket_factor < 2:
             raise ValueError(
                 f"Bucket factors must be >= 2: {self.token_bucket_factor=}, "
                 f"{self.seq_bucket_factor=}."
             )
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The scheduler's speculative decoding knobs; None when off."""
+        if self.speculative is None:
+            return None
+        return SpeculativeConfig(
+            method=self.speculative,
+            num_speculative_tokens=self.num_speculative_tokens,
+            prompt_lookup_min=self.prompt_lookup_min,
+            prompt_lookup_max=self.prompt_lookup_max,
+        )
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -259,4 +285,5 @@ class EngineConfig:
             max_waiting_requests=self.max_waiting_requests,
             # Steps then land on the buckets the runner pads them to (less padding).
             token_buckets=self.token_buckets,
+            speculative=self.speculative_config,
         )

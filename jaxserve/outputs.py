@@ -72,3 +72,20 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs, in the request's first output only: one entry per
     # prompt token, None for the first (nothing comes before it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Speculative decoding, the request's so far: tokens proposed and verified, of those
+    # accepted, and the steps that verified them.
+    num_proposed_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Proposed tokens accepted, a share; None when none were proposed."""
+        p = self.num_proposed_tokens
+        return self.num_accepted_tokens / p if p else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Proposals accepted per verification; None when none ran."""
+        v = self.num_verifications
+        return self.num_accepted_tokens / v if v else None

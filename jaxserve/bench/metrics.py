@@ -108,6 +108,15 @@ def summarize(result: RunResult, slo: SLO) -> dict:
     summary["steps"] = engine.get("steps")
     summary["padding_efficiency"] = engine.get("padding_efficiency")
     summary["device_idle_share"] = engine.get("device_idle_share")
+    # Speculative decoding (EngineConfig.speculative): tokens proposed and accepted, the share
+    # accepted and the accepted per verification; None without an engine's counters.
+    summary["speculation"] = {
+        "proposed_tokens": engine.get("spec_proposed_tokens"),
+        "accepted_tokens": engine.get("spec_accepted_tokens"),
+        "verifications": engine.get("spec_verifications"),
+        "acceptance_rate": engine.get("spec_acceptance_rate"),
+        "mean_accepted_length": engine.get("spec_mean_accepted_length"),
+    }
     return summary
 
 

@@ -64,6 +64,8 @@ def format_table(summaries: Sequence[dict]) -> str:
         "KV peak",
         "preempt",
         "prefix hit",
+        "spec acc",
+        "spec len",
     )
     rows = []
     for s in summaries:
@@ -86,6 +88,8 @@ def format_table(summaries: Sequence[dict]) -> str:
                 "-" if kv is None else f"{100 * kv:.0f}%",
                 "-" if s["preemptions"] is None else str(s["preemptions"]),
                 _share(s.get("prefix_cache", {}).get("hit_rate")),
+                _share(s.get("speculation", {}).get("acceptance_rate")),
+                _num(s.get("speculation", {}).get("mean_accepted_length")),
             )
         )
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
@@ -97,7 +101,10 @@ def format_table(summaries: Sequence[dict]) -> str:
         for r in [head, *rows]
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(latencies in ms; goodput in requests/s meeting both targets)"
+    return "\n".join(lines) + (
+        "\n(latencies in ms; goodput in requests/s meeting both targets; spec acc: speculative"
+        " proposals accepted, spec len: accepted per verification)"
+    )
 
 
 def write_json(

@@ -213,6 +213,9 @@ def _engine_counters(engine: Engine) -> dict[str, float]:
         "padded_tokens": s.padded_tokens,
         "busy_wall_s": s.busy_wall_s,
         "device_idle_s": s.device_idle_s,
+        "spec_proposed_tokens": s.spec_proposed_tokens,
+        "spec_accepted_tokens": s.spec_accepted_tokens,
+        "spec_verifications": s.spec_verifications,
     }
 
 
@@ -221,6 +224,9 @@ def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     d["padding_efficiency"] = d["real_tokens"] / d["padded_tokens"] if d["padded_tokens"] else 1.0
     total = d["busy_wall_s"] + d["device_idle_s"]
     d["device_idle_share"] = d["device_idle_s"] / total if total else 0.0
+    proposed, verified = d["spec_proposed_tokens"], d["spec_verifications"]
+    d["spec_acceptance_rate"] = d["spec_accepted_tokens"] / proposed if proposed else None
+    d["spec_mean_accepted_length"] = d["spec_accepted_tokens"] / verified if verified else None
     return d
 
 

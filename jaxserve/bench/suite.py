@@ -34,6 +34,7 @@ from jaxserve.bench.workload import (
     fixed_length_workloads,
     load_trace,
     mixed_workloads,
+    repetitive_workloads,
     shared_prefix_workloads,
 )
 from jaxserve.engine_args import engine_config_from_args, engine_values
@@ -72,6 +73,10 @@ def build_workloads(args) -> list[Workload]:
             num_requests=args.num_requests,
             prompt_len=args.prompt_len,
             max_tokens=args.output_len,
+        )
+    if args.profile == "repetitive":
+        return repetitive_workloads(
+            num_requests=args.num_requests, prompt_len=args.prompt_len, max_tokens=args.output_len
         )
     if args.profile == "shared-prefix":
         return shared_prefix_workloads(

@@ -13,6 +13,9 @@ Profiles:
 - `shared-prefix`: every request starts with the same `prefix_len` tokens (a system prompt)
   followed by a short question of its own, Poisson arrivals at each rate: what the prefix cache
   is for.
+- `repetitive`: one request at a time, each prompt a random passage said three times, so that
+  a model that continues what it was given repeats it (an edit or a summary of given text is
+  the everyday case): where speculative decoding's n-gram proposals pay.
 - `trace`: a JSONL file, one request a line: `arrival_time` (s), one of `prompt` (text),
   `prompt_token_ids` or `prompt_len`, and `max_tokens`; `id` and `priority` are optional.
 """
@@ -26,7 +29,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-PROFILES = ("baseline", "concurrency", "mixed", "shared-prefix", "trace")
+PROFILES = ("baseline", "concurrency", "mixed", "shared-prefix", "repetitive", "trace")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,6 +46,9 @@ class RequestSpec:
     # The first this many random prompt tokens are the run's shared prefix, the same in every
     # request that has one (random_prompt_ids); the rest are the request's own.
     shared_prefix_len: int = 0
+    # Random prompts only: the prompt is its first ceil(prompt_len / repeats) tokens said again
+    # and again (profile repetitive).
+    repeats: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -235,6 +241,29 @@ def shared_prefix_workloads(
     return workloads
 
 
+def repetitive_workloads(
+    *, num_requests: int, prompt_len: int, max_tokens: int, repeats: int = 3
+) -> list[Workload]:
+    """One request at a time (concurrency 1), each prompt a random passage of its own said
+    `repeats` times, `prompt_len` tokens in all (profile repetitive)."""
+    if num_requests < 1 or max_tokens < 1 or not 1 <= repeats <= prompt_len:
+        raise ValueError(
+            f"repetitive needs {num_requests=} and {max_tokens=} >= 1 and 1 <= {repeats=} <= "
+            f"{prompt_len=}."
+        )
+    specs = tuple(
+        RequestSpec(
+            request_id=f"rep-{i}",
+            arrival_s=0.0,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            repeats=repeats,
+        )
+        for i in range(num_requests)
+    )
+    return [Workload(name="repetitive", load=1, load_kind="concurrency", requests=specs)]
+
+
 def poisson_arrivals(n: int, rate: float, *, seed: int = 0) -> list[float]:
     """Arrival offsets (s) of a Poisson process: exponential gaps with mean 1/rate."""
     if math.isinf(rate):
@@ -338,4 +367,9 @@ def random_prompt_ids(spec: RequestSpec, vocab_size: int, seed: int = 0) -> list
     own = random.Random(f"{seed}:{spec.request_id}")
     n = min(spec.shared_prefix_len, spec.prompt_len)
     prefix = [shared.randrange(low, vocab_size) for _ in range(n)]
+    if spec.repeats > 1:  # a passage said again and again
+        passage = [
+            own.randrange(low, vocab_size) for _ in range(-(-spec.prompt_len // spec.repeats))
+        ]
+        return (prefix + passage * spec.repeats)[: spec.prompt_len]
     return prefix + [own.randrange(low, vocab_size) for _ in range(spec.prompt_len - n)]

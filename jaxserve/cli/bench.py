@@ -349,11 +349,22 @@ def _add_bench_parser(sub) -> None:
     t.add_argument(
         "--profile",
         default="mixed",
-        choices=["baseline", "concurrency", "mixed", "shared-prefix", "trace", "steps", "host"],
+        choices=[
+            "baseline",
+            "concurrency",
+            "mixed",
+            "shared-prefix",
+            "repetitive",
+            "trace",
+            "steps",
+            "host",
+        ],
         help="baseline: concurrency 1; concurrency: rising concurrency, fixed "
         "lengths; mixed: short/long prompts and brief/extended outputs under Poisson "
         "arrivals; shared-prefix: a --prefix-len system prompt before a short question of "
-        "each request's own, Poisson arrivals, prefix cache on and off; trace: a JSONL file; "
+        "each request's own, Poisson arrivals, prefix cache on and off; repetitive: one "
+        "request at a time, --prompt-len prompts that say a random passage three times, "
+        "--output-len tokens each (where --speculative ngram pays); trace: a JSONL file; "
         "steps: the model step alone, prefill tok/s at "
         "128/512/2048-token prompts and decode ms/step at batches 1/16/64/256 beside the "
         "machine's matmul and bandwidth ceilings (steps.json in --out); host: the engine's host "

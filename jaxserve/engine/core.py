@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import gc
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -35,11 +36,13 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.models.loaded import LoadedModel
 from jaxserve.outputs import RequestOutput, TokenLogprob
 from jaxserve.runtime import compiles, kv_transfer
+from jaxserve.runtime.buckets import pick_bucket
 from jaxserve.runtime.builder import build_runner
 from jaxserve.runtime.input_batch import InputBatch
 from jaxserve.runtime.model_runner import ModelRunner
 from jaxserve.runtime.sampling import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduling.cost_model import work_of
 from jaxserve.scheduling.offload import SwapPricer, prefill_seconds_by
 from jaxserve.scheduling.request import FinishReason, Request
 from jaxserve.scheduling.scheduler import Scheduler, SchedulerOutput, StepResult
@@ -161,6 +164,8 @@ class Engine:
         self.slo_policy = budget_policy(self) if budget_policy is not None else None
         if self.scheduler.config.preemption == "auto":
             self.scheduler.offload.pricer = self._swap_pricer()
+        if self.scheduler.spec is not None:
+            self.scheduler.set_step_cost(self._spec_step_cost(), config.async_scheduling)
 
     def _swap_pricer(self) -> SwapPricer:
         """Prices a swap against a recompute: the host copy rate measured at warm-up against the
@@ -176,6 +181,43 @@ class Engine:
                 else kv_transfer.timed_prefill_seconds(self.runner)
             ),
         )
+
+    def _spec_step_cost(self):
+        """What speculative decoding prices steps by (scheduling/speculation.py): the SLO
+        policy's step-cost model when the engine has one, else steps of each token bucket
+        timed now (`ModelRunner.time_buckets`): a bucket's decodes (every sequence slot of it
+        runs the decode loop, whatever the rows) and what each verification chunk adds."""
+        cost = getattr(self.slo_policy, "cost", None)
+        if cost is not None:
+            return lambda spans: cost.predict(work_of(spans))
+        rc = self.runner.config
+        buckets = rc.token_buckets
+        chunk = self.config.num_speculative_tokens + 1
+        # A typical context, within the pool (a small pool holds fewer slots than a context).
+        context = max(1, min(256, self.max_model_len // 2, rc.num_pages * rc.page_size - chunk - 1))
+        times = self.runner.time_buckets(context, chunk)
+        logger.info(
+            "speculative decoding prices steps at context %d (decodes / padding / a %d-token "
+            "chunk): %s",
+            context,
+            chunk,
+            ", ".join(
+                f"{t}: {1e3 * d:.2f}/{1e3 * p:.2f}/{'-' if c is None else f'{1e3 * c:.2f}'} ms"
+                for t, (d, p, c) in times.items()
+            ),
+        )
+
+        def step_cost(spans) -> float:
+            tokens = sum(n for _, n in spans)
+            decode, padding, chunk_s = times[pick_bucket(buckets, min(max(tokens, 1), buckets[-1]))]
+            chunks = sum(n > 1 for _, n in spans)
+            # The decode loop runs only in a step that has a decode.
+            base = decode if chunks < len(spans) else padding
+            if chunks and chunk_s is None:
+                return math.inf
+            return base + chunks * (chunk_s or 0.0)
+
+        return step_cost
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -307,7 +349,10 @@ class Engine:
         """Plans and dispatches the next step and takes in the ones before it: the updates."""
         self._clock.start()
         updates = []
-        if self.config.async_scheduling:
+        # Speculative decoding plans on known tokens: a verification in flight (how many of
+        # its proposals it accepts decides where its request goes on), or a proposal that
+        # waits for its request's pending token, makes this iteration synchronous.
+        if self.config.async_scheduling and not self.scheduler.wants_known_tokens():
             # Plan and dispatch the next step first; then take in the ones before it.
             self._dispatch(self.scheduler.schedule())
             while len(self._inflight) > 1 or self._inflight[-1].out is None:
@@ -467,7 +512,13 @@ class Engine:
         seqs = plan.seqs
         n = len(seqs)
         # The step's one copy to the host; plain ints, and rows that do not sample are ignored.
-        tokens = np.asarray(out.token_ids)[:n].tolist()
+        sampled = np.asarray(out.token_ids)
+        tokens = sampled[:n].tolist()
+        verified = None
+        if plan.num_proposed:  # rows of tokens, one per output position (`_verified_rows`)
+            verified = _verified_rows(seqs, np.asarray(out.num_accepted))
+            for i, rows in verified.items():
+                tokens[i] = sampled[rows].tolist()
         logprobs = None
         if flight.want_logprobs:
             asked = [s.sample and s.request.sampling_params.logprobs is not None for s in seqs]
@@ -476,6 +527,14 @@ class Engine:
                 _logprob_of(host, i, s) if a else None
                 for i, (s, a) in enumerate(zip(seqs, asked, strict=True))
             ]
+            for i, rows in (verified or {}).items():
+                if asked[i]:
+                    logprobs[i] = [_logprob_of(host, r, seqs[i]) for r in rows]
+        if verified:
+            accepted = sum(len(rows) - 1 for rows in verified.values())
+            self.metrics.on_speculation(
+                proposed=plan.num_proposed, accepted=accepted, verifications=len(verified)
+            )
         if flight.want_prompt_logprobs:
             self._take_prompt_logprobs(out, seqs)
         updates = self.scheduler.update(
@@ -483,11 +542,13 @@ class Engine:
         )
         self._drop_grammars(updates)
         generated = plan.num_sampled
+        if verified:
+            generated += sum(len(rows) - 1 for rows in verified.values())
         real = plan.num_batched_tokens
         self.metrics.on_step(
             real_tokens=real,
             padded_tokens=flight.padded_tokens,
-            prompt_tokens=real - generated,
+            prompt_tokens=real - plan.num_sampled - plan.num_proposed,
             generated=generated,
         )
         self._clock.lap("collect")
@@ -597,6 +658,22 @@ def _freeze_heap_once() -> None:
 
 # What the generated tokens' logprobs do not need of a step's SampleOutput: left on the device.
 _NO_PROMPT_LOGPROBS = dict(prompt_logprobs=None, prompt_top_ids=None, prompt_top_logprobs=None)
+
+
+def _verified_rows(seqs, accepted: np.ndarray) -> dict[int, list[int]]:
+    """For each verification row i of a plan, the sampling rows of the tokens it adds, in
+    order: its accepted proposals' extra rows, then the row of the token after them (the first
+    rejected proposal's, or row i itself when all were accepted). The extra rows follow the
+    sequences in plan order (InputBatch._pack_proposals); accepted: i32[S] per sequence row."""
+    rows, extra = {}, len(seqs)
+    for i, seq in enumerate(seqs):
+        k = seq.num_proposals
+        if not k:
+            continue
+        a = int(accepted[i])
+        rows[i] = [*range(extra, extra + a), extra + a if a < k else i]
+        extra += k
+    return rows
 
 
 def _logprob_of(host, row: int, seq) -> TokenLogprob:

@@ -31,6 +31,11 @@ class Completion:
     # With SamplingParams.beam_width > 1: every beam found, best first (token_ids and text are
     # the first's).
     beams: list[Beam] | None = None
+    # Speculative decoding (EngineConfig.speculative): tokens proposed and verified, of those
+    # accepted, and the steps that verified them (RequestOutput's fields of the same names).
+    num_proposed_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verifications: int = 0
 
 
 class LLM:
@@ -92,6 +97,9 @@ class LLM:
                     done.logprobs = (done.logprobs or []) + out.logprobs
                 if out.finished:
                     done.finish_reason, done.metrics = out.finish_reason, out.metrics
+                    done.num_proposed_tokens = out.num_proposed_tokens
+                    done.num_accepted_tokens = out.num_accepted_tokens
+                    done.num_verifications = out.num_verifications
         for rid, search in searches.items():
             beams = beam_search.label(engine, search.prompt_token_ids, search.result())
             best = beam_search.best_output(rid, search, beams, start)

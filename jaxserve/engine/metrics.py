@@ -63,6 +63,23 @@ class EngineStats:
     # file, source ("file" or "calibrated" at warm-up), key, fits and fit error; None without.
     cost_model: dict | None = None
     cost_model_fit_rel_rms: float = -1.0  # its fit's relative RMS error; -1: no cost model
+    # Speculative decoding (scheduling/speculation.py): tokens proposed and verified, of those
+    # accepted, and the rows that verified them (one per request per verifying step).
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Proposed tokens the target accepted, a share (0.0 before any)."""
+        p = self.spec_proposed_tokens
+        return self.spec_accepted_tokens / p if p else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Proposals accepted per verification (0.0 before any): each saves a step."""
+        v = self.spec_verifications
+        return self.spec_accepted_tokens / v if v else 0.0
 
     @property
     def padding_efficiency(self) -> float:
@@ -106,6 +123,8 @@ class EngineMetrics:
                 ("host_kv_pages_used", "Host KV pages holding swapped requests or the host tier."),
                 ("host_kv_pages_swapped", "Host KV pages holding swapped requests."),
                 ("host_kv_bytes", "Bytes of the host KV pool."),
+                ("spec_acceptance_rate", "Speculative proposals accepted, a share."),
+                ("spec_mean_accepted_length", "Speculative proposals accepted per verification."),
             ]
         }
         # Read from the stats when scraped, not set every step (each set takes a lock).
@@ -130,6 +149,14 @@ class EngineMetrics:
             ["kind"],
             registry=r,
         )
+        self._spec = {
+            name: Counter(f"jaxserve_spec_{name}", doc, registry=r)
+            for name, doc in [
+                ("proposed_tokens", "Speculative tokens proposed and verified."),
+                ("accepted_tokens", "Speculative tokens accepted."),
+                ("verifications", "Rows that verified speculative proposals."),
+            ]
+        }
         self._prompt = Counter("jaxserve_prompt_tokens", "Prompt tokens computed.", registry=r)
         self._gen = Counter("jaxserve_generation_tokens", "Tokens generated.", registry=r)
         self._finished = Counter(
@@ -172,6 +199,16 @@ class EngineMetrics:
         s.generation_tokens += generated
         self._prompt.inc(prompt_tokens)
         self._gen.inc(generated)
+
+    def on_speculation(self, *, proposed: int, accepted: int, verifications: int) -> None:
+        """One step's verifications: tokens proposed, accepted, and the rows verifying them."""
+        s = self.stats
+        s.spec_proposed_tokens += proposed
+        s.spec_accepted_tokens += accepted
+        s.spec_verifications += verifications
+        self._spec["proposed_tokens"].inc(proposed)
+        self._spec["accepted_tokens"].inc(accepted)
+        self._spec["verifications"].inc(verifications)
 
     def on_host_step(self, phases: dict[str, float]) -> None:
         """Takes one `Engine.step()`'s host seconds per phase (a `PhaseClock`'s laps)."""

@@ -98,6 +98,21 @@ class OutputProcessor:
                 append(self._failed(tracked, e))
         return outputs
 
+    def _until_stop(self, tracked: Tracked, new_ids: list[int], visible: list[int]):
+        """(new_ids up to the token that completes a stop string, their text): the tokens
+        after it are dropped, as they would never have been generated one step at a time."""
+        stops, detok = tracked.stops, tracked.detokenizer
+        text = ""
+        for i, token in enumerate(visible):
+            piece = detok.add([token])
+            text += piece
+            stops.add(piece)
+            if stops.matched is not None:
+                dropped = len(new_ids) - (i + 1)
+                tracked.num_output_tokens -= dropped
+                return new_ids[: i + 1], text
+        return new_ids, text
+
     def _failed(self, tracked: Tracked, error: Exception) -> RequestOutput:
         """Ends a request whose output processing raised: finish reason `error`, its slot and
         pages freed now, the error's text in the output."""
@@ -135,10 +150,16 @@ class OutputProcessor:
         if tracked.detokenizer is not None:
             # A stop id ends its request, so only the last new token can be one.
             visible = new_ids[:-1] if new_ids and new_ids[-1] in request.stop_ids else new_ids
-            text = tracked.detokenizer.add(visible)  # no text for stop ids
             stops = tracked.stops
+            if stops.stop and len(visible) > 1:
+                # Several tokens at once (a speculative verification): token by token, so
+                # that the tokens after the one completing a stop string are not emitted.
+                new_ids, text = self._until_stop(tracked, new_ids, visible)
+            else:
+                text = tracked.detokenizer.add(visible)  # no text for stop ids
+                if stops.stop:
+                    stops.add(text)
             if stops.stop:  # without stop strings nothing is held back: the delta as it is
-                stops.add(text)
                 if stops.matched is not None and not finished:
                     self.finish_request(request.request_id, FinishReason.STOP)
                     finished = stopped = True
@@ -146,7 +167,7 @@ class OutputProcessor:
         params = request.sampling_params
         logprobs = None
         if params.logprobs is not None:
-            logprobs = [lp for lp in (update.logprobs or []) if lp is not None]
+            logprobs = [lp for lp in (update.logprobs or []) if lp is not None][: len(new_ids)]
         prompt_logprobs = None
         if params.prompt_logprobs is not None and new_ids and not tracked.prompt_logprobs_sent:
             # The first token came from the prompt's last chunk: every chunk was taken in.
@@ -184,7 +205,16 @@ class OutputProcessor:
             error,
             request.num_cached_tokens or 0,  # num_cached_tokens
             prompt_logprobs,
+            *_spec_counts(request),  # num_proposed_tokens, num_accepted_tokens, verifications
         )
+
+
+def _spec_counts(request: Request) -> tuple[int, int, int]:
+    """(proposed, accepted, verifications) of a request's speculative decoding so far."""
+    spec = request.spec
+    if spec is None:
+        return 0, 0, 0
+    return spec.num_proposed, spec.num_accepted, spec.num_verifications
 
 
 def _metrics_of(request: Request, ended: bool = False) -> RequestMetrics:

@@ -45,6 +45,13 @@ class StepBatch:
     # (ModelRunner.last_tokens), so a step can run a token the host has not seen yet.
     feed_slots: jax.Array  # i32[T] token i is slot feed_slots[i]'s last sampled token; -1: no
     sample_slots: jax.Array  # i32[S] slot that keeps sequence s's sampled token; NO_SLOT: none
+    # Speculative verification (runtime/sampling.py, `verify`). Sequence s with num_proposals[s]
+    # = k > 0 runs its last token then k proposals; the logits of its first k queries are
+    # sampled in the extra rows extra_start[s] .. + k - 1, which follow the real sequences
+    # (rows [num_seqs, num_rows) sample but attend nothing). None: a batch without them.
+    num_proposals: jax.Array = None  # i32[S] proposals of sequence s (0: none)
+    extra_start: jax.Array = None  # i32[S] first extra row of sequence s's proposals
+    num_rows: jax.Array = None  # i32[] rows that sample: the sequences, then the extra rows
     # Per-step work list of the attention backend (xla_blocked.StepPlan), derived on the device
     # from the fields above once per step, before the layer loop; None on the host.
     attention_plan: Any = None
@@ -123,6 +130,9 @@ def pack_chunks(
         # Host-known tokens only; nothing kept (jaxserve.runtime.input_batch packs with slots).
         feed_slots=np.full(num_tokens, -1, np.int32),
         sample_slots=np.full(num_seqs, NO_SLOT, np.int32),
+        num_proposals=np.zeros(num_seqs, np.int32),
+        extra_start=np.zeros(num_seqs, np.int32),
+        num_rows=np.int32(len(chunks)),
     )
 
 

@@ -127,8 +127,8 @@ class InputBatch:
         n = len(seqs)
         # Field by field at C speed (ScheduledSeq is a named tuple): a Python loop that appends
         # four numbers per row cost ~1.3 us a row, a third of a 256-row step's packing.
-        requests, _, slot_list, token_lists, start_list, tables, sample_list = (
-            zip(*seqs, strict=True) if n else ((),) * 7
+        requests, _, slot_list, token_lists, start_list, tables, sample_list, proposals = (
+            zip(*seqs, strict=True) if n else ((),) * 8
         )
         owner, table_of, table_len = self._owner, self._table_of, self._table_len
         # The deltas: slots with a new owner, or whose page table is new or grew.
@@ -180,6 +180,7 @@ class InputBatch:
         b.page_tables[:n] = self.tables[slots]
         b.logits_indices[:n] = ends - 1
         b.num_seqs[...] = n
+        b.num_rows[...] = n
         b.sample_slots[:n] = np.where(sample, slots, NO_SLOT)
 
         sb.temperature[:n] = self.temperature[slots]
@@ -189,6 +190,8 @@ class InputBatch:
         sb.seeds[:n] = self.seeds[slots]
         sb.positions[:n] = kv_lens
         sb.slots[:n] = slots
+        if any(proposals):  # speculative verification rows: rare, so a loop over them
+            self._pack_proposals(b, sb, proposals, slots, starts, ends - (kv_lens - starts))
         asked = self.logprobs[slots]
         # Rows whose chunk holds a prompt token with a next prompt token: rare, so a loop.
         prompt_rows = (
@@ -208,6 +211,37 @@ class InputBatch:
         constrained = (self.constrained[slots] & sample).nonzero()[0]
         sb.constrained[...] = constrained.size > 0
         return PackedStep(b, sb, self.special[slots].nonzero()[0], buf, constrained)
+
+    def _pack_proposals(self, b, sb, proposals, slots, starts, firsts) -> None:
+        """The extra sampling rows of the verification rows (StepBatch.num_proposals): past
+        the sequences, one per proposal, each sampling the logits of the query before its
+        proposal with its sequence's parameters and (seed, position) key.
+
+        proposals: each sequence's count; slots, starts, firsts: i32[n] each sequence's batch
+        slot, first position and first token in the step."""
+        n = len(proposals)
+        m = n
+        for row, k in enumerate(proposals):
+            if not k:
+                continue
+            if m + k > len(b.num_proposals):
+                raise ValueError(
+                    f"{n} sequences and {m + k - n} proposals do not fit the "
+                    f"{len(b.num_proposals)} sampling rows of the bucket."
+                )
+            slot, rows, ks = slots[row], slice(m, m + k), np.arange(k, dtype=np.int32)
+            b.num_proposals[row] = k
+            b.extra_start[row] = m
+            b.logits_indices[rows] = firsts[row] + ks
+            sb.temperature[rows] = self.temperature[slot]
+            sb.top_k[rows] = self.top_k[slot]
+            sb.top_p[rows] = self.top_p[slot]
+            sb.min_p[rows] = self.min_p[slot]
+            sb.seeds[rows] = self.seeds[slot]
+            sb.positions[rows] = starts[row] + 1 + ks  # the position each one samples for
+            sb.slots[rows] = slot
+            m += k
+        b.num_rows[...] = m
 
 
 class _Buffer:

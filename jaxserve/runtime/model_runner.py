@@ -29,6 +29,7 @@ from jaxserve.models.llama import logits_of_rows, step_compiler_options
 from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for
 from jaxserve.models.sharding import ShardingPlan, make_mesh
 from jaxserve.models.step_batch import (
+    SeqChunk,
     StepBatch,
     StepWords,
     from_words,
@@ -45,6 +46,7 @@ from jaxserve.runtime.sampling import (
     mask_words,
     prompt_logprobs,
     sample_step,
+    verify,
 )
 
 logger = logging.getLogger(__name__)
@@ -115,9 +117,19 @@ def step_impl(
         lambda h: module.apply({"params": params}, h, method=module.logits),
         hidden,
         batch.logits_indices,
-        batch.num_seqs,
+        batch.num_seqs if batch.num_rows is None else batch.num_rows,
     )
     out, pen = sample_step(logits, sampling, pen, mask)
+    after = out.token_ids  # each row's next token: its sample, or after its accepted proposals
+    if batch.num_proposals is not None:  # static: batches packed with the verification fields
+        accepted, after = verify(
+            out.token_ids,
+            batch.token_ids,
+            batch.logits_indices,
+            batch.num_proposals,
+            batch.extra_start,
+        )
+        out = dataclasses.replace(out, num_accepted=accepted)
 
     def logits_of(h):  # the LM head over any tokens' hidden states
         return module.apply({"params": params}, h, method=module.logits)
@@ -128,7 +140,7 @@ def step_impl(
     out = dataclasses.replace(
         out, prompt_logprobs=lp, prompt_top_ids=top_ids, prompt_top_logprobs=top_lp
     )
-    last = last.at[batch.sample_slots].set(out.token_ids, mode="drop")
+    last = last.at[batch.sample_slots].set(after, mode="drop")
     return out, kv, pen, last
 
 
@@ -346,6 +358,58 @@ class ModelRunner:
         else:  # the penalty initialiser (single host only), on a slot past the end: no write
             self.set_penalty_row(self.config.seq_buckets[-1], (), 0)
         return time.perf_counter() - start
+
+    def time_buckets(
+        self, context: int, chunk: int, rounds: int = 5
+    ) -> dict[int, tuple[float, float, float | None]]:
+        """Per token bucket, the seconds of (a step with one decode at `context`: the decode
+        loop runs every sequence slot of the bucket, so this is what the bucket's decodes
+        cost; a step without decodes, its padding alone; what one `chunk`-token chunk at that
+        context adds, None where the bucket cannot hold it). The best of `rounds` rounds, each
+        timing every bucket once (interleaved: a busy moment of the machine cannot make one
+        bucket look dearer).
+
+        For pricing steps (speculative decoding). Call it before serving: its steps write the
+        keys and values of made-up tokens into the pool's first pages, which no request holds
+        yet and which every request writes before it reads.
+        """
+        cfg = self.config
+        context = max(1, min(context, cfg.max_model_len - chunk - 1))
+        table = list(range(min(cfg.pages_per_seq, cfg.num_pages)))
+        if len(table) * cfg.page_size < context + chunk + 1:
+            raise ValueError(
+                f"Timing steps at context {context} needs {context + chunk + 1} cache slots; "
+                f"the pool has {cfg.num_pages} pages of {cfg.page_size}."
+            )
+        decode = SeqChunk([1], context - 1, table)
+        verify = SeqChunk([1] * chunk, context, table)
+
+        def batch_of(chunks, num_tokens):
+            return pack_chunks(
+                chunks,
+                page_size=cfg.page_size,
+                num_tokens=num_tokens,
+                num_seqs=cfg.seq_bucket_for(num_tokens),
+                pages_per_seq=cfg.pages_per_seq,
+                num_pages=cfg.num_pages,
+            )
+
+        def seconds(batch) -> float:
+            start = time.perf_counter()
+            out = self._dispatch(batch, SamplingBatch.empty(len(batch.kv_lens)))
+            jax.block_until_ready(out.token_ids)
+            return time.perf_counter() - start
+
+        best = {t: [math.inf, math.inf, math.inf] for t in cfg.token_buckets}
+        for _ in range(rounds):
+            for t, times in best.items():
+                times[0] = min(times[0], seconds(batch_of([decode], t)))
+                times[1] = min(times[1], seconds(batch_of([], t)))
+                if t >= chunk:
+                    times[2] = min(times[2], seconds(batch_of([verify], t)))
+        return {
+            t: (d, p, None if math.isinf(c) else max(0.0, c - p)) for t, (d, p, c) in best.items()
+        }
 
 
 @functools.cache

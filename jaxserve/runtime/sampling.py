@@ -142,6 +142,9 @@ class SampleOutput:
     prompt_logprobs: jax.Array = None  # f32[T]
     prompt_top_ids: jax.Array = None  # i32[T, min(20, V)]
     prompt_top_logprobs: jax.Array = None  # f32[T, min(20, V)]
+    # Speculative verification (`verify`): per sequence row, how many of its proposals the
+    # step accepted; None where the batch verifies nothing.
+    num_accepted: jax.Array = None  # i32[S]
 
 
 jax.tree_util.register_dataclass(
@@ -577,3 +580,40 @@ def full_vocab_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) 
         lambda: _bisect_threshold(kth, row_max, mass_enough),
         lambda: kth,
     )
+
+
+def verify(
+    sampled: jax.Array,  # i32[S] each row's token, drawn as if no proposal existed
+    token_ids: jax.Array,  # i32[T] the step's tokens (pending ones fed in)
+    logits_indices: jax.Array,  # i32[S] the token whose logits each row sampled from
+    num_proposals: jax.Array,  # i32[S] proposals of each sequence row (0: none)
+    extra_start: jax.Array,  # i32[S] first extra row of each sequence row's proposals
+) -> tuple[jax.Array, jax.Array]:
+    """Per sequence row, the proposals accepted (i32[S]) and the token after them (i32[S]).
+
+    Row r sampled the token that follows its query token; a proposal is accepted when the
+    sample of the query before it is that very proposal, and every proposal before it was
+    accepted. The sample of the first disagreeing query (or, all accepted, the sequence's own
+    row, after its last proposal) is the token the step adds after them.
+
+    The samples are the ones a step without proposals draws (greedy: the argmax; sampling: the
+    key of (seed, position)), so every emitted token is drawn from the target distribution at
+    its position whatever was proposed: for a draft that proposes one token d with certainty,
+    this accepts d with probability p(d) and otherwise draws from p without d, renormalised,
+    which is the rejection sampling of speculative decoding, coupled to the request's seed.
+    Seeded outputs are the same token for token with speculation on or off.
+    """
+    rows, num_tokens = sampled.shape[0], token_ids.shape[0]
+    index = jnp.arange(rows, dtype=jnp.int32)
+    checked = token_ids[jnp.minimum(logits_indices + 1, num_tokens - 1)]  # the next query token
+    failed = jnp.where(sampled != checked, index, rows)
+    next_failure = jax.lax.cummin(failed, reverse=True)  # first row >= r that disagrees
+    first = jnp.minimum(extra_start, rows - 1)
+    ends = extra_start + num_proposals
+    accepted = jnp.where(num_proposals > 0, jnp.minimum(next_failure[first], ends) - extra_start, 0)
+    after = jnp.where(
+        accepted < num_proposals,
+        sampled[jnp.minimum(extra_start + accepted, rows - 1)],
+        sampled,
+    )
+    return accepted.astype(jnp.int32), after.astype(jnp.int32)

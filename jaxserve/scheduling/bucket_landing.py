@@ -34,6 +34,8 @@ def land_on_bucket(plan: StepPlan, token_buckets: Sequence[int]) -> None:
         return
     excess = total - lower
     seq = next(reversed(plan.seqs.values()))
+    if seq.num_proposals:  # a verification, not a prefill chunk: its tokens are not the prompt's
+        return
     if 2 * excess > upper - lower or 2 * excess > len(seq.token_ids):
         return  # also leaves decodes (one token) alone
     plan.drop(seq.request_id)

@@ -241,6 +241,29 @@ class KVCacheManager:
         self._free.extend(unhashed)
         return len(table)
 
+    def trim(self, seq_id: str, num_tokens: int) -> int:
+        """Gives back the pages of the sequence's table past `num_tokens` slots; returns how
+        many. They are the pages a speculative verification took for proposals that were then
+        rejected (scheduler.update): kept, they would count as used for slots nothing holds.
+        Published pages are never trimmed."""
+        table = self._tables.get(seq_id)
+        if not table:
+            return 0
+        keep = max(self.pages_for(num_tokens), self._published[seq_id])
+        if len(table) <= keep:
+            return 0
+        # A new list, not the old one shortened: a live table only ever grows (`table_of`), so
+        # whoever copied it sees a new table rather than a stale one of the same length.
+        self._tables[seq_id], dropped = table[:keep], table[keep:]
+        for page in reversed(dropped):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if self._hash_of[page] is None:
+                    self._free.append(page)
+                else:
+                    self._cached[page] = None
+        return len(dropped)
+
     # ---- the prefix cache -----------------------------------------------------------------
 
     def match(self, hashes: Sequence[bytes], num_tokens: int) -> list[int]:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduling.speculation import SpecState
 
 # Stands for an output token a step in flight samples: never a vocabulary id.
 PENDING_TOKEN = -1
@@ -96,6 +97,9 @@ class Request:
     # Hashes of the full pages of prompt + outputs so far (kv_cache_manager.PageHasher), grown by
     # the scheduler as pages fill; kept across preemptions, since the tokens do not change.
     page_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
+    # Speculative decoding (speculation.py): its proposer and counts; None when the engine does
+    # not speculate, or not for this request (its sampling needs per-row host work).
+    spec: SpecState | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -46,6 +46,10 @@ def plan_running(
             continue
         outputs = len(req.output_token_ids)
         pending = req.num_pending
+        # A verification in flight: where its next token goes depends on how many proposals
+        # it accepts, which only its update says (scheduler._update_verified).
+        if pending and req.spec is not None and req.spec.in_flight:
+            continue
         total = len(req.prompt_token_ids) + outputs + pending
         start = req.num_computed_tokens
         if total - start != 1:

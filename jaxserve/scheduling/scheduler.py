@@ -54,6 +54,7 @@ from jaxserve.scheduling.prefix_sharing import PrefixSharing
 from jaxserve.scheduling.request import FinishReason, Request, RequestStatus
 from jaxserve.scheduling.request_queue import ImportanceOrder
 from jaxserve.scheduling.running import plan_running
+from jaxserve.scheduling.speculation import SpecDecider, StepCost
 from jaxserve.scheduling.step_plan import StepPlan
 from jaxserve.scheduling.types import (  # noqa: F401 - re-exported: the scheduler's API
     BATCHING_MODES,
@@ -66,6 +67,7 @@ from jaxserve.scheduling.types import (  # noqa: F401 - re-exported: the schedul
     SchedulerOutput,
     StepResult,
 )
+from jaxserve.scheduling.verification import Verification
 
 # (running requests, waiting requests in admission order, now) -> this step's token budget.
 BudgetPolicy = Callable[[list[Request], list[Request], float], int]
@@ -120,6 +122,24 @@ class Scheduler:
         # SLO-aware scheduling (slo_policy.attach): a callable that sizes each step's token
         # budget (it may also abort waiting requests). None: every step gets the whole budget.
         self.budget_policy: BudgetPolicy | None = None
+        # Speculative decoding (verification.py); None: off. It verifies nothing until the
+        # engine prices steps (`set_step_cost`).
+        self._verify = (
+            Verification(config, self.kv, self.prefix, self._running, finish=self._finish)
+            if config.speculative
+            else None
+        )
+
+    @property
+    def spec(self) -> SpecDecider | None:
+        """Speculative decoding's per-step decision (speculation.SpecDecider); None when off."""
+        return None if self._verify is None else self._verify.decider
+
+    def set_step_cost(self, step_cost: StepCost | None, sync_penalty: bool = False) -> None:
+        """Prices steps for the speculation decision (speculation.SpecDecider; `sync_penalty`:
+        a verification costs the overlap of asynchronous scheduling); no-op when off."""
+        if self._verify is not None:
+            self._verify.decider = SpecDecider(self.spec.config, step_cost, sync_penalty)
 
     # Gauges, for metrics and tests.
     @property
@@ -182,6 +202,8 @@ class Scheduler:
                 f"{self.batching.slots_open(len(self._free_slots))} free slots "
                 f"(max_waiting_requests={limit})."
             )
+        if self._verify is not None:
+            self._verify.add(req)
         self._requests[req.request_id] = req
         self._keys[req.request_id] = self._order.key_of(req)
         self.batching.waiting.push(self._keys[req.request_id], req)
@@ -223,6 +245,8 @@ class Scheduler:
         self.batching.form_group(now, self._keys)
         plan = StepPlan(budget=budget, tables=self.kv.tables, chunked=cfg.enable_chunked_prefill)
         plan_running(plan, self._running, self._keys, cfg, self._preemption.allocate_or_preempt)
+        if self._verify is not None and plan.seqs:
+            self._verify.propose(plan)
         if not plan.preempted:  # pages are short: admitting now would only preempt again
             self._admission.admit(plan, now)
         if cfg.token_buckets is not None and cfg.enable_chunked_prefill:
@@ -236,14 +260,23 @@ class Scheduler:
             step=self._step,
             **self.offload.take_copies(),
         )
-        num_sampled = 0
+        num_sampled = num_proposed = 0
         for seq in out.seqs:  # counted as done now: the next plan starts where this one ends
             req = seq.request
             req.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             if seq.sample:
                 req.num_pending += 1
                 num_sampled += 1
+            if seq.num_proposals:
+                # Only the last known token is surely computed: how many proposals join it is
+                # the update's to say, and nothing is planned for the request until then.
+                req.num_computed_tokens = seq.start_pos + 1
+                req.spec.in_flight = True
+                num_proposed += seq.num_proposals
         out.num_sampled = num_sampled
+        out.num_proposed = num_proposed
+        if num_proposed:
+            self._verify.verifying += 1
         self._outstanding.append(out)
         return out
 
@@ -271,11 +304,20 @@ class Scheduler:
         prefix = self.prefix
         preempted, running = RequestStatus.PREEMPTED, RequestStatus.RUNNING
         append = updates.append
+        verify = self._verify
+        if plan.num_proposed:
+            verify.verifying -= 1
+        spec_on = verify is not None and verify.may_pay()
         # The hot path: a row per running request, every step.
         for seq, token, row_logprobs in zip(
             plan.seqs, result.sampled_token_ids, logprobs, strict=True
         ):
             req = seq.request
+            if seq.num_proposals:
+                req.spec.in_flight = False
+                if req.status <= preempted:
+                    updates.append(verify.update(seq, token, row_logprobs, now))
+                continue
             if req.status > preempted:  # finished: same as req.is_finished
                 continue
             # Only a step that fills a page has anything to publish: most decodes skip this.
@@ -304,6 +346,8 @@ class Scheduler:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self._finish(req, status, now)
+            elif spec_on and req.spec is not None:
+                verify.hint(req)
             append(  # positional: (request, new_token_ids, finished, logprobs)
                 RequestUpdate(
                     req,
@@ -313,6 +357,12 @@ class Scheduler:
                 )
             )
         return updates
+
+    def wants_known_tokens(self) -> bool:
+        """Whether the next plan should wait until every step in flight is taken in
+        (speculative decoding: verification.Verification.wants_known_tokens); the engine then
+        plans the next step synchronously."""
+        return self._verify is not None and self._verify.wants_known_tokens()
 
     def check_invariants(self) -> None:
         """Raises AssertionError if the books disagree; tests call it after every step."""
@@ -379,9 +429,21 @@ def _check_result(plan: SchedulerOutput, result: StepResult) -> None:
             f"StepResult rows do not match the plan's {rows} sequences: {len(tokens)} sampled "
             f"tokens, {None if result.logprobs is None else len(result.logprobs)} logprobs."
         )
-    if set(map(type, tokens)) <= {int}:  # every row a plain int (the engine's .tolist())
+    # Every row a plain int (the engine's .tolist()), and no verification row to check.
+    if not plan.num_proposed and set(map(type, tokens)) <= {int}:
         return
     for seq, token in zip(plan.seqs, tokens, strict=True):
+        if seq.num_proposals:
+            if not (
+                isinstance(token, list)
+                and 1 <= len(token) <= seq.num_proposals + 1
+                and all(isinstance(t, numbers.Integral) for t in token)
+            ):
+                raise ValueError(
+                    f"Request {seq.request_id!r} verified {seq.num_proposals} proposals, so "
+                    f"its row needs a list of 1 to {seq.num_proposals + 1} tokens, got {token!r}."
+                )
+            continue
         # `type(...) is int` first: the ABC check alone costs a fraction of a microsecond a row.
         if seq.sample and type(token) is not int and not isinstance(token, numbers.Integral):
             raise ValueError(f"Request {seq.request_id!r} needed a sampled token, got {token!r}.")

@@ -11,6 +11,7 @@ import math
 from typing import Any, NamedTuple
 
 from jaxserve.scheduling.request import FinishReason, Request
+from jaxserve.scheduling.speculation import SpeculativeConfig
 
 POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
@@ -54,6 +55,8 @@ class SchedulerConfig:
     # What a preempted request's pages become (offload.py): 'recompute' (dropped), 'swap' (to
     # the host when they fit) or 'auto' (swap when the SwapPricer prices it cheaper).
     preemption: str = "recompute"
+    # Speculative decoding (speculation.py); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.batch_size is None:
@@ -139,6 +142,9 @@ class ScheduledSeq(NamedTuple):
     # (KVCacheManager.table_of), valid for this step; later steps may append to it.
     page_table: list[int]
     sample: bool  # this chunk reaches the last known token, so the step samples a new one
+    # Speculative verification: token_ids are the last token and this many proposals after it;
+    # the step keeps the longest prefix of them its own samples agree with (0: no proposals).
+    num_proposals: int = 0
 
     @property
     def end_pos(self) -> int:
@@ -163,6 +169,7 @@ class SchedulerOutput:
     # they wait for the copy.
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    num_proposed: int = 0  # proposals its verification rows carry (seq.num_proposals, summed)
 
     @property
     def is_empty(self) -> bool:
@@ -174,8 +181,10 @@ class SchedulerOutput:
 class StepResult:
     """What the runner returns for a plan, row for row with `plan.seqs`."""
 
-    # Ignored (None, or any value) where the row's `sample` is False.
-    sampled_token_ids: list[int | None]
+    # Ignored (None, or any value) where the row's `sample` is False. A verification row
+    # (seq.num_proposals > 0) has the list of its tokens: the accepted proposals, then the one
+    # the step sampled after them.
+    sampled_token_ids: list[int | list[int] | None]
     logprobs: list[Any] | None = None  # opaque per-row objects, passed through to the updates
 
 

@@ -16,6 +16,8 @@ from jaxserve.bench.workload import (
     load_trace,
     mixed_workloads,
     poisson_arrivals,
+    random_prompt_ids,
+    repetitive_workloads,
 )
 from jaxserve.jobs.batch_job import OutputCorrupt, parse_line, recover_output
 from jaxserve.sampling_params import SamplingParams
@@ -127,3 +129,12 @@ def test_parse_line_reasons():
     ]:
         with pytest.raises(ValueError, match=reason):
             parse_line(raw, 1, d)
+
+
+def test_repetitive_prompts_say_their_own_passage_again():
+    (w,) = repetitive_workloads(num_requests=3, prompt_len=50, max_tokens=8)
+    assert (w.concurrency, len(w.requests)) == (1, 3)
+    prompts = [random_prompt_ids(s, 512, seed=1) for s in w.requests]
+    for ids in prompts:
+        assert len(ids) == 50 and ids[:17] == ids[17:34] and ids[34:] == ids[:16]
+    assert prompts[0][:17] != prompts[1][:17]  # each request its own passage

@@ -74,6 +74,10 @@ SAMPLE = dict(
     calibrate_cost_model=False,
     shed_late=True,
     grammar_compile_timeout_s=2.5,
+    speculative="ngram",
+    num_speculative_tokens=6,
+    prompt_lookup_min=1,
+    prompt_lookup_max=4,
 )
 
 
