@@ -54,6 +54,7 @@ from jaxserve.models.attention import (
 )
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages
+from jaxserve.models.lora import lora_delta
 from jaxserve.models.sharding import ShardingPlan, attention_over_heads
 from jaxserve.models.step_batch import StepBatch
 
@@ -107,6 +108,10 @@ class Attention(nn.Module):
         qkv = _dense((c.num_kv_heads, g + 2, c.head_dim), c.qkv_bias, self.dtype, "qkv_proj")(x)
         q = qkv[:, :, :g].reshape(t, c.num_heads, c.head_dim)  # q head j * g + i reads KV head j
         k, v = qkv[:, :, g], qkv[:, :, g + 1]  # [T, num_kv_heads, head_dim]
+        if batch.lora is not None:  # each token's adapter adds its low-rank update
+            q = q + _lora(batch, "q_proj", layer, x).reshape(q.shape)
+            k = k + _lora(batch, "k_proj", layer, x).reshape(k.shape)
+            v = v + _lora(batch, "v_proj", layer, x).reshape(v.shape)
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
@@ -129,7 +134,10 @@ class Attention(nn.Module):
             sm_scale=c.head_dim**-0.5,
             sliding_window=c.sliding_window,
         )
-        out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(out.reshape(t, -1))
+        heads = out.reshape(t, -1)
+        out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(heads)
+        if batch.lora is not None:
+            out = out + _lora(batch, "o_proj", layer, heads)
         return out, k_pool, v_pool
 
 
@@ -138,11 +146,22 @@ class MLP(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, batch: StepBatch | None = None, layer=None):
         c = self.config
         gate_up = _dense((2, c.intermediate_size), c.mlp_bias, self.dtype, "gate_up_proj")(x)
         gate, up = gate_up[:, 0], gate_up[:, 1]
-        return _dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj")(nn.silu(gate) * up)
+        lora = batch is not None and batch.lora is not None
+        if lora:  # each token's adapter adds its low-rank update
+            gate = gate + _lora(batch, "gate_proj", layer, x)
+            up = up + _lora(batch, "up_proj", layer, x)
+        act = nn.silu(gate) * up
+        out = _dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj")(act)
+        return out + _lora(batch, "down_proj", layer, act) if lora else out
+
+
+def _lora(batch: StepBatch, module: str, layer, x: jax.Array) -> jax.Array:
+    """What the adapters of `batch`'s tokens add to `module`'s output (x: [T, in] -> [T, out])."""
+    return lora_delta(batch.lora, module, layer, x, batch.lora_slots)
 
 
 class DecoderLayer(nn.Module):
@@ -169,7 +188,7 @@ class DecoderLayer(nn.Module):
         )
         h = h + attn_out
         h = h + MLP(c, self.dtype, name="mlp")(
-            RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h)
+            RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h), batch, layer
         )
         return (h, k_pool, v_pool, layer + 1), None
 
