@@ -47,6 +47,8 @@ class SchedulerConfig:
     # shapes the KV, the model: caches of different keys never match.
     enable_prefix_caching: bool = True
     prefix_cache_key: str = ""
+    # Multi-LoRA: adapter slots on the device (lora_slots.py); 0: no request may name an adapter.
+    max_loras: int = 0
 
     def __post_init__(self):
         if self.batch_size is None:
@@ -95,6 +97,8 @@ class SchedulerConfig:
             )
         if self.max_waiting_requests is not None:
             _check_positive_int("max_waiting_requests", self.max_waiting_requests)
+        if not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"SchedulerConfig.max_loras={self.max_loras!r} must be an int >= 0.")
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -139,6 +143,9 @@ class SchedulerOutput:
     aborted_ids: list[str]  # aborts that took effect at this boundary (reported by update())
     step: int  # 1 for the first plan, counting up
     num_sampled: int = 0  # rows whose `sample` is set: the tokens this step generates
+    # (device slot, adapter name) to write before this step runs: adapters that took a slot
+    # in this plan (lora_slots.py), in order.
+    lora_loads: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

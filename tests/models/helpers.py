@@ -18,12 +18,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import peft
 import torch
 import transformers
 
 from checkpoints import LoadedModel, model_for
 from checkpoints.config_json import layer_loop_of
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.lora import TARGET_MODULES
 from jaxserve.models.kv_pool import KVPages
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
 
@@ -120,6 +122,25 @@ def build_hf_model(family: str, *, seed: int = 0, **overrides) -> transformers.P
 def save_hf(model: transformers.PreTrainedModel, path: Path, **kwargs) -> Path:
     model.save_pretrained(path, safe_serialization=True, **kwargs)
     return Path(path)
+
+
+def make_adapter(base, path, *, seed: int, r: int, alpha: float, rslora: bool = False):
+    """A random peft LoRA (B non-zero) of `base` on every target module, saved to `path`."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=list(TARGET_MODULES),
+        init_lora_weights=False,
+        use_rslora=rslora,
+    )
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():  # large enough that every module's update moves the logits visibly
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape) * 0.6 * p.shape[-1] ** -0.5)
+    model.save_pretrained(path)
+    return model
 
 
 @contextlib.contextmanager

@@ -23,31 +23,18 @@ import torch
 import checkpoints
 from checkpoints.peft import AdapterLoadError, load_peft_adapter
 from jaxserve.models.lora import TARGET_MODULES, empty_slots, set_slot, slot_weights
-from tests.models.helpers import PagedSession, build_hf_model, save_hf, torch_one_thread
+from tests.models.helpers import (
+    PagedSession,
+    build_hf_model,
+    make_adapter,
+    save_hf,
+    torch_one_thread,
+)
 
 ATOL = 1e-4
 MAX_RANK = 8
 PROMPTS = ([5, 9, 3, 77, 12], list(range(20, 31)), [100, 1, 2, 3, 4, 5, 6, 8, 90])
 GREEDY_TOKENS = 12
-
-
-def make_adapter(base, path, *, seed: int, r: int, alpha: float, rslora: bool = False):
-    """A random peft LoRA (B non-zero) of `base` on every target module, saved to `path`."""
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(
-        r=r,
-        lora_alpha=alpha,
-        target_modules=list(TARGET_MODULES),
-        init_lora_weights=False,
-        use_rslora=rslora,
-    )
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():  # large enough that every module's update moves the logits visibly
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape) * 0.6 * p.shape[-1] ** -0.5)
-    model.save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module", params=("llama", "qwen3"))

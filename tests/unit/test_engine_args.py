@@ -71,6 +71,9 @@ SAMPLE = dict(
     cost_model="cost.json",
     calibrate_cost_model=False,
     shed_late=True,
+    lora=("sql=/adapters/sql", "chat=/adapters/chat"),  # repeated: one --lora each
+    max_loras=2,
+    max_lora_rank=32,
 )
 
 
