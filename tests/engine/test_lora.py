@@ -12,12 +12,15 @@ with random peft adapters (every target module, ranks 2-8, non-zero B) from `sav
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from jaxserve.engine.core import Engine
 from jaxserve.engine.llm import LLM
 from jaxserve.engine_config import EngineConfig
+from jaxserve.jobs.batch_job import run_batch
 from jaxserve.sampling_params import SamplingParams
 from tests.models.helpers import build_hf_model, make_adapter, save_hf, torch_one_thread
 
@@ -187,3 +190,22 @@ def test_bad_adapters_are_refused_with_a_sentence(four, tmp_path):
     with pytest.raises(ValueError, match="no adapter slots"):
         engine.add_lora("x", tmp_path)
     assert engine.runner.lora is None  # no adapter arrays: the step is the plain one
+
+
+def test_a_batch_job_line_names_its_adapter(four, tmp_path):
+    lines = [
+        {"id": "base", "prompt_token_ids": PROMPTS[1]},
+        {"id": "a2", "prompt_token_ids": PROMPTS[1], "lora": "a2"},
+        {"id": "a3", "prompt_token_ids": PROMPTS[1], "lora": "a3"},
+        {"id": "bad", "prompt_token_ids": PROMPTS[1], "lora": "nope"},
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({**line, "max_tokens": 8}) + "\n" for line in lines))
+    defaults = SamplingParams(temperature=0.0, ignore_eos=True)
+    summary = run_batch(four, src, dst, defaults=defaults, include_token_ids=True, progress=False)
+    out = {r["id"]: r["token_ids"] for r in map(json.loads, dst.read_text().splitlines())}
+    ((lineno, reason),) = summary.bad_lines
+    assert lineno == 4 and "'nope' is not loaded" in reason and "bad" not in out
+    llm = LLM(engine=four)
+    for rid, lora in (("base", None), ("a2", "a2"), ("a3", "a3")):
+        assert out[rid] == alone(llm, PROMPTS[1], GREEDY, lora), rid

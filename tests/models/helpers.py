@@ -25,8 +25,8 @@ import transformers
 from checkpoints import LoadedModel, model_for
 from checkpoints.config_json import layer_loop_of
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.lora import TARGET_MODULES
 from jaxserve.models.kv_pool import KVPages
+from jaxserve.models.lora import TARGET_MODULES
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
