@@ -35,6 +35,10 @@ class Adapters:
         """Registered names, in registration order."""
         return list(self._adapters)
 
+    def items(self) -> list[tuple[str, LoraAdapter]]:
+        """(name, adapter) of each, in registration order: one copy, safe from any thread."""
+        return list(self._adapters.items())
+
     def get(self, name: str) -> LoraAdapter:
         return self._adapters[name]
 

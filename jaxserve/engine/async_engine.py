@@ -191,8 +191,7 @@ class AsyncEngine:
 
     def lora_adapters(self) -> list[tuple[str, str]]:
         """(name, source) of every registered adapter (any thread: a copy of the registry)."""
-        adapters = self.engine.adapters
-        return [(n, adapters.get(n).source) for n in adapters.names() if n in adapters]
+        return [(name, adapter.source) for name, adapter in self.engine.adapters.items()]
 
     async def _on_engine_thread(self, fn, *args):
         """Runs fn(*args) on the engine thread between iterations; returns or raises its result."""

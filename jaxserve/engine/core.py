@@ -128,7 +128,7 @@ class Engine:
         # LoRA adapters in host memory (adapters.py); the device holds up to max_loras of them.
         self.adapters = Adapters(self.model.config, rc.max_loras, rc.max_lora_rank)
         for name, path in config.lora_modules.items():
-            self.adapters.register(name, path)
+            self.add_lora(name, path)
         self.metrics = EngineMetrics(config.ttft_slo_s, config.tpot_slo_s)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.metrics)
         # Dispatched plans awaiting their update, oldest first: at most two (the one being
@@ -217,6 +217,8 @@ class Engine:
     def add_lora(self, name: str, source) -> None:
         """Registers adapter `name` (a PEFT folder, or a models.lora.LoraAdapter) for requests
         to name; it takes a device slot when one needs it. Nothing compiles."""
+        if self.runner.lockstep is not None:
+            raise ValueError("LoRA adapters are not supported on a multi-host mesh yet.")
         self.adapters.register(name, source)
 
     def remove_lora(self, name: str) -> None:

@@ -18,7 +18,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import peft
 import torch
 import transformers
 
@@ -126,6 +125,8 @@ def save_hf(model: transformers.PreTrainedModel, path: Path, **kwargs) -> Path:
 
 def make_adapter(base, path, *, seed: int, r: int, alpha: float, rslora: bool = False):
     """A random peft LoRA (B non-zero) of `base` on every target module, saved to `path`."""
+    import peft  # here: only the LoRA tests need it, and it takes a while to import
+
     torch.manual_seed(seed)
     config = peft.LoraConfig(
         r=r,
