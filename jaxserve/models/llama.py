@@ -109,9 +109,9 @@ class Attention(nn.Module):
         q = qkv[:, :, :g].reshape(t, c.num_heads, c.head_dim)  # q head j * g + i reads KV head j
         k, v = qkv[:, :, g], qkv[:, :, g + 1]  # [T, num_kv_heads, head_dim]
         if batch.lora is not None:  # each token's adapter adds its low-rank update
-            q = q + _lora(batch, "q_proj", layer, x).reshape(q.shape)
-            k = k + _lora(batch, "k_proj", layer, x).reshape(k.shape)
-            v = v + _lora(batch, "v_proj", layer, x).reshape(v.shape)
+            q = q + _lora(self, batch, "q_proj", layer, x).reshape(q.shape)
+            k = k + _lora(self, batch, "k_proj", layer, x).reshape(k.shape)
+            v = v + _lora(self, batch, "v_proj", layer, x).reshape(v.shape)
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
@@ -137,7 +137,7 @@ class Attention(nn.Module):
         heads = out.reshape(t, -1)
         out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(heads)
         if batch.lora is not None:
-            out = out + _lora(batch, "o_proj", layer, heads)
+            out = out + _lora(self, batch, "o_proj", layer, heads)
         return out, k_pool, v_pool
 
 
@@ -152,16 +152,21 @@ class MLP(nn.Module):
         gate, up = gate_up[:, 0], gate_up[:, 1]
         lora = batch is not None and batch.lora is not None
         if lora:  # each token's adapter adds its low-rank update
-            gate = gate + _lora(batch, "gate_proj", layer, x)
-            up = up + _lora(batch, "up_proj", layer, x)
+            gate = gate + _lora(self, batch, "gate_proj", layer, x)
+            up = up + _lora(self, batch, "up_proj", layer, x)
         act = nn.silu(gate) * up
         out = _dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj")(act)
-        return out + _lora(batch, "down_proj", layer, act) if lora else out
+        return out + _lora(self, batch, "down_proj", layer, act) if lora else out
 
 
-def _lora(batch: StepBatch, module: str, layer, x: jax.Array) -> jax.Array:
-    """What the adapters of `batch`'s tokens add to `module`'s output (x: [T, in] -> [T, out])."""
-    return lora_delta(batch.lora, module, layer, x, batch.lora_slots)
+def _lora(block: nn.Module, batch: StepBatch, module: str, layer, x: jax.Array) -> jax.Array:
+    """What the adapters of `batch`'s tokens add to `module`'s output (x: [T, in] -> [T, out]).
+
+    The slot arrays are laid out as the params (models/lora.py): under the decoder layer's own
+    name, "layers" (stacked, the scan) or "layers_{i}" (its own arrays, the unrolled loop).
+    """
+    slots = batch.lora[block.parent.name]
+    return lora_delta(slots, module, layer, x, batch.lora_slots)
 
 
 class DecoderLayer(nn.Module):

@@ -3,13 +3,19 @@ projection for every token of a ragged step in one pass.
 
 Many fine-tunes of one base model are served in one batch (Punica / S-LoRA style): each token
 carries the slot of its request's adapter (`StepBatch.lora_slots`, 0 = the base model alone),
-and each targeted projection adds `x @ A[slot] @ B[slot]` to its output. The slots are one
-array per projection of fixed shape [num_layers, max_loras, in, max_rank] (A) and
-[num_layers, max_loras, max_rank, out] (B), with each adapter's rank zero-padded to max_rank and
-its scaling (lora_alpha / r, or / sqrt(r) for rsLoRA) folded into B; so loading, swapping or
-removing an adapter writes a slot in place (`set_slot`, jitted with the arrays donated) and the
-step never recompiles. Slot 0 is not stored: it is the zeros of "no adapter", and a token of
-slot s reads storage row s - 1.
+and each targeted projection adds `x @ A[slot] @ B[slot]` to its output. The slots are two
+arrays per projection and layer of fixed shape, A [in, max_loras, max_rank] and B [max_loras,
+max_rank, out], each adapter's rank zero-padded to max_rank and its scaling (lora_alpha / r, or
+/ sqrt(r) for rsLoRA) folded into B; so loading, swapping or removing an adapter writes a slot
+in place (`set_slot`, jitted with the arrays donated) and the step never recompiles. Slot 0 is
+not stored: it is the zeros of "no adapter", and a token of slot s reads storage row s - 1.
+
+The arrays are laid out as the params are (loaded.py): stacked [num_layers, ...] under
+"layers" for the scanned layer loop, one subtree per layer under "layers_{i}" for the unrolled
+one, so an unrolled layer reads its own arrays as they are. A is stored [in, M, R] rather than
+[M, in, R] so that every slot's A is one [in, M*R] matrix without a copy. Both copies (a
+layer's slice out of a stacked array, A's transpose) cost a burst of 64 on SmolLM2-135M's shape
+with 4 rank-16 adapters about a fifth of its throughput, measured before they were removed.
 
 How a step applies them (`LORA_KERNELS`, docs/architecture.md "Multi-LoRA" has the numbers):
 - "dense": x @ A of every slot at once ([T, in] x [in, M*R]), the rows of other slots zeroed
@@ -73,29 +79,45 @@ class LoraAdapter:
         return tuple(m for m in TARGET_MODULES if m in self.weights)
 
 
-def empty_slots(config: ModelConfig, max_loras: int, max_rank: int, dtype) -> dict:
-    """Zeroed slot arrays: module -> {"a": [L, max_loras, in, R], "b": [L, max_loras, R, out]}.
+def _by_layer(stacked: dict, layer_loop: str, num_layers: int) -> dict:
+    """module -> arrays [L, ...] as the layer loop reads them: {"layers": stacked} (scan) or
+    {"layers_{i}": layer i's} (unrolled)."""
+    if layer_loop == "scan":
+        return {"layers": stacked}
+    return {f"layers_{i}": jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(num_layers)}
+
+
+def empty_slots(
+    config: ModelConfig, max_loras: int, max_rank: int, dtype, layer_loop: str = "scan"
+) -> dict:
+    """Zeroed slot arrays, per layer as `layer_loop` reads them (see the module docstring):
+    module -> {"a": [(L,) in, max_loras, R], "b": [(L,) max_loras, R, out]}.
 
     Every target module has its arrays whatever the adapters target, so any adapter fits any
     slot without a new shape (a module an adapter leaves alone stays zero in its slot).
     """
     L = config.num_layers
-    return {
+    stacked = {
         m: {
-            "a": jnp.zeros((L, max_loras, i, max_rank), dtype),
-            "b": jnp.zeros((L, max_loras, max_rank, o), dtype),
+            "a": np.zeros((L, i, max_loras, max_rank), dtype),
+            "b": np.zeros((L, max_loras, max_rank, o), dtype),
         }
         for m, (i, o) in module_shapes(config).items()
     }
+    return jax.tree.map(jnp.asarray, _by_layer(stacked, layer_loop, L))
 
 
-def slot_weights(adapter: LoraAdapter | None, config: ModelConfig, max_rank: int, dtype) -> dict:
-    """The host arrays `set_slot` writes for `adapter` (None: zeros): rank padded to max_rank.
-
-    module -> {"a": [L, in, max_rank], "b": [L, max_rank, out]}, numpy of `dtype`.
-    """
+def slot_weights(
+    adapter: LoraAdapter | None,
+    config: ModelConfig,
+    max_rank: int,
+    dtype,
+    layer_loop: str = "scan",
+) -> dict:
+    """The host arrays `set_slot` writes for `adapter` (None: zeros), rank padded to max_rank,
+    per layer as `empty_slots`: module -> {"a": [(L,) in, max_rank], "b": [(L,) max_rank, out]}."""
     L = config.num_layers
-    out = {}
+    stacked = {}
     for m, (i, o) in module_shapes(config).items():
         a = np.zeros((L, i, max_rank), dtype)
         b = np.zeros((L, max_rank, o), dtype)
@@ -103,8 +125,8 @@ def slot_weights(adapter: LoraAdapter | None, config: ModelConfig, max_rank: int
             wa, wb = adapter.weights[m]
             a[:, :, : wa.shape[-1]] = wa
             b[:, : wb.shape[1], :] = wb
-        out[m] = {"a": a, "b": b}
-    return out
+        stacked[m] = {"a": a, "b": b}
+    return _by_layer(stacked, layer_loop, L)
 
 
 def set_slot(slots: dict, index: jax.Array, weights: dict) -> dict:
@@ -113,7 +135,14 @@ def set_slot(slots: dict, index: jax.Array, weights: dict) -> dict:
     Jitted with `slots` donated, it writes in place; one compiled shape for every slot and
     adapter, so adding or swapping adapters while serving compiles nothing.
     """
-    return jax.tree.map(lambda s, w: s.at[:, index].set(w.astype(s.dtype)), slots, weights)
+
+    def put(path, s, w):
+        w = w.astype(s.dtype)
+        if path[-1].key == "a":  # [..., in, M, R]: the slot axis is second to last
+            return s.at[..., index, :].set(w)
+        return s.at[..., index, :, :].set(w)  # b [..., M, R, out]
+
+    return jax.tree_util.tree_map_with_path(put, slots, weights)
 
 
 def lora_kernel() -> str:
@@ -125,26 +154,27 @@ def lora_kernel() -> str:
 
 
 def lora_delta(
-    slots: dict,  # the step's slot arrays (empty_slots' tree)
+    slots: dict,  # this layer's slot arrays: empty_slots' tree under "layers" or "layers_{i}"
     module: str,
-    layer: jax.Array,  # i32[] the layer running
+    layer: jax.Array,  # i32[] the layer running (indexes stacked arrays; unused otherwise)
     x: jax.Array,  # [T, in] the projection's input
     token_slots: jax.Array,  # i32[T] each token's adapter slot; 0: none
     kernel: str | None = None,
 ) -> jax.Array:  # [T, out] what the adapters add to the projection's output
     """The low-rank update of `module` for every token, each by its own adapter."""
-    a = slots[module]["a"][layer]  # [M, in, R]
-    b = slots[module]["b"][layer]  # [M, R, out]
-    num_loras, _, rank = a.shape
+    a, b = slots[module]["a"], slots[module]["b"]
+    if a.ndim == 4:  # stacked over the layers (the scan)
+        a, b = a[layer], b[layer]
+    n_in, num_loras, rank = a.shape  # a: [in, M, R]; b: [M, R, out]
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = kernel or lora_kernel()
     if kernel == "gather":
         index = jnp.maximum(token_slots - 1, 0)
-        h = jnp.einsum("ti,tir->tr", x, a[index], precision=precision)
+        h = jnp.einsum("ti,itr->tr", x, a[:, index], precision=precision)
         h = jnp.where((token_slots > 0)[:, None], h, 0)
         return jnp.einsum("tr,tro->to", h, b[index], precision=precision).astype(x.dtype)
     # dense: every slot's x @ A in one matmul, other slots' columns zeroed, then one matmul.
-    a_all = jnp.transpose(a, (1, 0, 2)).reshape(a.shape[1], num_loras * rank)  # [in, M*R]
+    a_all = a.reshape(n_in, num_loras * rank)  # [in, M*R], no copy
     h = jnp.dot(x, a_all, precision=precision).reshape(-1, num_loras, rank)  # [T, M, R]
     own = token_slots[:, None] == jnp.arange(1, num_loras + 1)[None, :]  # bool[T, M]
     h = jnp.where(own[:, :, None], h, 0).reshape(-1, num_loras * rank)

@@ -183,11 +183,16 @@ class ModelRunner:
         # Adapter slots (models/lora.py): fixed shapes, written in place by set_lora_slot, so
         # loading or swapping an adapter never recompiles the step. None: LoRA off.
         self.lora = None
+        self._layer_loop = layer_loop_of(model.params)  # the slots are laid out as the params
         if config.max_loras:
-            self.lora = jax.device_put(
-                empty_slots(model.config, config.max_loras, config.max_lora_rank, model.dtype),
-                self.sharding.replicated,
+            slots = empty_slots(
+                model.config,
+                config.max_loras,
+                config.max_lora_rank,
+                model.dtype,
+                self._layer_loop,
             )
+            self.lora = jax.device_put(slots, self.sharding.replicated)
         self._set_lora_slot = jax.jit(set_slot, donate_argnums=(0,))
         self.num_compiles = 0
         # The pool is donated: the step updates it in place instead of copying it every step.
@@ -241,7 +246,9 @@ class ModelRunner:
         if self.lockstep is not None:
             raise RuntimeError("LoRA adapters are not supported on a multi-host mesh yet.")
         rc = self.config
-        weights = slot_weights(adapter, self.model.config, rc.max_lora_rank, self.model.dtype)
+        weights = slot_weights(
+            adapter, self.model.config, rc.max_lora_rank, self.model.dtype, self._layer_loop
+        )
         self.lora = self._set_lora_slot(self.lora, np.int32(slot - 1), weights)
 
     def set_penalty_row(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:

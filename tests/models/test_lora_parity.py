@@ -22,6 +22,7 @@ import torch
 
 import checkpoints
 from checkpoints.peft import AdapterLoadError, load_peft_adapter
+from jaxserve.models.loaded import layer_loop_of
 from jaxserve.models.lora import TARGET_MODULES, empty_slots, set_slot, slot_weights
 from tests.models.helpers import (
     PagedSession,
@@ -45,7 +46,8 @@ def setup(request, tmp_path_factory):
     hf = build_hf_model(family)
     loaded = checkpoints.load_model(save_hf(hf, root / "base"), dtype=jnp.float32)
     refs = {}
-    slots = empty_slots(loaded.config, 2, MAX_RANK, jnp.float32)
+    loop = layer_loop_of(loaded.params)  # the slots are laid out as the params
+    slots = empty_slots(loaded.config, 2, MAX_RANK, jnp.float32, loop)
     for slot, (r, alpha, rslora) in ((1, (4, 8.0, False)), (2, (8, 4.0, True))):
         path = root / f"adapter{slot}"
         # A fresh base each time: get_peft_model wraps the model it is given in place.
@@ -54,7 +56,7 @@ def setup(request, tmp_path_factory):
         )
         adapter = load_peft_adapter(path, f"a{slot}", loaded.config, MAX_RANK)
         assert adapter.rank == r and adapter.target_modules == TARGET_MODULES
-        weights = slot_weights(adapter, loaded.config, MAX_RANK, np.float32)
+        weights = slot_weights(adapter, loaded.config, MAX_RANK, np.float32, loop)
         slots = jax.jit(set_slot, donate_argnums=0)(slots, jnp.int32(slot - 1), weights)
     refs[0] = hf
     return refs, loaded, slots
