@@ -13,9 +13,10 @@ not stored: it is the zeros of "no adapter", and a token of slot s reads storage
 The arrays are laid out as the params are (loaded.py): stacked [num_layers, ...] under
 "layers" for the scanned layer loop, one subtree per layer under "layers_{i}" for the unrolled
 one, so an unrolled layer reads its own arrays as they are. A is stored [in, M, R] rather than
-[M, in, R] so that every slot's A is one [in, M*R] matrix without a copy. Both copies (a
-layer's slice out of a stacked array, A's transpose) cost a burst of 64 on SmolLM2-135M's shape
-with 4 rank-16 adapters about a fifth of its throughput, measured before they were removed.
+[M, in, R] so that every slot's A is one [in, M*R] matrix without a copy. With both copies (a
+layer's slice out of a stacked array, A's transpose) a burst of 64 on SmolLM2-135M's shape with
+4 rank-16 adapters served 0.735x the base model's output tokens/s; without, 0.82x and 0.90x
+(docs/benchmarks.md, Multi-LoRA).
 
 How a step applies them (`LORA_KERNELS`, docs/architecture.md "Multi-LoRA" has the numbers):
 - "dense": x @ A of every slot at once ([T, in] x [in, M*R]), the rows of other slots zeroed
