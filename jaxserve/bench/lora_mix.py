@@ -63,6 +63,78 @@ def run_burst(engine: Engine, requests, loras) -> float:
     return sum(len(c.token_ids) for c in done) / seconds
 
 
+def compare_kernels(model: str, adapters: int, rank: int, rounds: int = 15) -> None:
+    """The update's ways (models/lora.py) on one decoder layer of `model`'s shape, interleaved:
+    the seven projections alone, with the dense update, with the gathered one; and the update
+    alone, dense against grouped by adapter with `jax.lax.ragged_dot` (sort, two ragged dots,
+    unsort). Medians in ms, one JSON line per token count."""
+    import jax
+    import jax.numpy as jnp
+
+    from checkpoints import NAMED_SHAPES
+    from jaxserve.models.lora import empty_slots, lora_delta
+
+    config = NAMED_SHAPES[model].replace(num_layers=1)
+    rng = np.random.default_rng(0)
+    slots = empty_slots(config, adapters, rank, jnp.float32, "unrolled")["layers_0"]
+    slots = jax.tree.map(lambda a: jnp.asarray(rng.normal(0, 0.01, a.shape), jnp.float32), slots)
+    shapes = module_shapes(config)
+    weights = {m: jnp.asarray(rng.normal(size=s), jnp.float32) for m, s in shapes.items()}
+    # ragged_dot's groups lead its right operand: [M + 1, in, R] with slot 0's zeros first.
+    grouped_a = {
+        m: jnp.concatenate([jnp.zeros((1, i, rank)), jnp.transpose(slots[m]["a"], (1, 0, 2))])
+        for m, (i, _) in shapes.items()
+    }
+    grouped_b = {
+        m: jnp.concatenate([jnp.zeros_like(slots[m]["b"][:1]), slots[m]["b"]]) for m in shapes
+    }
+
+    def grouped(m, x, tok):
+        order = jnp.argsort(tok)
+        sizes = jnp.bincount(tok, length=adapters + 1).astype(jnp.int32)
+        h = jax.lax.ragged_dot(x[order], grouped_a[m], sizes, precision="highest")
+        y = jax.lax.ragged_dot(h, grouped_b[m], sizes, precision="highest")
+        return jnp.zeros_like(y).at[order].set(y)
+
+    def variant(base: bool, kernel: str | None):
+        def run(xs, tok):
+            total = 0.0
+            for m in shapes:
+                y = jnp.dot(xs[m], weights[m], precision="highest") if base else 0.0
+                if kernel == "grouped":
+                    y = y + grouped(m, xs[m], tok)
+                elif kernel is not None:
+                    y = y + lora_delta(slots, m, jnp.int32(0), xs[m], tok, kernel)
+                total = total + jnp.sum(y)
+            return total
+
+        return jax.jit(run)
+
+    fns = {
+        "projections": variant(True, None),
+        "with_dense": variant(True, "dense"),
+        "with_gather": variant(True, "gather"),
+        "dense_alone": variant(False, "dense"),
+        "grouped_alone": variant(False, "grouped"),
+    }
+    for tokens in (64, 512):
+        xs = {
+            m: jnp.asarray(rng.normal(size=(tokens, i)), jnp.float32)
+            for m, (i, _) in shapes.items()
+        }
+        tok = jnp.asarray(rng.integers(0, adapters + 1, tokens), jnp.int32)
+        times = {k: [] for k in fns}
+        for f in fns.values():
+            f(xs, tok).block_until_ready()
+        for _ in range(rounds):
+            for k, f in fns.items():
+                start = time.perf_counter()
+                f(xs, tok).block_until_ready()
+                times[k].append(time.perf_counter() - start)
+        ms = {k: round(1e3 * statistics.median(v), 2) for k, v in times.items()}
+        print(json.dumps({"tokens": tokens, "median_ms": ms}))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -73,7 +145,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--min-token-bucket", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--kernels", action="store_true", help="compare the update's ways on one layer instead"
+    )
     args = ap.parse_args(argv)
+    if args.kernels:
+        compare_kernels(args.model, args.adapters, args.rank)
+        return 0
 
     model = load_model(args.model, dtype="float32", seed=args.seed)
     shapes = dict(
