@@ -15,7 +15,7 @@ The arrays are laid out as the params are (loaded.py): stacked [num_layers, ...]
 one, so an unrolled layer reads its own arrays as they are. A is stored [in, M, R] rather than
 [M, in, R] so that every slot's A is one [in, M*R] matrix without a copy. With both copies (a
 layer's slice out of a stacked array, A's transpose) a burst of 64 on SmolLM2-135M's shape with
-4 rank-16 adapters served 0.735x the base model's output tokens/s; without, 0.82x and 0.90x
+4 rank-16 adapters served 0.735x the base model's output tokens/s; without, 0.82-0.91x
 (docs/benchmarks.md, Multi-LoRA).
 
 How a step applies them (`LORA_KERNELS`, docs/architecture.md "Multi-LoRA" has the numbers):
