@@ -59,6 +59,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     parse: Callable[[str], Any] | None = None  # None: the field's type (int, float, str, bool)
     show: Callable[[Any], str] = str  # a value as the flag takes it
+    repeat: bool = False  # given once per value (--lora a=x --lora b=y): the field is a tuple
 
     @property
     def name(self) -> str:
@@ -116,6 +117,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("prompt_lookup_max", metavar="N"),
     Flag("shed_late"),
     Flag("grammar_compile_timeout_s", metavar="S"),
+    Flag("lora", metavar="NAME=PATH", parse=str, repeat=True),
+    Flag("max_loras", metavar="N"),
+    Flag("max_lora_rank", metavar="N"),
 )
 
 NOT_FLAGS: dict[str, str] = {
@@ -271,6 +275,14 @@ class _BoolListAction(argparse.Action):
         setattr(namespace, self.dest, [True] if values is None else values)
 
 
+class _AppendTuple(argparse.Action):
+    """A repeatable flag: each use adds a value to a tuple (not a list, which would read as the
+    bench's list of values to compare)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest, ()), values))
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """argparse's, but a line never breaks inside a flag's name (--max-model-\\nlen)."""
 
@@ -317,6 +329,10 @@ def add_engine_args(
             )
         elif is_bool:
             group.add_argument(*flag.names, action=argparse.BooleanOptionalAction, **common)
+        elif flag.repeat:
+            group.add_argument(
+                *flag.names, action=_AppendTuple, type=_parser(flag), metavar=flag.metavar, **common
+            )
         else:
             group.add_argument(
                 *flag.names,
@@ -361,7 +377,9 @@ def engine_argv(values: Mapping[str, Any]) -> list[str]:
     argv = []
     for field, value in values.items():
         flag = _FLAGS[field]
-        if _kind(field) is bool and not isinstance(value, list):
+        if flag.repeat and isinstance(value, tuple):
+            argv += [f"{flag.name}={show(flag, v)}" for v in value]
+        elif _kind(field) is bool and not isinstance(value, list):
             if value is not None:
                 argv.append(flag.name if value else f"--no-{flag.name.removeprefix('--')}")
         elif isinstance(value, list):

@@ -143,6 +143,16 @@ class EngineConfig:
     prompt_lookup_max: int = 3
     """Speculative decoding: the longest n-gram of a request's last tokens looked up (tried
     first)."""
+    lora: tuple[str, ...] = ()
+    """LoRA adapters served beside the base model, each NAME=PATH (a PEFT adapter folder:
+    adapter_config.json and adapter_model.safetensors); a request names one by NAME (the OpenAI
+    `model` field). Repeat the flag for more."""
+    max_loras: int | None = None
+    """Adapter slots on the device: adapters one step may mix (more may be registered; they wait
+    in host memory and take a slot when a request needs them). None: 4 when lora names any, else
+    0 (no adapters, and the step pays nothing for them)."""
+    max_lora_rank: int = 16
+    """Largest adapter rank served; every slot is this rank (smaller ones zero-padded)."""
     shed_late: bool = False
     """With slo_scheduling and a TTFT target: refuse (finish reason "refused") a waiting request
     that would miss ttft_slo_s even if started now, rather than spend capacity on one lost."""
@@ -229,6 +239,23 @@ class EngineConfig:
                 f"Bucket factors must be >= 2: {self.token_bucket_factor=}, "
                 f"{self.seq_bucket_factor=}."
             )
+        object.__setattr__(self, "lora", tuple(self.lora))  # a list would break hashing
+        for spec in self.lora:
+            name, sep, path = spec.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora={spec!r} must be NAME=PATH (a PEFT adapter folder).")
+        if self.max_loras is None:
+            object.__setattr__(self, "max_loras", 4 if self.lora else 0)
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras={self.max_loras} must be >= 0 and max_lora_rank="
+                f"{self.max_lora_rank} >= 1."
+            )
+
+    @property
+    def lora_modules(self) -> dict[str, str]:
+        """The adapters of `lora`, NAME -> PATH."""
+        return dict(spec.partition("=")[::2] for spec in self.lora)
 
     @property
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -283,6 +310,7 @@ class EngineConfig:
             batch_size=self.batch_size or self.max_num_seqs,
             dynamic_timeout_s=self.dynamic_timeout_s,
             max_waiting_requests=self.max_waiting_requests,
+            max_loras=self.max_loras,
             # Steps then land on the buckets the runner pads them to (less padding).
             token_buckets=self.token_buckets,
             speculative=self.speculative_config,

@@ -98,6 +98,8 @@ class ServerOptions:
     # Priority: lower runs first. By default clients may only lower their own (0 to 2**31 - 1);
     # True lets them send negative values too, and so preempt other clients' requests.
     clients_may_raise_priority: bool = False
+    # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter on the HTTP API.
+    allow_runtime_lora: bool = False
     stay_up_on_engine_failure: bool = False  # serve(): linger answering INTERNAL, for debugging
 
     def __post_init__(self):
@@ -272,6 +274,7 @@ class JaxServeServer:
             health_without_auth=opts.health_without_auth,
             max_body_bytes=opts.max_message_bytes,
             clients_may_raise_priority=opts.clients_may_raise_priority,
+            allow_runtime_lora=opts.allow_runtime_lora,
         )
         self._http = HttpListener(
             self.http_app.app,

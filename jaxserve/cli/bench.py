@@ -35,6 +35,7 @@ FIXED = (
     "ttft_slo_s",
     "tpot_slo_s",
     "compilation_cache_dir",
+    "lora",  # repeated, one adapter per flag: the adapters every configuration serves
 )
 COMPARED = tuple(f.field for f in ENGINE_FLAGS if f.field not in FIXED)
 BENCH_NOTE = (

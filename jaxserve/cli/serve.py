@@ -65,6 +65,12 @@ def register(sub) -> None:
         "--policy priority); by default they may only lower their own (0 to 2**31-1)",
     )
     srv.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter on the HTTP API "
+        "(vLLM's): adapters added and removed while serving, into --max-loras slots",
+    )
+    srv.add_argument(
         "--stay-up-on-engine-failure",
         action="store_true",
         help="after the engine fails, keep answering INTERNAL until signalled (debugging) "
@@ -120,6 +126,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         health_without_auth=args.health_without_auth,
         max_message_bytes=args.max_message_bytes,
         clients_may_raise_priority=args.clients_may_raise_priority,
+        allow_runtime_lora=args.allow_runtime_lora,
         stay_up_on_engine_failure=args.stay_up_on_engine_failure,
     )
     if is_follower(args):

@@ -39,6 +39,7 @@ other
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -134,8 +135,10 @@ class AsyncEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs; raises what add_request raises (bad input, full queue).
+        """Streams the request's outputs; raises what add_request raises (bad input, full queue,
+        an adapter `lora` that is not loaded).
 
         `request_id` is the caller's name for the request (unique among requests the engine
         still holds); outputs carry it, but the engine sees a fresh internal id.
@@ -161,7 +164,9 @@ class AsyncEngine:
                 )
             self._reserved[user_id] = internal_id
             self._streams[internal_id] = stream
-            self._commands.append(("add", stream, internal_id, prompt, sampling_params, priority))
+            self._commands.append(
+                ("add", stream, internal_id, prompt, sampling_params, priority, lora)
+            )
             self._lock.notify()
         try:
             await stream.accepted  # add_request's ValueError / QueueFull surface here
@@ -177,6 +182,29 @@ class AsyncEngine:
                 if self._streams.pop(internal_id, None) is not None and not self._closed:
                     self._commands.append(("abort", internal_id))
                     self._lock.notify()
+
+    async def add_lora(self, name: str, source) -> None:
+        """Registers adapter `name` (a PEFT folder) on the engine thread, between iterations;
+        raises its ValueError (a bad adapter, a name in use)."""
+        await self._on_engine_thread(self.engine.add_lora, name, source)
+
+    async def remove_lora(self, name: str) -> None:
+        """Unregisters adapter `name` on the engine thread; ValueError while requests use it."""
+        await self._on_engine_thread(self.engine.remove_lora, name)
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """(name, source) of every registered adapter (any thread: a copy of the registry)."""
+        return [(name, adapter.source) for name, adapter in self.engine.adapters.items()]
+
+    async def _on_engine_thread(self, fn, *args):
+        """Runs fn(*args) on the engine thread between iterations; returns or raises its result."""
+        future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError(self._dead_message())
+            self._commands.append(("call", fn, args, future))
+            self._lock.notify()
+        return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
         """Ends the caller's request `request_id` at the next iteration (no-op if unknown)."""
@@ -301,7 +329,11 @@ class AsyncEngine:
         with self._lock:
             self._closed = True
             streams = list(self._streams.values())
+            calls = [c[3] for c in self._commands if c[0] == "call"]
             self._commands = []
+        for future in calls:  # adapter loads never applied: their callers must not hang
+            if not future.done():
+                future.set_exception(EngineDeadError(self._dead_message()))
         error = EngineDeadError(self._dead_message())
         for stream in streams:
             self._resolve(stream.accepted, error)
@@ -335,13 +367,22 @@ class AsyncEngine:
         if command[0] == "finish":
             self.engine.finish(command[1], command[2])
             return
-        _, stream, request_id, prompt, params, priority = command
+        if command[0] == "call":
+            _, fn, args, future = command
+            try:
+                future.set_result(fn(*args))
+            except Exception as e:  # the caller's error (a bad adapter), not the engine's
+                future.set_exception(e)
+            return
+        _, stream, request_id, prompt, params, priority, lora = command
         with self._lock:
             if self._streams.get(request_id) is not stream:  # its consumer left before the add
                 self._release(request_id)
                 return
         try:
-            self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
+            self.engine.add_request(
+                prompt, params, request_id=request_id, priority=priority, lora=lora
+            )
         except Exception as e:  # bad input ends this request alone
             self._release(request_id)
             self._resolve(stream.accepted, e)

@@ -63,12 +63,14 @@ class BeamSearch:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         eos_token_ids: Sequence[int] = (),
+        lora: str | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError("The prompt has no tokens.")
         self.prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.params = params
         self.width = params.beam_width
+        self.lora = lora  # the adapter every beam's request runs with (None: the base model)
         eos = () if params.ignore_eos else tuple(eos_token_ids)
         self.end_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         self.live = [Beam([], 0.0)]
@@ -170,8 +172,11 @@ def label(engine, prompt_token_ids: Sequence[int], beams: list[Beam]) -> list[Be
     return beams
 
 
-def start_search(engine, prompt_token_ids: Sequence[int], params: SamplingParams) -> BeamSearch:
-    """A search for one prompt, checked to fit the engine's context."""
+def start_search(
+    engine, prompt_token_ids: Sequence[int], params: SamplingParams, lora: str | None = None
+) -> BeamSearch:
+    """A search for one prompt (under adapter `lora`), checked to fit the engine's context."""
+    engine.adapters.check_name(lora)
     room = engine.max_model_len - len(prompt_token_ids)
     if params.max_tokens > room:
         raise ValueError(
@@ -179,7 +184,7 @@ def start_search(engine, prompt_token_ids: Sequence[int], params: SamplingParams
             f"{len(prompt_token_ids)} tokens leave room for {room} "
             f"(max_model_len={engine.max_model_len})."
         )
-    return BeamSearch(prompt_token_ids, params, engine.model.config.eos_token_ids)
+    return BeamSearch(prompt_token_ids, params, engine.model.config.eos_token_ids, lora)
 
 
 class BeamDriver:
@@ -201,7 +206,7 @@ class BeamDriver:
         prompts = search.requests()
         self._tops[id(search)] = [None] * len(prompts)
         for i, prompt in enumerate(prompts):
-            rid = self.engine.add_request(prompt, search.request_params)
+            rid = self.engine.add_request(prompt, search.request_params, lora=search.lora)
             self._owner[rid] = (search, i)
 
     def take(self, out: RequestOutput) -> bool:
@@ -270,10 +275,11 @@ async def search_async(
     params: SamplingParams,
     request_id: str,
     priority: int = 0,
+    lora: str | None = None,
 ) -> BeamSearchOutput:
     """One search through an `AsyncEngine` (its requests named `<request_id>.beam<i>.<j>`)."""
     engine = async_engine.engine
-    search = start_search(engine, prompt_token_ids, params)
+    search = start_search(engine, prompt_token_ids, params, lora)
     arrival = time.monotonic()
     iteration = 0
     while not search.done:
@@ -281,7 +287,7 @@ async def search_async(
         ids = [f"{request_id}.beam{iteration}.{i}" for i in range(len(prompts))]
         lasts = await asyncio.gather(
             *(
-                _last_output(async_engine, p, search.request_params, i, priority)
+                _last_output(async_engine, p, search.request_params, i, priority, lora)
                 for p, i in zip(prompts, ids, strict=True)
             )
         )
@@ -299,11 +305,15 @@ async def search_async(
     return best_output(request_id, search, beams, arrival)
 
 
-async def _last_output(async_engine, prompt, params, request_id, priority) -> RequestOutput:
+async def _last_output(
+    async_engine, prompt, params, request_id, priority, lora=None
+) -> RequestOutput:
     """The finished output of one request through an `AsyncEngine`."""
     last = None
     # Closed however this ends: a cancelled search (its call cancelled) aborts the request.
-    stream = async_engine.generate(prompt, params, request_id=request_id, priority=priority)
+    stream = async_engine.generate(
+        prompt, params, request_id=request_id, priority=priority, lora=lora
+    )
     async with contextlib.aclosing(stream):
         async for last in stream:  # noqa: B007 (the last one is the result)
             pass

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from jaxserve.engine.adapters import Adapters
 from jaxserve.engine.grammar import GrammarCompiler, RequestGrammar
 from jaxserve.engine.metrics import EngineMetrics, PhaseClock
 from jaxserve.engine.output_processor import OutputProcessor
@@ -139,6 +140,10 @@ class Engine:
             token_buckets=rc.token_buckets,
             seq_bucket_for=rc.seq_bucket_for,
         )
+        # LoRA adapters in host memory (adapters.py); the device holds up to max_loras of them.
+        self.adapters = Adapters(self.model.config, rc.max_loras, rc.max_lora_rank)
+        for name, path in config.lora_modules.items():
+            self.add_lora(name, path)
         self.metrics = EngineMetrics(config.ttft_slo_s, config.tpot_slo_s)
         # Structured output: grammars compile on the compiler's threads; each constrained
         # request's matcher lives here, by request id, until its update says it finished.
@@ -237,9 +242,14 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> str:
-        """Queues a request; raises ValueError (or scheduler's RequestRejected) if it cannot run."""
+        """Queues a request; raises ValueError (or scheduler's RequestRejected) if it cannot run.
+
+        `lora` names a registered adapter (`add_lora`) the request runs with; None: the base
+        model."""
         params = sampling_params or SamplingParams()
+        self.adapters.check_name(lora)
         if params.beam_width > 1:
             raise ValueError(
                 f"beam_width={params.beam_width} asks for a beam search, which runs over the "
@@ -298,12 +308,36 @@ class Engine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             eos_token_ids=self.model.config.eos_token_ids,
+            lora_name=lora,
+            # Pages computed under an adapter are its own (docs/architecture.md, Multi-LoRA).
+            cache_salt=None if lora is None else self.adapters.salt(lora),
         )
         self.scheduler.add_request(request)  # raises when it can never fit or the queue is full
         self.outputs.add(request)
         if grammar is not None:
             self._request_grammars[request_id] = grammar
         return request_id
+
+    def add_lora(self, name: str, source) -> None:
+        """Registers adapter `name` (a PEFT folder, or a models.lora.LoraAdapter) for requests
+        to name; it takes a device slot when one needs it. Nothing compiles."""
+        if self.runner.lockstep is not None:
+            raise ValueError("LoRA adapters are not supported on a multi-host mesh yet.")
+        self.adapters.register(name, source)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregisters adapter `name`; ValueError while an unfinished request uses it."""
+        self.adapters.check_name(name)
+        # A copy first: the output thread removes finished requests meanwhile (AsyncEngine).
+        tracked = list(self.outputs.tracked.values())
+        users = [t.request.request_id for t in tracked if t.request.lora_name == name]
+        if users:
+            raise ValueError(
+                f"Adapter {name!r} is in use by {len(users)} unfinished requests "
+                f"({', '.join(map(repr, users[:3]))}{', ...' if len(users) > 3 else ''})."
+            )
+        self.scheduler.lora_slots.forget(name)
+        self.adapters.unregister(name)
 
     def abort(self, request_id: str) -> None:
         """Ends a request at the next iteration boundary, freeing its slot and pages."""
@@ -419,6 +453,8 @@ class Engine:
                 self.metrics.device.no_work(now)
             self._inflight.append(_InFlight(plan, None, 0, seen_done=True))
             return
+        for slot, name in plan.lora_loads:  # before the step that reads them (dispatch order)
+            self.runner.set_lora_slot(slot, self.adapters.get(name))
         step = self.input_batch.pack(plan.seqs)
         sampling = step.sampling
         for row in step.special_rows.tolist():  # logit bias, min_tokens, penalties: rare rows

@@ -35,6 +35,7 @@ class EngineInfo:
     num_pages: int  # KV-cache pages in the pool, as the runner sized it
     page_size: int
     policy: str  # the scheduler's policy ("fcfs", "priority")
+    max_loras: int = 0  # LoRA adapter slots on the device; 0: requests may name no adapter
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
@@ -54,4 +55,5 @@ class EngineInfo:
             num_pages=engine.runner.config.num_pages,
             page_size=config.page_size,
             policy=config.policy,
+            max_loras=config.max_loras,
         )

@@ -50,12 +50,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_logprobs: int | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[Completion]:
         """Generates for every prompt; results come back in the prompts' order.
 
         `prompt_logprobs=k` sets SamplingParams.prompt_logprobs on every request (each prompt
-        token's logprob and top k in `Completion.prompt_logprobs`).
+        token's logprob and top k in `Completion.prompt_logprobs`). `lora` names the adapter
+        (Engine.add_lora) of every prompt, or one per prompt; None: the base model.
         """
+        if lora is None or isinstance(lora, str):
+            lora = [lora] * len(prompts)
+        if len(lora) != len(prompts):
+            raise ValueError(f"Got {len(lora)} adapters for {len(prompts)} prompts.")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if prompt_logprobs is not None:
@@ -70,13 +76,13 @@ class LLM:
         ids, results = [], {}
         searches = {}  # beam searches (beam_width > 1), run beside the other requests
         driver = beam_search.BeamDriver(engine)
-        for prompt, params in zip(prompts, sampling_params, strict=True):
+        for prompt, params, adapter in zip(prompts, sampling_params, lora, strict=True):
             prompt_ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
             if params.beam_width > 1:
                 rid = f"beam-{len(searches)}"
-                searches[rid] = beam_search.start_search(engine, prompt_ids, params)
+                searches[rid] = beam_search.start_search(engine, prompt_ids, params, adapter)
             else:
-                rid = engine.add_request(prompt_ids, params)
+                rid = engine.add_request(prompt_ids, params, lora=adapter)
             ids.append(rid)
             results[rid] = Completion(rid, prompt_ids, [], "", "", None)
         start = time.monotonic()
@@ -117,10 +123,11 @@ class LLM:
         length_penalty: float = 1.0,
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
+        lora: str | None = None,
     ) -> list[list[Beam]]:
         """Every beam of a beam search per prompt (best score first; jaxserve/engine/beam_search.py
         has the rule), in the prompts' order. beam_width=1 is greedy decoding; stop_token_ids
-        end a beam as EOS does."""
+        end a beam as EOS does; `lora` names the adapter every search runs with."""
         params = SamplingParams(
             beam_width=beam_width,
             max_tokens=max_tokens,
@@ -131,7 +138,7 @@ class LLM:
         engine = self.engine
         searches = [
             beam_search.start_search(
-                engine, engine.encode(p) if isinstance(p, str) else list(p), params
+                engine, engine.encode(p) if isinstance(p, str) else list(p), params, lora
             )
             for p in prompts
         ]

@@ -2,10 +2,12 @@
 
 Input: one JSON object a line, `{"id": ..., "prompt": "..."}` or `"prompt_token_ids": [...]`,
 optionally `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`,
-`stop_token_ids`, `ignore_eos`, `beam_width`, `length_penalty`, and `structured_outputs` (a
-constraint as vLLM spells it: `{"json": schema}`, `{"regex": ...}`, `{"choice": [...]}`,
-`{"grammar": ...}`, `{"json_object": true}`; a bad one is a bad line). Its grammar compiles when
-the line is added, on the job's thread, within EngineConfig.grammar_compile_timeout_s.
+`stop_token_ids`, `ignore_eos`, `beam_width`, `length_penalty`, `lora` (the name of a LoRA
+adapter the engine serves, `--lora NAME=PATH`; without it, the base model) and
+`structured_outputs` (a constraint as vLLM spells it: `{"json": schema}`, `{"regex": ...}`,
+`{"choice": [...]}`, `{"grammar": ...}`, `{"json_object": true}`; a bad one is a bad line). Its
+grammar compiles when the line is added, on the job's thread, within
+EngineConfig.grammar_compile_timeout_s.
 A line without an id gets `line-N`, N its line number (stable as long as the file is).
 Output: one JSON object a line as each request finishes, in completion order:
 `{"id", "text", "prompt_tokens", "output_tokens", "finish_reason"}` (+ `token_ids` if asked).
@@ -180,8 +182,9 @@ def _read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
 
 def parse_line(
     raw: bytes, lineno: int, defaults: SamplingParams
-) -> tuple[str, str | list[int], SamplingParams]:
-    """(id, prompt, params) of one input line; ValueError with a short reason if it is bad."""
+) -> tuple[str, str | list[int], SamplingParams, str | None]:
+    """(id, prompt, params, LoRA adapter or None) of one input line; ValueError with a short
+    reason if it is bad."""
     try:
         obj = json.loads(raw)
     except UnicodeDecodeError:
@@ -212,7 +215,10 @@ def parse_line(
         params = dataclasses.replace(defaults, **changes) if changes else defaults  # validates
     except TypeError as e:  # e.g. "stop": 5, which is not a list of strings
         raise ValueError(f"bad sampling options {changes}: {e}") from None
-    return str(rid), prompt, params
+    lora = obj.get("lora")
+    if lora is not None and (not isinstance(lora, str) or not lora):
+        raise ValueError(f"lora {lora!r} must be the name of a LoRA adapter the engine serves")
+    return str(rid), prompt, params, lora
 
 
 # ---- the job ------------------------------------------------------------------------------
@@ -226,6 +232,7 @@ class Line:
     id: str
     prompt: str | list[int]
     params: SamplingParams
+    lora: str | None = None  # the LoRA adapter it runs with; None: the base model
 
 
 class EngineFeed:
@@ -254,7 +261,9 @@ class EngineFeed:
         if line.params.beam_width > 1:
             return self._add_search(line)
         try:
-            self.engine.add_request(line.prompt, line.params, request_id=_request_id(line.id))
+            self.engine.add_request(
+                line.prompt, line.params, request_id=_request_id(line.id), lora=line.lora
+            )
         except ValueError as e:  # too long for the model, ids outside the vocab, ...
             return str(e).rstrip(".")
         self.jobs[_request_id(line.id)] = _Job(line.lineno, line.id)
@@ -264,7 +273,7 @@ class EngineFeed:
         engine = self.engine
         try:
             ids = engine.encode(line.prompt) if isinstance(line.prompt, str) else line.prompt
-            search = beam_search.start_search(engine, ids, line.params)
+            search = beam_search.start_search(engine, ids, line.params, line.lora)
             self.beams.submit(search)  # its first request, checked as any other
         except ValueError as e:
             return str(e).rstrip(".")
@@ -389,7 +398,7 @@ class BatchRun:
                 self.bar.update(1)  # blank lines carry no request
                 continue
             try:
-                rid, prompt, params = parse_line(raw, lineno, self.defaults)
+                rid, prompt, params, lora = parse_line(raw, lineno, self.defaults)
             except ValueError as e:
                 self.bad(lineno, str(e))
                 continue
@@ -400,7 +409,7 @@ class BatchRun:
                 self.bad(lineno, f"duplicate id {rid!r} (first on line {self.seen[rid]})")
                 continue
             self.seen[rid] = lineno
-            return Line(lineno, rid, prompt, params)
+            return Line(lineno, rid, prompt, params, lora)
         return None
 
     def reject(self, line: Line, reason: str) -> None:

@@ -483,11 +483,11 @@ class BatchPredictor:
         for i in range(n):
             row = {k: _plain(k, v[i]) for k, v in columns.items() if not _missing(v[i])}
             try:  # the same checks as an input line of `jaxserve batch`
-                _, prompt, params = parse_line(json.dumps(row).encode(), i + 1, self.defaults)
+                _, prompt, params, lora = parse_line(json.dumps(row).encode(), i + 1, self.defaults)
             except (TypeError, ValueError) as e:  # TypeError: a value JSON cannot hold
                 results[i] = {"error": str(e)}
                 continue
-            lines.append(Line(i + 1, str(i), prompt, params))  # row index: ids may repeat
+            lines.append(Line(i + 1, str(i), prompt, params, lora))  # row index: ids may repeat
         while lines or self.engine.has_unfinished():
             while lines and len(self.feed) < self.queue:
                 line = lines.popleft()

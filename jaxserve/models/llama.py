@@ -54,6 +54,7 @@ from jaxserve.models.attention import (
 )
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages
+from jaxserve.models.lora import lora_delta
 from jaxserve.models.sharding import ShardingPlan, attention_over_heads
 from jaxserve.models.step_batch import StepBatch
 
@@ -112,6 +113,10 @@ class Attention(nn.Module):
             qkv = jax.lax.with_sharding_constraint(qkv, self.plan.qkv_out)
         q = qkv[:, :, :g].reshape(t, c.num_heads, c.head_dim)  # q head j * g + i reads KV head j
         k, v = qkv[:, :, g], qkv[:, :, g + 1]  # [T, num_kv_heads, head_dim]
+        if batch.lora is not None:  # each token's adapter adds its low-rank update
+            q = q + _lora(self, batch, "q_proj", layer, x).reshape(q.shape)
+            k = k + _lora(self, batch, "k_proj", layer, x).reshape(k.shape)
+            v = v + _lora(self, batch, "v_proj", layer, x).reshape(v.shape)
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
@@ -142,7 +147,10 @@ class Attention(nn.Module):
             num_kv_heads=c.num_kv_heads,
             sliding_window=c.sliding_window,
         )
-        out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(out.reshape(t, -1))
+        heads = out.reshape(t, -1)
+        out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(heads)
+        if batch.lora is not None:
+            out = out + _lora(self, batch, "o_proj", layer, heads)
         return out, kv_pool
 
 
@@ -151,11 +159,27 @@ class MLP(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, batch: StepBatch | None = None, layer=None):
         c = self.config
         gate_up = _dense((2, c.intermediate_size), c.mlp_bias, self.dtype, "gate_up_proj")(x)
         gate, up = gate_up[:, 0], gate_up[:, 1]
-        return _dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj")(nn.silu(gate) * up)
+        lora = batch is not None and batch.lora is not None
+        if lora:  # each token's adapter adds its low-rank update
+            gate = gate + _lora(self, batch, "gate_proj", layer, x)
+            up = up + _lora(self, batch, "up_proj", layer, x)
+        act = nn.silu(gate) * up
+        out = _dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj")(act)
+        return out + _lora(self, batch, "down_proj", layer, act) if lora else out
+
+
+def _lora(block: nn.Module, batch: StepBatch, module: str, layer, x: jax.Array) -> jax.Array:
+    """What the adapters of `batch`'s tokens add to `module`'s output (x: [T, in] -> [T, out]).
+
+    The slot arrays are laid out as the params (models/lora.py): under the decoder layer's own
+    name, "layers" (stacked, the scan) or "layers_{i}" (its own arrays, the unrolled loop).
+    """
+    slots = batch.lora[block.parent.name]
+    return lora_delta(slots, module, layer, x, batch.lora_slots)
 
 
 class DecoderLayer(nn.Module):
@@ -181,7 +205,7 @@ class DecoderLayer(nn.Module):
         )
         h = h + attn_out
         h = h + MLP(c, self.dtype, name="mlp")(
-            RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h)
+            RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h), batch, layer
         )
         return (h, kv_pool, layer + 1), None
 

@@ -45,6 +45,8 @@ class StepBatch:
     # (ModelRunner.last_tokens), so a step can run a token the host has not seen yet.
     feed_slots: jax.Array  # i32[T] token i is slot feed_slots[i]'s last sampled token; -1: no
     sample_slots: jax.Array  # i32[S] slot that keeps sequence s's sampled token; NO_SLOT: none
+    # Multi-LoRA (models/lora.py): token i runs with the adapter in device slot lora_slots[i].
+    lora_slots: jax.Array  # i32[T] adapter slot of each token; 0: the base model alone
     # Speculative verification (runtime/sampling.py, `verify`). Sequence s with num_proposals[s]
     # = k > 0 runs its last token then k proposals; the logits of its first k queries are
     # sampled in the extra rows extra_start[s] .. + k - 1, which follow the real sequences
@@ -55,6 +57,9 @@ class StepBatch:
     # Per-step work list of the attention backend (xla_blocked.StepPlan), derived on the device
     # from the fields above once per step, before the layer loop; None on the host.
     attention_plan: Any = None
+    # The adapters' slot arrays (lora.empty_slots' tree), set by the step on the device; None on
+    # the host and when the engine serves no adapters (then the model adds nothing).
+    lora: Any = None
 
 
 jax.tree_util.register_dataclass(
@@ -71,6 +76,7 @@ class SeqChunk:
     token_ids: Sequence[int]  # new tokens this step: a prefill chunk, or the one decode token
     start_pos: int  # position of token_ids[0]; equals the tokens already in the cache
     page_table: Sequence[int]  # pages holding this sequence's cache, covering start_pos + len
+    lora_slot: int = 0  # the device slot of its adapter (models/lora.py); 0: none
 
 
 def pack_chunks(
@@ -97,6 +103,7 @@ def pack_chunks(
     kv_lens = np.zeros(num_seqs, np.int32)
     page_tables = np.zeros((num_seqs, pages_per_seq), np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
+    lora_slots = np.zeros(num_tokens, np.int32)
     offset = 0
     for s, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
@@ -117,6 +124,7 @@ def pack_chunks(
         kv_lens[s] = end_pos
         page_tables[s, : len(table)] = table
         logits_indices[s] = offset + n - 1
+        lora_slots[offset : offset + n] = getattr(chunk, "lora_slot", 0)
         offset += n
     return StepBatch(
         token_ids=token_ids,
@@ -133,6 +141,7 @@ def pack_chunks(
         num_proposals=np.zeros(num_seqs, np.int32),
         extra_start=np.zeros(num_seqs, np.int32),
         num_rows=np.int32(len(chunks)),
+        lora_slots=lora_slots,
     )
 
 

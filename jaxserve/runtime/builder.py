@@ -58,6 +58,8 @@ def build_runner(
         token_buckets=config.token_buckets,
         seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
         attention_backend=config.attention_backend,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
     )
     if not config.num_pages:
         devices = list(mesh.devices.flat)

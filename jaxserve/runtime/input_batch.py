@@ -77,6 +77,8 @@ class InputBatch:
         # Rows whose tokens a grammar constrains (structured output): their mask rows are
         # filled per step by the engine.
         self.constrained = np.zeros(max_seqs, np.bool_)
+        # The device slot of each row's adapter (0: none), set when the row is (re)admitted.
+        self.lora_slot = np.zeros(max_seqs, np.int32)
         self._buffers: dict[int, _Buffer] = {}  # by token bucket: one packed step's memory
 
     def owner(self, slot: int) -> Request | None:
@@ -105,6 +107,9 @@ class InputBatch:
         slot, table = seq.slot, seq.page_table
         if self._owner[slot] is not seq.request:
             self._claim(slot, seq.request)
+        # Admission gives the adapter its device slot; a request admitted again (a new table)
+        # may find it in another one.
+        self.lora_slot[slot] = seq.request.lora_slot
         if self._table_of[slot] is not table:  # a new table: nothing of the old one stays
             self._table_of[slot] = table
             self.tables[slot] = 0
@@ -173,6 +178,7 @@ class InputBatch:
         b.token_ids[:total] = np.where(pending, 0, tokens)
         b.feed_slots[:total] = np.where(pending, token_slots, -1)
         b.positions[:total] = positions
+        b.lora_slots[:total] = self.lora_slot[token_slots]
         b.slot_mapping[:total] = self.tables[token_slots, positions // ps] * ps + positions % ps
         b.query_start[1 : n + 1] = ends
         b.query_start[n + 1 :] = total

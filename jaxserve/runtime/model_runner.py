@@ -27,6 +27,7 @@ from jaxserve.models.attention import warm_up_batches
 from jaxserve.models.kv_pool import KVPages, init_kv_pages
 from jaxserve.models.llama import logits_of_rows, step_compiler_options
 from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for
+from jaxserve.models.lora import LoraAdapter, empty_slots, set_slot, slot_weights
 from jaxserve.models.sharding import ShardingPlan, make_mesh
 from jaxserve.models.step_batch import (
     SeqChunk,
@@ -62,10 +63,16 @@ class RunnerConfig:
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
     attention_backend: str = "auto"
+    # Multi-LoRA (models/lora.py): adapter slots on the device, each of rank max_lora_rank.
+    # 0 slots: the step carries no adapter arrays and adds nothing.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         if self.num_pages < 1 or self.page_size < 1:
             raise ValueError(f"Need {self.num_pages=} >= 1 and {self.page_size=} >= 1.")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"Need {self.max_loras=} >= 0 and {self.max_lora_rank=} >= 1.")
         if list(self.token_buckets) != sorted(set(self.token_buckets)) or not self.token_buckets:
             raise ValueError(f"token_buckets={self.token_buckets} must be strictly increasing.")
         if list(self.seq_buckets) != sorted(set(self.seq_buckets)) or not self.seq_buckets:
@@ -103,12 +110,13 @@ def step_impl(
     last: jax.Array,  # i32[max_seqs] each batch slot's last sampled token
     mask: jax.Array
     | None = None,  # i32[S, ceil(V / 32)] allowed tokens (sampling.apply_token_mask)
+    lora: dict | None = None,  # the adapters' slot arrays (lora.empty_slots); None: LoRA off
 ):
     """One step: the forward over the ragged batch, the LM head for the real rows, sampling,
     prompt logprobs; returns (SampleOutput, kv, penalties, last tokens)."""
     fed = last[jnp.maximum(batch.feed_slots, 0)]
     batch = dataclasses.replace(
-        batch, token_ids=jnp.where(batch.feed_slots >= 0, fed, batch.token_ids)
+        batch, token_ids=jnp.where(batch.feed_slots >= 0, fed, batch.token_ids), lora=lora
     )
     hidden, kv = module.apply({"params": params}, kv, batch)
     # The head runs for the smallest tier of rows that holds the real ones, not for every
@@ -144,12 +152,12 @@ def step_impl(
     return out, kv, pen, last
 
 
-def step_words(module, params, kv: KVPages, words: jax.Array, pen, last, mask, layout):
+def step_words(module, params, kv: KVPages, words: jax.Array, pen, last, mask, layout, lora=None):
     """`step_impl` over the words `batch.to_words` packed (words: i32[N]; mask: i32[S, W] the
-    grammar rows' token bitmask; layout: static): the function the runner jits per bucket, and
-    `jaxserve compile` compiles for a target."""
+    grammar rows' token bitmask; layout: static; lora: the adapter slots or None): the function
+    the runner jits per bucket, and `jaxserve compile` compiles for a target."""
     batch, sampling = from_words(words, layout)
-    return step_impl(module, params, kv, batch, sampling, pen, last, mask)
+    return step_impl(module, params, kv, batch, sampling, pen, last, mask, lora)
 
 
 class ModelRunner:
@@ -192,6 +200,20 @@ class ModelRunner:
         # Grammar rows' allowed tokens cross as a packed bitmask per row (sampling.py).
         self.mask_words = mask_words(model.config.vocab_size)
         self._all_allowed: dict[int, jax.Array] = {}
+        # Adapter slots (models/lora.py): fixed shapes, written in place by set_lora_slot, so
+        # loading or swapping an adapter never recompiles the step. None: LoRA off.
+        self.lora = None
+        self._layer_loop = layer_loop_of(model.params)  # the slots are laid out as the params
+        if config.max_loras:
+            slots = empty_slots(
+                model.config,
+                config.max_loras,
+                config.max_lora_rank,
+                model.dtype,
+                self._layer_loop,
+            )
+            self.lora = jax.device_put(slots, self.sharding.replicated)
+        self._set_lora_slot = jax.jit(set_slot, donate_argnums=(0,))
         self.num_compiles = 0
         # The pool is donated: the step updates it in place instead of copying it every step.
         # Shardings are pinned, so the pool keeps its split from step to step (no recompiles) and
@@ -205,7 +227,8 @@ class ModelRunner:
             self._step_words,
             static_argnums=(6,),
             donate_argnums=(1, 3, 4),
-            in_shardings=(self.sharding.params(self.params), kv, rep, rep, rep, rep),
+            # params, pool, words, penalties, last tokens, grammar mask, adapter slots
+            in_shardings=(self.sharding.params(self.params), kv, rep, rep, rep, rep, rep),
             out_shardings=(rep, kv, rep, rep),
         )
         # Buckets that compile with XLA options of their own (llama.step_compiler_options) get
@@ -225,11 +248,11 @@ class ModelRunner:
                 max_seqs=config.seq_buckets[-1],
             )
 
-    def _step_words(self, params, kv: KVPages, words: jax.Array, pen, last, mask, layout):
+    def _step_words(self, params, kv: KVPages, words: jax.Array, pen, last, mask, layout, lora):
         """The step over the words `batch.to_words` packed (words: i32[N]; mask: i32[S, W];
-        layout: static)."""
+        layout: static; lora: the adapter slots or None)."""
         self.num_compiles += 1  # runs only while tracing: counts compilations
-        return step_words(self.module, params, kv, words, pen, last, mask, layout)
+        return step_words(self.module, params, kv, words, pen, last, mask, layout, lora)
 
     def all_allowed(self, num_seqs: int) -> jax.Array:
         """The token mask of a step without grammar rows (i32[num_seqs, W], every bit set): one
@@ -239,6 +262,25 @@ class ModelRunner:
             host = np.full((num_seqs, self.mask_words), -1, np.int32)
             mask = self._all_allowed[num_seqs] = jax.device_put(host, self.sharding.replicated)
         return mask
+
+    def set_lora_slot(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Puts `adapter` (None: zeros) in device slot `slot` (1..max_loras), in place.
+
+        Dispatched in order with the steps: a step dispatched before reads the old weights, one
+        after reads the new. Single-host only, like the penalties.
+        """
+        if self.lora is None or not 1 <= slot <= self.config.max_loras:
+            raise ValueError(
+                f"LoRA slot {slot} does not exist: this runner has max_loras="
+                f"{self.config.max_loras} slots, numbered from 1."
+            )
+        if self.lockstep is not None:
+            raise RuntimeError("LoRA adapters are not supported on a multi-host mesh yet.")
+        rc = self.config
+        weights = slot_weights(
+            adapter, self.model.config, rc.max_lora_rank, self.model.dtype, self._layer_loop
+        )
+        self.lora = self._set_lora_slot(self.lora, np.int32(slot - 1), weights)
 
     def set_penalty_row(self, slot: int, token_ids: Sequence[int], num_prompt: int) -> None:
         """Fills batch slot `slot`'s penalty counts from a request's prompt and outputs so far.
@@ -287,7 +329,14 @@ class ModelRunner:
         if mask is None:
             mask = self.all_allowed(batch.logits_indices.shape[0])
         out, self.kv, self.penalties, self.last_tokens = self._step_for(batch)(
-            self.params, self.kv, words.words, self.penalties, self.last_tokens, mask, words.layout
+            self.params,
+            self.kv,
+            words.words,
+            self.penalties,
+            self.last_tokens,
+            mask,
+            words.layout,
+            self.lora,
         )
         if jax.process_count() > 1:  # this host's copy of the replicated result, readable here
             out = jax.tree.map(lambda a: a.addressable_data(0), out)
@@ -357,6 +406,8 @@ class ModelRunner:
             self.lockstep.warm_up()
         else:  # the penalty initialiser (single host only), on a slot past the end: no write
             self.set_penalty_row(self.config.seq_buckets[-1], (), 0)
+            if self.lora is not None:  # the slot writer, on a slot no adapter holds yet
+                self.set_lora_slot(1, None)
         return time.perf_counter() - start
 
     def time_buckets(

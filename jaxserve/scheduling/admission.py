@@ -17,6 +17,7 @@ import heapq
 
 from jaxserve.scheduling.batching import ContinuousBatching
 from jaxserve.scheduling.kv_cache_manager import KVCacheManager
+from jaxserve.scheduling.lora_slots import LoraSlots
 from jaxserve.scheduling.offload import Offload
 from jaxserve.scheduling.preemption import Preemption
 from jaxserve.scheduling.prefix_sharing import PrefixSharing
@@ -39,6 +40,7 @@ class Admission:
         offload: Offload,
         running: list[Request],
         free_slots: list[int],
+        lora_slots: LoraSlots | None = None,
     ):
         self.config = config
         self.kv = kv
@@ -48,6 +50,7 @@ class Admission:
         self.offload = offload  # swapped requests' pages and the host tier of the prefix cache
         self.running = running  # the scheduler's, in admission order: admitted ones join it
         self.free_slots = free_slots  # the scheduler's heap of free slots, lowest first
+        self.lora_slots = lora_slots  # adapters' device slots; None: no adapters served
         # Only a waiting request under the priority policy, continuously batched, preempts.
         self._may_preempt = config.policy == "priority" and config.batching == "continuous"
 
@@ -82,6 +85,12 @@ class Admission:
                 # ahead (they take nothing it waits for), and it is first again next step.
                 set_aside.append(queue.pop_entry())
                 continue
+            lora = req.lora_name
+            if lora is not None and not self.lora_slots.can_acquire(lora):
+                # Every adapter slot is pinned by running requests of other adapters: it waits
+                # for one to finish, and those behind it that need no new slot go ahead.
+                set_aside.append(queue.pop_entry())
+                continue
             # A swapped request continues where it stopped, its pages restored.
             ps = self.config.page_size
             computed = req.num_computed_tokens if swapped else (len(hit) + len(host_hit)) * ps
@@ -106,6 +115,10 @@ class Admission:
                 req.num_cached_tokens = min(computed, req.num_prompt_tokens)
             req.status = RequestStatus.RUNNING
             req.slot = heapq.heappop(self.free_slots)
+            if lora is not None:
+                req.lora_slot, load = self.lora_slots.acquire(lora)
+                if load:  # the engine writes its weights there before this step runs
+                    plan.lora_loads.append((req.lora_slot, lora))
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             self.running.append(req)
@@ -140,6 +153,11 @@ def check_fits(req: Request, config: SchedulerConfig, kv: KVCacheManager) -> Non
     """Raises RequestRejected when `req` could never be admitted: longer than max_model_len,
     or needing more pages than the whole pool."""
     rid = req.request_id
+    if req.lora_name is not None and not config.max_loras:
+        raise RequestRejected(
+            f"Request {rid!r} names adapter {req.lora_name!r}, but this engine serves no "
+            f"adapters (max_loras=0)."
+        )
     if req.max_num_tokens > config.max_model_len:
         raise RequestRejected(
             f"Request {rid!r} asks for {req.num_prompt_tokens} prompt + "

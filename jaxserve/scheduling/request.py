@@ -92,6 +92,10 @@ class Request:
     # Prefix cache: anything besides the tokens that changes the KV (a LoRA id, a tenant's salt
     # keeping its cache apart); requests with different salts never share pages.
     cache_salt: str | None = None
+    # Multi-LoRA: the adapter it runs with (None: the base model), and the device slot admission
+    # gave that adapter (lora_slots.py; 0 while not running or without an adapter).
+    lora_name: str | None = None
+    lora_slot: int = 0
     # Prompt tokens served from cached pages at the first admission (None until admitted).
     num_cached_tokens: int | None = None
     # Hashes of the full pages of prompt + outputs so far (kv_cache_manager.PageHasher), grown by
@@ -111,6 +115,8 @@ class Request:
             raise ValueError(
                 f"Request {self.request_id!r} has prompt token ids that are not ints >= 0."
             )
+        if self.lora_name is not None and not (isinstance(self.lora_name, str) and self.lora_name):
+            raise ValueError(f"lora_name={self.lora_name!r} must be a non-empty string or None.")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt={self.cache_salt!r} must be a string or None.")
         if not isinstance(self.priority, int):

@@ -48,6 +48,7 @@ from jaxserve.scheduling.batching import batching_of
 from jaxserve.scheduling.bucket_landing import land_on_bucket
 from jaxserve.scheduling.host_pool import HostPagePool
 from jaxserve.scheduling.kv_cache_manager import KVCacheManager
+from jaxserve.scheduling.lora_slots import LoraSlots
 from jaxserve.scheduling.offload import Offload
 from jaxserve.scheduling.preemption import Preemption
 from jaxserve.scheduling.prefix_sharing import PrefixSharing
@@ -95,6 +96,8 @@ class Scheduler:
         self._running: list[Request] = []  # in admission order
         self._free_slots = list(range(config.max_num_seqs))  # a heap: lowest slot first
         self.batching = batching_of(config)  # owns the waiting queues
+        # Adapters' device slots (lora_slots.py); None: the engine serves no adapters.
+        self.lora_slots = LoraSlots(config.max_loras) if config.max_loras else None
         self._preemption = Preemption(
             self.kv,
             self._running,
@@ -112,6 +115,7 @@ class Scheduler:
             offload=self.offload,
             running=self._running,
             free_slots=self._free_slots,
+            lora_slots=self.lora_slots,
         )
         # ids to abort at the next schedule(), in order, with the reason each finishes with
         self._aborts: dict[str, FinishReason] = {}
@@ -259,6 +263,7 @@ class Scheduler:
             aborted_ids=aborted,
             step=self._step,
             **self.offload.take_copies(),
+            lora_loads=plan.lora_loads,
         )
         num_sampled = num_proposed = 0
         for seq in out.seqs:  # counted as done now: the next plan starts where this one ends
@@ -376,6 +381,8 @@ class Scheduler:
             unfinished=self._requests.keys(),
             max_num_seqs=self.config.max_num_seqs,
         )
+        if self.lora_slots is not None:
+            self.lora_slots.check_invariants([r.lora_name for r in self._running if r.lora_name])
 
     def _apply_aborts(self, now: float) -> list[str]:
         """Finishes the requests aborted since the last schedule(); returns their ids."""
@@ -411,6 +418,9 @@ class Scheduler:
             self.prefix.release(req)
         heapq.heappush(self._free_slots, req.slot)
         req.slot = None
+        if req.lora_name is not None:  # its adapter's slot may go to another adapter now
+            self.lora_slots.release(req.lora_name)
+            req.lora_slot = 0
         self._running.remove(req)
 
     def _requeue(self, req: Request) -> None:

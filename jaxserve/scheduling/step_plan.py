@@ -26,6 +26,8 @@ class StepPlan:
     chunked: bool  # SchedulerConfig.enable_chunked_prefill: a prompt may run in pieces
     seqs: dict[str, ScheduledSeq] = dataclasses.field(default_factory=dict)
     preempted: list[str] = dataclasses.field(default_factory=list)
+    # (device slot, adapter) newly loaded for requests admitted in this step (lora_slots.py).
+    lora_loads: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     limit: int = dataclasses.field(init=False)  # the step's whole budget: `budget` at creation
 
     def __post_init__(self):

@@ -57,6 +57,8 @@ class SchedulerConfig:
     preemption: str = "recompute"
     # Speculative decoding (speculation.py); None: off.
     speculative: SpeculativeConfig | None = None
+    # Multi-LoRA: adapter slots on the device (lora_slots.py); 0: no request may name an adapter.
+    max_loras: int = 0
 
     def __post_init__(self):
         if self.batch_size is None:
@@ -115,6 +117,8 @@ class SchedulerConfig:
                 f"preemption={self.preemption!r} saves pages to the host KV pool, which has "
                 f"num_host_pages={hosts}: give it pages, or use preemption='recompute'."
             )
+        if not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ValueError(f"SchedulerConfig.max_loras={self.max_loras!r} must be an int >= 0.")
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -170,6 +174,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     num_proposed: int = 0  # proposals its verification rows carry (seq.num_proposals, summed)
+    # (device slot, adapter name) to write before this step runs: adapters that took a slot
+    # in this plan (lora_slots.py), in order.
+    lora_loads: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

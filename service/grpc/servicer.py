@@ -199,10 +199,15 @@ class JaxServeServicer:
         call.fields.update(
             request_id=request_id, prompt_tokens=len(ids), max_tokens=params.max_tokens
         )
+        lora = request.lora or None  # a name the engine has not loaded: INVALID_ARGUMENT
+        if lora is not None:
+            call.fields.update(lora=lora)
         if params.beam_width > 1:
-            search = beam_search.search_async(async_engine, ids, params, request_id, priority)
+            search = beam_search.search_async(async_engine, ids, params, request_id, priority, lora)
             return _one(search)
-        return async_engine.generate(ids, params, request_id=request_id, priority=priority)
+        return async_engine.generate(
+            ids, params, request_id=request_id, priority=priority, lora=lora
+        )
 
     async def _generate(self, request, context, call: _Call) -> None:
         async with contextlib.aclosing(await self._stream(request, call)) as stream:

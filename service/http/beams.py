@@ -124,7 +124,8 @@ async def respond(
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     fields.update(id=cid, prompts=len(prompts), n=body.n, beam_width=width, stream=body.stream)
     prompt_ids = [ids for ids, _ in prompts]
-    search = search_all(serving.engine, prompt_ids, params, priority)
+    lora = serving.adapter(body.model)
+    search = search_all(serving.engine, prompt_ids, params, priority, lora)
     outs = await pumps.unless_gone(request, search)
     for out in outs:
         if out.error is not None:  # a beam's request failed or was aborted: no result
@@ -139,7 +140,7 @@ async def respond(
                 choices.append(chat_choice(len(choices), beam))
             else:
                 choices.append(completion_choice(len(choices), beam, echo))
-    head = serving.head(cid, "chat.completion" if chat else "text_completion")
+    head = serving.head(cid, "chat.completion" if chat else "text_completion", lora)
     usage_ = usage(prompt_ids, outs, body.n)
     if body.stream:
         return events(head, choices, usage_ if include_usage(body) else None)
@@ -147,14 +148,18 @@ async def respond(
 
 
 async def search_all(
-    async_engine, prompts: Sequence[list[int]], params: Sequence[SamplingParams], priority: int
+    async_engine,
+    prompts: Sequence[list[int]],
+    params: Sequence[SamplingParams],
+    priority: int,
+    lora: str | None = None,
 ) -> list[BeamSearchOutput]:
     """Runs one search per prompt, together; their outputs in prompt order. If one raises (a
     full queue), or this is cancelled (the client left), the others are cancelled too."""
     rid = uuid.uuid4().hex[:16]
     tasks = [
         asyncio.ensure_future(
-            beam_search.search_async(async_engine, ids, p, f"http-{rid}-{i}", priority)
+            beam_search.search_async(async_engine, ids, p, f"http-{rid}-{i}", priority, lora)
         )
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
     ]

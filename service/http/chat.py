@@ -61,7 +61,7 @@ class OpenAIServingChat(OpenAIServing):
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         fields.update(id=cid, n=body.n, stream=body.stream)
         running = await pumps.start(request, self.lifecycle, jobs, priority)
-        head = self.head(cid, "chat.completion")
+        head = self.head(cid, "chat.completion", jobs[0].lora)
         if body.stream:
             return self._events(head, jobs, running, include_usage(body), plan)
         choices = await pumps.unless_gone(request, pumps.collect(running, len(jobs)))

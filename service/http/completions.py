@@ -65,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
         cid = f"cmpl-{uuid.uuid4().hex}"
         fields.update(id=cid, prompts=len(prompts), n=body.n, stream=body.stream)
         running = await pumps.start(request, self.lifecycle, jobs, priority)
-        head = self.head(cid, "text_completion")
+        head = self.head(cid, "text_completion", jobs[0].lora)
         if body.stream:
             return self._events(head, jobs, running, body, include_usage(body))
         choices = await pumps.unless_gone(request, pumps.collect(running, len(jobs)))

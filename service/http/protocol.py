@@ -56,7 +56,9 @@ class ResponseFormat(_Body):
 class _Sampling(_Body):
     """Fields both endpoints share: how to sample and when to stop."""
 
-    model: str | None = None  # any name is served by the one model (see /v1/models)
+    # The base model's name or a LoRA adapter's (see /v1/models); without adapters any name is
+    # served by the one model.
+    model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -179,6 +181,19 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     tokens: list[int]
+
+
+class LoadLoraRequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's): a PEFT adapter folder, served as `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: str
 
 
 # ---- responses ----------------------------------------------------------------------------

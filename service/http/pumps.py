@@ -61,6 +61,7 @@ class Pumps:
                         job.params,
                         request_id=f"http-{rid}-{job.index}",
                         priority=priority,
+                        lora=job.lora,
                     ),
                 )
             )

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API's app (FastAPI) and its route table, over the server's engine.
 
 Routes: POST /v1/completions (completions.py), POST /v1/chat/completions (chat.py), GET
-/v1/models and /v1/models/{id}, GET /health, GET /metrics, POST /tokenize, POST /detokenize.
+/v1/models and /v1/models/{id}, GET /health, GET /metrics, POST /tokenize, POST /detokenize; with
+--allow-runtime-lora, vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 It only translates: a body is parsed (pydantic, types only), checked by service/validation.py
 (the checks gRPC runs, so an error names the field and value alike), tokenized on the server's
@@ -33,6 +34,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import pathlib
 import time
 
 from fastapi import FastAPI, Request
@@ -74,6 +76,7 @@ class OpenAIFrontEnd:
         health_without_auth: bool = False,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         clients_may_raise_priority: bool = False,
+        allow_runtime_lora: bool = False,
     ):
         self.lifecycle = lifecycle
         self.registry = registry
@@ -98,6 +101,10 @@ class OpenAIFrontEnd:
         app.post("/v1/chat/completions")(self._route("chat", self.chat.create))
         app.get("/v1/models")(self._route("models", self._models, admit=False))
         app.get("/v1/models/{model_id:path}")(self._route("model", self._model, admit=False))
+        if allow_runtime_lora:  # otherwise 404, as any unknown route (vLLM's default too)
+            load, unload = self._load_lora, self._unload_lora
+            app.post("/v1/load_lora_adapter")(self._route("load_lora", load, admit=False))
+            app.post("/v1/unload_lora_adapter")(self._route("unload_lora", unload, admit=False))
         app.post("/tokenize")(self._route("tokenize", self._tokenize))
         app.post("/detokenize")(self._route("detokenize", self._detokenize))
         app.get("/health")(self._health)
@@ -262,23 +269,72 @@ class OpenAIFrontEnd:
             "vocab_size": info.vocab_size,
         }
 
+    def _cards(self) -> list[dict]:
+        """The base model's card, then each LoRA adapter's, its base as `parent` (vLLM's)."""
+        base = self._model_card()
+        adapters = [
+            {**base, "id": name, "root": pathlib.PurePath(source).name, "parent": base["id"]}
+            for name, source in self.serving.engine.lora_adapters()
+        ]
+        return [base, *adapters]
+
     async def _models(self, request: Request, fields: dict) -> dict:
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": self._cards()}
 
     async def _model(self, request: Request, fields: dict) -> dict:
-        """GET /v1/models/{id}: the served model by its id (404 for any other id)."""
-        card = self._model_card()
+        """GET /v1/models/{id}: the served model or adapter by its id (404 for any other id)."""
+        cards = self._cards()
         model_id = request.path_params["model_id"]
-        if model_id != card["id"]:
+        for card in cards:
+            if card["id"] == model_id:
+                return card
+        raise HttpError(
+            404,
+            f"The model {validation.short(model_id)} does not exist; this server serves "
+            f"{[c['id'] for c in cards]}.",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+
+    async def _load_lora(self, request: Request, fields: dict) -> Response:
+        """POST /v1/load_lora_adapter: registers a PEFT adapter folder (nothing recompiles)."""
+        body = await self.serving.parse(request, protocol.LoadLoraRequest)
+        fields.update(lora_name=body.lora_name)
+        if self.lifecycle.engine is None:
+            self.lifecycle.admit()  # Refused: warming up
+        if body.lora_name == self.serving.model_id():
+            raise InvalidRequest(
+                f"lora_name={body.lora_name!r} is the base model's name; choose another.",
+                "lora_name",
+            )
+        try:
+            await self.serving.engine.add_lora(body.lora_name, body.lora_path)
+        except ValueError as e:  # a bad folder, a rank over the maximum, a name in use
+            raise InvalidRequest(str(e), "lora_path") from None
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def _unload_lora(self, request: Request, fields: dict) -> Response:
+        """POST /v1/unload_lora_adapter: forgets an adapter no unfinished request uses."""
+        body = await self.serving.parse(request, protocol.UnloadLoraRequest)
+        fields.update(lora_name=body.lora_name)
+        if self.lifecycle.engine is None:
+            self.lifecycle.admit()
+        names = [name for name, _ in self.serving.engine.lora_adapters()]
+        if body.lora_name not in names:
             raise HttpError(
                 404,
-                f"The model {validation.short(model_id)} does not exist; this server serves "
-                f"{card['id']!r}.",
+                f"The LoRA adapter {validation.short(body.lora_name)} is not loaded; loaded: "
+                f"{names}.",
                 "invalid_request_error",
-                "model",
+                "lora_name",
                 "model_not_found",
             )
-        return card
+        try:
+            await self.serving.engine.remove_lora(body.lora_name)
+        except ValueError as e:  # in use by unfinished requests
+            raise InvalidRequest(str(e), "lora_name") from None
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     async def _tokenize(self, request: Request, fields: dict) -> dict:
         serving = self.serving

@@ -94,6 +94,7 @@ class Job:
     # echo with max_tokens=0: the prompt scored, nothing generated. The engine samples one token
     # anyway (in the step that ends the prompt, so it costs no extra step); it is not shown.
     scoring_only: bool = False
+    lora: str | None = None  # the LoRA adapter the body's `model` named; None: the base model
 
 
 def include_usage(body: protocol._Sampling) -> bool:
@@ -129,14 +130,33 @@ class OpenAIServing:
         """The served model's name: its folder's name ("stories260k")."""
         return validation.model_name(self.info)
 
-    def head(self, call_id: str, object_: str) -> dict:
-        """The fields every response (and every chunk of a stream) of a call starts with."""
+    def head(self, call_id: str, object_: str, lora: str | None = None) -> dict:
+        """The fields every response (and every chunk of a stream) of a call starts with; the
+        model is the adapter `lora` when the call ran one."""
         return {
             "id": call_id,
             "object": object_,
             "created": protocol.now(),
-            "model": self.model_id(),
+            "model": lora or self.model_id(),
         }
+
+    def adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a body's `model` names (None: the base model). With adapters served,
+        a name that is neither the base model's nor a loaded adapter's is a 404, as OpenAI's;
+        without, any name is the one model (as before adapters existed)."""
+        if model is None or model == self.model_id() or not self.info.max_loras:
+            return None
+        names = [name for name, _ in self.engine.lora_adapters()]
+        if model in names:
+            return model
+        raise HttpError(
+            404,
+            f"The model {validation.short(model)} does not exist; this server serves "
+            f"{self.model_id()!r} and the LoRA adapters {names}.",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
 
     def token_texts(self, context: Sequence[int] = ()) -> TokenTexts:
         """Logprob tokens' texts of a sequence after `context` (token_texts.py)."""
@@ -219,6 +239,7 @@ class OpenAIServing:
         # Every field as sent is checked first: the seeds of the n samples below are taken
         # modulo 2**32, which would turn a seed out of range into one that runs.
         validation.sampling_params(sampling, num_prompt_tokens=len(prompts[0][0]), info=self.info)
+        lora = self.adapter(body.model)
         jobs = []
         for ids, text in prompts:
             for i in range(body.n):
@@ -228,7 +249,7 @@ class OpenAIServing:
                 params = validation.sampling_params(
                     sample, num_prompt_tokens=len(ids), info=self.info
                 )
-                jobs.append(Job(len(jobs), i, ids, params, text))
+                jobs.append(Job(len(jobs), i, ids, params, text, lora=lora))
         return jobs
 
     async def chat_ids(

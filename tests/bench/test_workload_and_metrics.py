@@ -114,17 +114,20 @@ def test_recover_output_cuts_a_torn_tail_and_refuses_foreign_lines(tmp_path):
 
 def test_parse_line_reasons():
     d = SamplingParams(max_tokens=8)
-    assert parse_line(b'{"prompt": "hi"}', 3, d) == ("line-3", "hi", d)
-    rid, ids, p = parse_line(
-        json.dumps({"id": 5, "prompt_token_ids": [1, 2], "max_tokens": 2}).encode(), 1, d
+    assert parse_line(b'{"prompt": "hi"}', 3, d) == ("line-3", "hi", d, None)
+    rid, ids, p, lora = parse_line(
+        json.dumps({"id": 5, "prompt_token_ids": [1, 2], "max_tokens": 2, "lora": "sql"}).encode(),
+        1,
+        d,
     )
-    assert (rid, ids, p.max_tokens) == ("5", [1, 2], 2)
+    assert (rid, ids, p.max_tokens, lora) == ("5", [1, 2], 2, "sql")
     for raw, reason in [
         (b"{oops", "not valid JSON"),
         (b"[1]", "JSON object"),
         (b'{"id": "a"}', "exactly one of"),
         (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens=0"),
         (b'{"prompt": "hi", "stop": 5}', "sampling options"),
+        (b'{"prompt": "hi", "lora": 3}', "lora 3 must be the name"),
         (b'\xff{"prompt": 1}', "UTF-8"),
     ]:
         with pytest.raises(ValueError, match=reason):

@@ -25,6 +25,7 @@ from checkpoints import LoadedModel, model_for
 from checkpoints.config_json import layer_loop_of
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages, kv_lanes
+from jaxserve.models.lora import TARGET_MODULES
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -122,6 +123,27 @@ def save_hf(model: transformers.PreTrainedModel, path: Path, **kwargs) -> Path:
     return Path(path)
 
 
+def make_adapter(base, path, *, seed: int, r: int, alpha: float, rslora: bool = False):
+    """A random peft LoRA (B non-zero) of `base` on every target module, saved to `path`."""
+    import peft  # here: only the LoRA tests need it, and it takes a while to import
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=list(TARGET_MODULES),
+        init_lora_weights=False,
+        use_rslora=rslora,
+    )
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():  # large enough that every module's update moves the logits visibly
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape) * 0.6 * p.shape[-1] ** -0.5)
+    model.save_pretrained(path)
+    return model
+
+
 @contextlib.contextmanager
 def torch_one_thread() -> Iterator[None]:
     """Runs torch on one thread: on a shared 2-core machine, torch's second thread spin-waits
@@ -152,9 +174,11 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) ->
 
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype"), donate_argnames=("kv",))
-def paged_step(config: ModelConfig, dtype: str, params: dict, kv: KVPages, batch):
-    """One ragged step: logits of every token f32[T, vocab] and the updated pool."""
+def paged_step(config: ModelConfig, dtype: str, params: dict, kv: KVPages, batch, lora=None):
+    """One ragged step: logits of every token f32[T, vocab] and the updated pool. `lora`: the
+    adapters' slot arrays (jaxserve.models.lora.empty_slots), read by each token's lora_slot."""
     model = model_for(config, jnp.dtype(dtype), layer_loop=layer_loop_of(params))
+    batch = dataclasses.replace(batch, lora=lora)
     hidden, kv = model.apply({"params": params}, kv, batch)
     return model.apply({"params": params}, hidden, method="logits"), kv
 
@@ -162,6 +186,7 @@ def paged_step(config: ModelConfig, dtype: str, params: dict, kv: KVPages, batch
 @dataclasses.dataclass
 class _Seq:
     pages: list[int]
+    lora_slot: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)  # all tokens run so far
 
 
@@ -182,8 +207,10 @@ class PagedSession:
         pages_per_seq: int = 12,
         num_pages: int = 64,
         seed: int = 0,
+        lora: dict | None = None,
     ):
         c = loaded.config
+        self.lora = lora  # adapters' slot arrays; each sequence picks one in add_seq
         self.loaded = loaded
         self.bucket = dict(
             page_size=page_size,
@@ -204,13 +231,14 @@ class PagedSession:
         self._pages_per_seq = pages_per_seq
         self.seqs: list[_Seq] = []
 
-    def add_seq(self) -> int:
-        """A new empty sequence owning `pages_per_seq` scattered pages; returns its id."""
+    def add_seq(self, lora_slot: int = 0) -> int:
+        """A new empty sequence owning `pages_per_seq` scattered pages, run with the adapter in
+        slot `lora_slot` (0: none); returns its id."""
         n = self._pages_per_seq
         if len(self._free) < n:
             raise ValueError("The test pool is too small for another sequence.")
         pages, self._free = self._free[:n], self._free[n:]
-        self.seqs.append(_Seq(pages=pages))
+        self.seqs.append(_Seq(pages=pages, lora_slot=lora_slot))
         return len(self.seqs) - 1
 
     def step(self, chunks: list[tuple[int, list[int]]]) -> list[np.ndarray]:
@@ -218,7 +246,7 @@ class PagedSession:
         seq_chunks = []
         for seq_id, tokens in chunks:
             seq = self.seqs[seq_id]
-            seq_chunks.append(SeqChunk(list(tokens), len(seq.tokens), seq.pages))
+            seq_chunks.append(SeqChunk(list(tokens), len(seq.tokens), seq.pages, seq.lora_slot))
         batch = pack_chunks(seq_chunks, **self.bucket)
         logits, self.kv = paged_step(
             self.loaded.config,
@@ -226,6 +254,7 @@ class PagedSession:
             self.params,
             self.kv,
             batch,
+            self.lora,
         )
         logits = np.asarray(logits)
         out = []

@@ -78,6 +78,9 @@ SAMPLE = dict(
     num_speculative_tokens=6,
     prompt_lookup_min=1,
     prompt_lookup_max=4,
+    lora=("sql=/adapters/sql", "chat=/adapters/chat"),  # repeated: one --lora each
+    max_loras=2,
+    max_lora_rank=32,
 )
 
 
