@@ -129,7 +129,11 @@ class HostOnlyRunner(ModelRunner):
         return _sample_output(nxt, jnp), last.at[batch.sample_slots].set(nxt, mode="drop")
 
     def _dispatch(
-        self, batch: StepBatch, sampling: SamplingBatch, words: StepWords | None = None
+        self,
+        batch: StepBatch,
+        sampling: SamplingBatch,
+        words: StepWords | None = None,
+        mask: np.ndarray | None = None,  # grammar rows' allowed tokens: the echo ignores them
     ) -> SampleOutput:
         if self.next_tokens is None:
             words = words or to_words((batch, sampling))  # one array crosses, as for the real step

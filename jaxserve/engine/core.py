@@ -114,8 +114,12 @@ class Engine:
         num_pages = self.runner.config.num_pages
         # The host KV pool (swapped requests, the prefix cache's host tier): its copies compiled
         # and the host copy rate measured now, at start-up.
-        bytes_per_page = kv_transfer.pool_bytes_per_page(self.runner.kv)
-        num_host_pages = kv_transfer.host_pages_for(config.host_kv_gb, bytes_per_page)
+        # A runner without a device pool (the host benchmark's fake device) has nothing to copy.
+        pool = getattr(self.runner, "kv", None)
+        num_host_pages = 0
+        if pool is not None:
+            bytes_per_page = kv_transfer.pool_bytes_per_page(pool)
+            num_host_pages = kv_transfer.host_pages_for(config.host_kv_gb, bytes_per_page)
         self.kv_transfer = None
         self._restores_ahead = []  # staged by the last plan, written before the next step
         if num_host_pages:
