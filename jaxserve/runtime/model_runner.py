@@ -328,6 +328,10 @@ class ModelRunner:
             words = to_words((batch, sampling))
         if mask is None:
             mask = self.all_allowed(batch.logits_indices.shape[0])
+        else:
+            # Placed as the all-ones mask is: a host array would be a second signature of the
+            # jitted step, compiled again for every bucket at warm-up.
+            mask = jax.device_put(mask, self.sharding.replicated)
         out, self.kv, self.penalties, self.last_tokens = self._step_for(batch)(
             self.params,
             self.kv,
