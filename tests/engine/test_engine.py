@@ -6,13 +6,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from checkpoints import DEFAULT_MODEL_DIR
 from jaxserve.engine.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.conftest import drain
+from tests.torch_reference import require_torch
 
 PROMPTS = [
     "Once upon a time",
@@ -28,6 +28,7 @@ PROMPTS = [
 
 def test_greedy_matches_transformers_generate(stories_engine):
     """Eight prompts batched in the engine give exactly transformers' greedy tokens."""
+    torch = require_torch()
     hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, torch_dtype=torch.float32)
     llm = LLM(engine=stories_engine)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0))

@@ -18,7 +18,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 import transformers
 
 from checkpoints import LoadedModel, model_for
@@ -26,6 +25,7 @@ from checkpoints.config_json import layer_loop_of
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
+from tests.torch_reference import require_torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # One token, one sequence, room for 208 tokens: the bucket the stories260k tests decode with.
@@ -96,6 +96,7 @@ _FAMILY = {
 
 def build_hf_model(family: str, *, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
     """A tiny float32 transformers model of `family` with every parameter randomly redrawn."""
+    torch = require_torch()
     config_cls, model_cls, switches = _FAMILY[family]
     config = config_cls(**{**_COMMON, **switches, **overrides})
     config._attn_implementation = "eager"  # the plainest reference
@@ -126,6 +127,7 @@ def save_hf(model: transformers.PreTrainedModel, path: Path, **kwargs) -> Path:
 def torch_one_thread() -> Iterator[None]:
     """Runs torch on one thread: on a shared 2-core machine, torch's second thread spin-waits
     for a core and makes these tiny forwards several times slower."""
+    torch = require_torch()
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -137,12 +139,14 @@ def torch_one_thread() -> Iterator[None]:
 
 def hf_logits(model: transformers.PreTrainedModel, ids: list[int]) -> np.ndarray:
     """transformers' float32 logits f32[len(ids), vocab] of one sequence."""
+    torch = require_torch()
     with torch_one_thread():
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
 def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
     """The `n` tokens `model.generate(do_sample=False)` appends to `prompt`."""
+    torch = require_torch()
     ids = torch.tensor([prompt])
     with torch_one_thread():
         out = model.generate(
