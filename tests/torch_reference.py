@@ -10,6 +10,7 @@ missing torch fail instead of skip (.ci/run).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -18,6 +19,15 @@ NO_TORCH = (
     "torch (the parity reference) is not installed: the test extra installs it on Python 3.11 "
     "only, where a CPU wheel exists (PyPI's torch for Python 3.12+ is a CUDA build of several GB)"
 )
+
+
+def have_torch() -> bool:
+    """Whether torch is installed (always True with JAXSERVE_REQUIRE_TORCH=1, or it fails)."""
+    if os.environ.get("JAXSERVE_REQUIRE_TORCH") == "1":
+        import torch  # noqa: F401
+
+        return True
+    return importlib.util.find_spec("torch") is not None
 
 
 def require_torch():
