@@ -91,7 +91,7 @@ def resolve(name: str | None, *, min_devices: int = 1) -> Target:
     "h100" / "h200", optionally with a device count ("h100:4", else `min_devices`).
 
     TPU targets need libtpu (`pip install -e ".[tpu]"`), GPU targets the CUDA compile set
-    (`".[cuda]"`); both work with JAX_PLATFORMS=cpu on a machine without the accelerator.
+    (`".[cuda-compile]"`); both work with JAX_PLATFORMS=cpu on a machine without the accelerator.
     """
     if name in (None, "", "local"):
         return local()
@@ -149,7 +149,7 @@ def _gpu(name: str, min_devices: int) -> Target:
     except Exception as e:  # the CUDA plugin missing
         raise ValueError(
             f"Cannot build GPU target {name!r} ({type(e).__name__}: {e}). GPU targets need the "
-            'CUDA compile set: pip install -e ".[cuda]".'
+            'CUDA compile set: pip install -e ".[cuda-compile]".'
         ) from e
     return Target(
         platform="gpu",

@@ -65,6 +65,19 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def import_kernels(backend: str) -> None:
+    """Imports what `backend` needs of Pallas now, before a step is traced.
+
+    JAX 0.12's Pallas TPU module defines a value of the tracing context, and interpret mode
+    imports it too, the first time it lowers a kernel. Imported during the first trace of a
+    step (get_attention_fn runs then), it made that trace's key differ from every later one:
+    the first bucket compiled twice at warm-up. JAX 0.10 defines no such value.
+    """
+    backend = resolve_backend(backend)
+    if backend.startswith("pallas_tpu") or backend.endswith("_interpret"):
+        from jax.experimental.pallas import tpu  # noqa: F401
+
+
 def with_attention_plan(backend: str, batch: StepBatch) -> StepBatch:
     """`batch` with its per-step attention metadata, made once per step before the layer loop.
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import target
-from jaxserve.models.attention import warm_up_batches
+from jaxserve.models.attention import import_kernels, warm_up_batches
 from jaxserve.models.kv_pool import KVPages, init_kv_pages
 from jaxserve.models.llama import logits_of_rows, step_compiler_options
 from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for
@@ -171,6 +171,7 @@ class ModelRunner:
         # One device unless a sharding plan splits the model over a mesh
         # (jaxserve/models/sharding.py).
         self.sharding = sharding or ShardingPlan.create(make_mesh(1), model.config)
+        import_kernels(config.attention_backend)  # before the first trace: see its docstring
         self.module = model_for(
             model.config,
             model.dtype,

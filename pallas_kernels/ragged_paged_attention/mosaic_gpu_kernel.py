@@ -8,11 +8,17 @@ Design. The work split is the Triton kernel's (common.py): XLA lists work items 
 `block_tokens` consecutive query tokens of one sequence) from query_start, in a static number of
 slots, and the grid is (work item, KV head, key split). One program = one warpgroup:
 - its queries, grouped (the `group` query heads of its KV head on consecutive rows, so one MMA
-  serves GQA), are TMA-copied GMEM->SMEM as a 64-row tile (wgmma's M; spare rows are masked);
+  serves GQA), are gathered by XLA into a tile of their own per work item and KV head, `rows`
+  rows, which one TMA copy puts at the top of a 64-row SMEM tile (wgmma's M; the spare rows,
+  never written, are masked). Not one copy straight out of the grouped queries: an item starts
+  on row t_lo * group, and a TMA copy into an (8, 64)-tiled SMEM tile must start on a multiple of
+  8 rows in GMEM (JAX 0.12's Mosaic GPU refuses the copy; 0.10's lowered it and would have
+  rounded the start down to the tile, reading the wrong queries for items not 8-row aligned);
 - keys and values go GMEM->SMEM a block of `pages_per_block` pages at a time, one TMA copy per page
-  (`pool[layer, page, :, h, :]`, page ids read from the page table in GMEM), into `stages` SMEM
-  slots, each slot with one barrier for its keys and one for its values; block j+stages-1 is in
-  flight while block j is computed, so the copies overlap the math;
+  (head h's key lanes, then its value lanes, of `pool[layer, page]`: common.fuse_kv; page ids
+  read from the page table in GMEM), into `stages` SMEM slots, each slot with one barrier for its
+  keys and one for its values; block j+stages-1 is in flight while block j is computed, so the
+  copies overlap the math;
 - S = Q K^T and O += P V are wgmmas with f32 accumulators (P goes through SMEM); the softmax is
   online, in registers, with a finite -1e30 for masked scores (rows with no key give 0, not NaN);
 - a block that reaches past the visible keys (a sequence's last, partial page; a sliding window's
@@ -49,7 +55,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -193,7 +198,7 @@ def _kernel(
     page_tables_ref,  # i32[S, P]
     item_seq_ref,  # i32[W] sequence of each work item
     item_start_ref,  # i32[W] first token of each work item; -1: an unused slot
-    q_ref,  # [num_kv_heads, padded_tokens * group, D] grouped queries
+    q_ref,  # [num_kv_heads, W, rows, D] each work item's grouped queries
     kv_ref,  # [num_layers, num_pages, page_size, lanes]: keys and values (common.fuse_kv)
     *refs,  # outputs, then scratch (see `ragged_paged_attention`)
     sm_scale: float,
@@ -217,7 +222,7 @@ def _kernel(
         (o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem) = refs[:10]
         k_bars, v_bars, q_bar = refs[10:]
     item, h, split = lax.axis_index("item"), lax.axis_index("head"), lax.axis_index("split")
-    page_size, head_dim = kv_ref.shape[2], q_ref.shape[2]
+    page_size, head_dim = kv_ref.shape[2], q_ref.shape[3]
     pages_per_seq = page_tables_ref.shape[1]
     block_kv = pages_per_block * page_size
     s, t_lo = item_seq_ref[item], item_start_ref[item]
@@ -268,7 +273,7 @@ def _kernel(
                 pl.when(visible)(functools.partial(copy_page, slot, p, page))
                 pl.when(~visible)(functools.partial(skip_page, slot))
 
-        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds(t_lo * group, _ROWS)], q_smem, q_bar.at[0])
+        plgpu.copy_gmem_to_smem(q_ref.at[h, item], q_smem.at[pl.ds(0, rows)], q_bar.at[0])
         for i in range(stages - 1):  # the pipeline's prologue: blocks in flight before the loop
             pl.when(j_lo + i < j_hi)(functools.partial(fetch, j_lo + i))
 
@@ -300,7 +305,7 @@ def _kernel(
             plgpu.barrier_wait(k_bars.at[slot])
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
             if interpreted:
@@ -603,13 +608,15 @@ def ragged_paged_attention(
     block_tokens, rows, num_items = shape.block_tokens, shape.rows, shape.num_items
     block_kv, splits, stages = shape.block_kv, shape.splits, shape.stages
     pages_per_block = block_kv // page_size
-    # Padded by a whole tile so the last item's 64-row query copy stays in bounds, and to whole
-    # 64-row tiles: a TMA copy's source dimension must be a multiple of its 8-row tiling.
-    tokens_per_tile = _ROWS // math.gcd(_ROWS, group)
-    padded_tokens = -(-(num_tokens + pl.cdiv(_ROWS, group)) // tokens_per_tile) * tokens_per_tile
+    # Padded so the last item's rows stay in bounds (zeros past the last token).
+    padded_tokens = num_tokens + block_tokens
     # wgmma takes one dtype for both operands: q in the pool's.
     q_grouped = common.group_queries(q.astype(dtype), num_kv_heads, padded_tokens)
     item_seq, item_start = common.work_items(query_start, num_seqs, block_tokens, num_items)
+    # Each item's `rows` rows in a tile of its own, [num_kv_heads, W, rows, D], so that its TMA
+    # copy starts on a whole tile (see the module's docstring); unused items read rows 0.
+    first_row = jnp.maximum(item_start, 0) * group
+    q_tiles = q_grouped[:, first_row[:, None] + jnp.arange(rows, dtype=jnp.int32)]
 
     tile = (num_items, num_kv_heads, rows)
     kv_transforms = _smem_transforms(head_dim, dtype)
@@ -688,7 +695,7 @@ def ragged_paged_attention(
         page_tables.astype(jnp.int32),
         item_seq,
         item_start,
-        q_grouped,
+        q_tiles,
         kv_pool,
     )
     tiles = outs[0] if splits == 1 else common.merge_splits(*outs)

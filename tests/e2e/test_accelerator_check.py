@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from jaxserve.bench import accelerator_check as ac
+from tests.torch_reference import have_torch
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +25,18 @@ def test_dry_run_writes_every_stage_with_equal_tokens_and_no_compiles(tmp_path, 
     out = tmp_path / "report"
     cmd = [sys.executable, "-m", "jaxserve.bench.accelerator_check", "--out", str(out), "--dry-run"]
     cmd += ["--compilation-cache-dir", cache_dir, "--budget-s", "1200"]
+    # The peer is transformers on torch: without torch (tests/torch_reference.py) every other
+    # stage still runs, and CI's Python 3.11 side runs this with the peer.
+    peer_runs = have_torch()
+    names = [name for name, *_ in ac.STAGES if peer_runs or name != "peer"]
+    cmd += ["--stages", ",".join(names)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # The device tool brings back 8 files at most from $OUT.
     assert sorted(f.name for f in out.iterdir()) == ["report.json", "stages.log", "summary.md"]
     report = json.loads((out / "report.json").read_text())
     stages = report["stages"]
-    assert list(stages) == [name for name, *_ in ac.STAGES]
+    assert list(stages) == names
     for name, stage in stages.items():
         want = "skipped" if name == "gpu_check" else "ok"
         assert stage["status"] == want, (name, stage)
@@ -57,15 +63,16 @@ def test_dry_run_writes_every_stage_with_equal_tokens_and_no_compiles(tmp_path, 
         for name, count in p["bursts"].items():
             assert runs[name]["output_tokens"] == count * p["burst_lengths"]["output_range"][1]
         assert runs["single"]["tpot"]["p50"] > 0
-    peer = stages["peer"]["result"]
-    for name, count in p["bursts"].items():
-        assert peer[name]["num_errors"] == 0
-        assert peer[name]["output_tokens"] == count * p["burst_lengths"]["output_range"][1]
+    if peer_runs:
+        peer = stages["peer"]["result"]
+        for name, count in p["bursts"].items():
+            assert peer[name]["num_errors"] == 0
+            assert peer[name]["output_tokens"] == count * p["burst_lengths"]["output_range"][1]
 
-    targets = {t["target"]: t for t in report["targets"]}
-    ratio = targets["burst8 output tok/s vs transformers"]
-    ours = speed[p["backends"][0]]["burst8"]["output_token_throughput"]
-    assert ratio["value"] == ours / peer["burst8"]["output_token_throughput"]
+        targets = {t["target"]: t for t in report["targets"]}
+        ratio = targets["burst8 output tok/s vs transformers"]
+        ours = speed[p["backends"][0]]["burst8"]["output_token_throughput"]
+        assert ratio["value"] == ours / peer["burst8"]["output_token_throughput"]
     summary = (out / "summary.md").read_text()
     assert "| engine_correctness | ok |" in summary
     assert "Greedy tokens equal between backends: 16/16" in summary

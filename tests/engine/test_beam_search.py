@@ -13,7 +13,6 @@ import math
 import grpc
 import numpy as np
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from checkpoints import DEFAULT_MODEL_DIR
@@ -23,6 +22,7 @@ from jaxserve.engine.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
 from tests.service.conftest import serving
+from tests.torch_reference import require_torch
 
 PROMPTS = ["Once upon a time", "Lily was sad. She cried and"]
 PERIOD = 426  # "." in stories260k's vocabulary: as a stop token it ends beams at uneven lengths
@@ -32,6 +32,7 @@ PERIOD = 426  # "." in stories260k's vocabulary: as a stop token it ends beams a
 def hf():
     # One thread: the reference's tiny matmuls take ~1 ms on one, and up to 100x that when two
     # threads contend with the engine's (and a busy CI machine's) for the 2 cores.
+    torch = require_torch()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, torch_dtype=torch.float32).eval()
@@ -40,6 +41,7 @@ def hf():
 
 def reference_beam_search(hf, prompt, k, max_tokens, length_penalty, end_ids):
     """[(tokens, cumulative logprob, score)] best first, recomputing every beam from scratch."""
+    torch = require_torch()
     live, finished = [([], 0.0)], []
     while True:
         batch = torch.tensor([prompt + tokens for tokens, _ in live])

@@ -6,7 +6,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from checkpoints import DEFAULT_MODEL_DIR
@@ -14,6 +13,7 @@ from jaxserve.engine.llm import LLM
 from jaxserve.runtime import compiles
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.conftest import drain
+from tests.torch_reference import require_torch
 
 PROMPTS = [
     "Once upon a time",
@@ -29,6 +29,7 @@ PROMPTS = [
 
 def test_greedy_matches_transformers_generate(stories_engine):
     """Eight prompts batched in the engine give exactly transformers' greedy tokens."""
+    torch = require_torch()
     hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, torch_dtype=torch.float32)
     llm = LLM(engine=stories_engine)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0))

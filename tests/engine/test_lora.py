@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from jaxserve.engine.core import Engine
 from jaxserve.engine.llm import LLM
@@ -23,6 +22,11 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.jobs.batch_job import run_batch
 from jaxserve.sampling_params import SamplingParams
 from tests.models.helpers import build_hf_model, make_adapter, save_hf, torch_one_thread
+from tests.torch_reference import require_peft, require_torch
+
+# The adapters are made with peft on a transformers model: the whole module needs torch.
+torch = require_torch()
+require_peft()
 
 SHAPES = dict(
     max_num_seqs=8,

@@ -13,13 +13,13 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 import checkpoints
 from jaxserve import LLM, SamplingParams
 from jaxserve.runtime.sampling import SamplingBatch, prompt_logprobs
 from tests.engine.conftest import drain
+from tests.torch_reference import require_torch
 
 STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun. "
@@ -33,6 +33,7 @@ TOL = 1e-4  # float32 on both sides; observed differences are ~2e-6
 
 @pytest.fixture(scope="module")
 def hf_model():
+    torch = require_torch()
     model = AutoModelForCausalLM.from_pretrained(
         checkpoints.DEFAULT_MODEL_DIR, dtype=torch.float32, attn_implementation="eager"
     )
@@ -41,6 +42,7 @@ def hf_model():
 
 def hf_log_softmax(model, ids: list[int]) -> np.ndarray:
     """f32[len(ids), V]: row i is the distribution of the token after ids[i]."""
+    torch = require_torch()
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0]
     return torch.log_softmax(logits, dim=-1).numpy()

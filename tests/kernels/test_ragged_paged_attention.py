@@ -12,6 +12,7 @@ On a GPU, `python -m pallas_kernels.gpu_check` runs the GPU kernel's tests here 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -202,6 +203,15 @@ def test_tiny_case_worked_by_hand(fn):
     np.testing.assert_allclose(np.asarray(out), TINY_ANSWER, rtol=1e-5, atol=1e-6)
 
 
+def gpu_target(kind: str = "NVIDIA H100"):
+    """Names the GPU a lowering without one is for: since JAX 0.11, Pallas's Triton lowering reads
+    the compute capability from the abstract mesh's device when no GPU is attached (JAX 0.10 fell
+    back to sm90 by itself and ignores this). An H100 is sm90, as 0.10's fallback."""
+    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
 @pytest.mark.parametrize(
     ("kernel", "platform", "marker", "block_sizes"),
     [
@@ -218,5 +228,7 @@ def test_lowers_for_the_accelerator(kernel, platform, marker, block_sizes):
     """
     case = Case(((9, 40), (1, 17), (1, 3)), 16, 8, 2, 128, jnp.bfloat16, 16, 4)
     fn = functools.partial(kernel, sm_scale=0.1, block_sizes=block_sizes)
-    lowered = jax.jit(fn).trace(*make_inputs(case)).lower(lowering_platforms=(platform,))
+    args = make_inputs(case)
+    with gpu_target() if platform == "cuda" else contextlib.nullcontext():
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,))
     assert marker in lowered.as_text()

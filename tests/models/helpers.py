@@ -18,7 +18,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 import transformers
 
 from checkpoints import LoadedModel, model_for
@@ -27,6 +26,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages, kv_lanes
 from jaxserve.models.lora import TARGET_MODULES
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
+from tests.torch_reference import require_torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # One token, one sequence, room for 208 tokens: the bucket the stories260k tests decode with.
@@ -97,6 +97,7 @@ _FAMILY = {
 
 def build_hf_model(family: str, *, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
     """A tiny float32 transformers model of `family` with every parameter randomly redrawn."""
+    torch = require_torch()
     config_cls, model_cls, switches = _FAMILY[family]
     config = config_cls(**{**_COMMON, **switches, **overrides})
     config._attn_implementation = "eager"  # the plainest reference
@@ -127,6 +128,8 @@ def make_adapter(base, path, *, seed: int, r: int, alpha: float, rslora: bool = 
     """A random peft LoRA (B non-zero) of `base` on every target module, saved to `path`."""
     import peft  # here: only the LoRA tests need it, and it takes a while to import
 
+    torch = require_torch()
+
     torch.manual_seed(seed)
     config = peft.LoraConfig(
         r=r,
@@ -148,6 +151,7 @@ def make_adapter(base, path, *, seed: int, r: int, alpha: float, rslora: bool = 
 def torch_one_thread() -> Iterator[None]:
     """Runs torch on one thread: on a shared 2-core machine, torch's second thread spin-waits
     for a core and makes these tiny forwards several times slower."""
+    torch = require_torch()
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -159,12 +163,14 @@ def torch_one_thread() -> Iterator[None]:
 
 def hf_logits(model: transformers.PreTrainedModel, ids: list[int]) -> np.ndarray:
     """transformers' float32 logits f32[len(ids), vocab] of one sequence."""
+    torch = require_torch()
     with torch_one_thread():
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
 def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) -> list[int]:
     """The `n` tokens `model.generate(do_sample=False)` appends to `prompt`."""
+    torch = require_torch()
     ids = torch.tensor([prompt])
     with torch_one_thread():
         out = model.generate(

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 import checkpoints
@@ -30,6 +29,7 @@ from tests.models.helpers import (
     save_hf,
     sequence_logits,
 )
+from tests.torch_reference import require_torch
 
 ATOL = 1e-4
 PROMPT = [1, 103, 107, 61, 78, 17, 99, 3, 45]  # within every test model's vocab (128)
@@ -108,6 +108,7 @@ def test_sharded_safetensors(tmp_path):
 
 
 def test_bfloat16_safetensors(tmp_path):
+    torch = require_torch()
     hf = build_hf_model("qwen2").to(torch.bfloat16)
     path = save_hf(hf, tmp_path / "bf16")
     header, _ = read_header(path / "model.safetensors")

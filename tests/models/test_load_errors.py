@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 import checkpoints
 from tests.models.helpers import build_hf_model, save_hf
+from tests.torch_reference import require_torch
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,7 @@ def test_folder_without_config(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
+    require_torch()  # transformers builds the GPT-2 model in torch
     config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)
     save_hf(transformers.GPT2LMHeadModel(config), tmp_path)
     with pytest.raises(checkpoints.ModelLoadError, match="Unsupported architecture") as e:

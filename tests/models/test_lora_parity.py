@@ -16,9 +16,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import peft
 import pytest
-import torch
 
 import checkpoints
 from checkpoints.peft import AdapterLoadError, load_peft_adapter
@@ -31,6 +29,10 @@ from tests.models.helpers import (
     save_hf,
     torch_one_thread,
 )
+from tests.torch_reference import require_peft, require_torch
+
+torch = require_torch()
+peft = require_peft()
 
 ATOL = 1e-4
 MAX_RANK = 8

@@ -10,11 +10,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 import checkpoints
 from tests.models.helpers import STORIES_BUCKET, hf_greedy, paged_greedy
+from tests.torch_reference import require_torch
 
 NUM_TOKENS = 200
 # Known start of the story: "Once upon a time, there was".
@@ -40,6 +40,7 @@ def test_default_is_the_embedded_stories260k(default_model):
 
 
 def test_greedy_from_bos_matches_transformers():
+    torch = require_torch()
     loaded = checkpoints.load_model(dtype=jnp.float32)
     bos = loaded.config.bos_token_id
     ours = paged_greedy(loaded, [[bos]], NUM_TOKENS, **STORIES_BUCKET)[0]

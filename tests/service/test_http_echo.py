@@ -13,11 +13,11 @@ import itertools
 import numpy as np
 import openai
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 import checkpoints
 from tests.service.test_http import _post
+from tests.torch_reference import require_torch
 
 PROMPT = "Once upon a time, there was a little girl named Lily"
 K = 3
@@ -27,6 +27,7 @@ TOL = 1e-4  # float32 on both sides
 @pytest.fixture(scope="module")
 def reference(engine):
     """(prompt ids, f32[len, V] transformers' log_softmax: row i scores the token after i)."""
+    torch = require_torch()
     ids = engine.encode(PROMPT)
     model = AutoModelForCausalLM.from_pretrained(
         checkpoints.DEFAULT_MODEL_DIR, dtype=torch.float32, attn_implementation="eager"
