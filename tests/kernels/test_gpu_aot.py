@@ -37,20 +37,30 @@ from pallas_kernels.ragged_paged_attention.kernel_choice import (
     choose_gpu_kernel,
 )
 
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported; a missing parent package (no `jax_plugins` or `nvidia`
+    namespace at all, as in a venv without libtpu or any CUDA wheel) is not installed either."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 _MISSING = [
     package
     for package, module in (
         ("jax-cuda12-plugin", "jax_plugins.xla_cuda12"),
         ("nvidia-cuda-nvcc-cu12", "nvidia.cuda_nvcc"),
     )
-    if importlib.util.find_spec(module) is None
+    if not _installed(module)
 ]
 needs_cuda_plugin = pytest.mark.skipif(
     bool(_MISSING),
     reason=(
         f"Compiling for a GPU without one needs the CUDA plugin and ptxas; not installed: "
-        f"{', '.join(_MISSING)} (pip install jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2 "
-        f"nvidia-cuda-nvcc-cu12)."
+        f"{', '.join(_MISSING)} (pip install -e '.[cuda-compile]', "
+        f"or as .ci/run does, into a folder of its own)."
     ),
 )
 

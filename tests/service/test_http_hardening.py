@@ -173,7 +173,9 @@ def test_a_body_over_the_limit_is_413_by_its_header_or_as_it_streams(engine):
         port = server.server.http_port
         took, reply = _refusal_of_declared_size(port, limit + 1)
         status_line, _, rest = reply.partition(b"\r\n")
-        assert status_line == b"HTTP/1.1 413 Request Entity Too Large" and took < 1.0
+        # The reason phrase is Python's: "Request Entity Too Large" to 3.12, "Content Too Large"
+        # (RFC 9110) from 3.13.
+        assert status_line.startswith(b"HTTP/1.1 413 ") and took < 1.0, status_line
         error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
         assert error["code"] == "request_too_large"
         assert f"has {limit + 1} bytes (its Content-Length)" in error["message"]
