@@ -13,6 +13,7 @@ step time a roofline predicts from the compiled cost analysis and the chip's pub
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -34,6 +35,7 @@ from jaxserve.models.step_batch import pack_chunks, to_words
 from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.runtime.model_runner import RunnerConfig, step_words
 from jaxserve.runtime.sampling import PenaltyState, SamplingBatch, mask_words
+from pallas_kernels import gpu_targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,11 +428,16 @@ def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketRe
     report = BucketReport(num_tokens=num_tokens, num_seqs=num_seqs, compiled=False)
     start = time.perf_counter()
     try:
-        compiled = (
-            step.trace(p.params, p.kv, words_in, p.pen, p.last, mask_in, words.layout)
-            .lower()
-            .compile()
-        )
+        # GPUs: Pallas's Triton lowering learns the target GPU from the abstract mesh.
+        with (
+            gpu_targets.lowering_for(p.replicated.mesh)
+            if p.target.platform == "gpu"
+            else contextlib.nullcontext()
+        ):
+            lowered = step.trace(
+                p.params, p.kv, words_in, p.pen, p.last, mask_in, words.layout
+            ).lower()
+        compiled = lowered.compile()
     except Exception as e:  # the compiler's own words are the report
         report.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
         report.compile_s = time.perf_counter() - start

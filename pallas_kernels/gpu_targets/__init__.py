@@ -51,6 +51,20 @@ def compute_capability(name: str) -> str:
     return f"{fields.get('major', '0')}.{fields.get('minor', '0')}"
 
 
+def lowering_for(mesh):
+    """A context in which Pallas lowers for the GPUs of `mesh` (compile-only devices included).
+
+    Since JAX 0.11, Pallas's Triton lowering reads the GPU's kind (hence its compute capability)
+    from the abstract mesh in context, and from the default device only without one: on a
+    machine without a GPU that is the CPU, and the lowering fails ("No supported GPU devices
+    found"). JAX 0.10 fell back to sm90 by itself and ignores the context. Trace and lower a
+    program for compile-only GPUs inside this.
+    """
+    import jax
+
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
 def compile_only_devices(name: str, num_devices: int = 1) -> list:
     """`num_devices` compile-only GPUs of target `name` on one host, from the CUDA plugin.
 

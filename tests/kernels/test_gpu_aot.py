@@ -177,7 +177,9 @@ def test_chosen_kernel_compiles_for_sm90a(name, h100):
     shape, want = CASES[name]
     kernel = shape.choice()
     assert kernel == want
-    compiled = jax.jit(shape.kernel(kernel)).trace(*shape.args(h100)).lower().compile()
+    with gpu_targets.lowering_for(h100.mesh):
+        lowered = jax.jit(shape.kernel(kernel)).trace(*shape.args(h100)).lower()
+    compiled = lowered.compile()
     text = compiled.as_text()
     # The kernel is in the executable as its custom call, not an XLA fallback.
     assert ("mosaic_gpu" in text) if kernel == MOSAIC_GPU else ("triton" in text)
@@ -190,7 +192,9 @@ def test_h200_target_compiles_too():
     assert len(devices) == 2 and "H200" in devices[0].device_kind
     sharding = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
     shape, kernel = CASES["bf16_d128_mixed_gqa4"]
-    jax.jit(shape.kernel(kernel)).trace(*shape.args(sharding)).lower().compile()
+    with gpu_targets.lowering_for(sharding.mesh):
+        lowered = jax.jit(shape.kernel(kernel)).trace(*shape.args(sharding)).lower()
+    lowered.compile()
 
 
 # Triton launches whose SMEM need is read off the compiler: (shape, tuning row).
@@ -239,8 +243,10 @@ def test_triton_smem_model_bounds_what_triton_asks_for():
             launch.stages,
         )
         fn = functools.partial(gpu_kernel.ragged_paged_attention, sm_scale=0.1, block_sizes=sizes)
+        with gpu_targets.lowering_for(sharding.mesh):
+            lowered = jax.jit(fn).trace(*shape.args(sharding)).lower()
         with pytest.raises(Exception, match="requested") as failure:
-            jax.jit(fn).trace(*shape.args(sharding)).lower().compile()
+            lowered.compile()
         requested = int(re.search(r"requested (\d+)", str(failure.value)).group(1))
         assert requested <= bound < 4 * requested, (shape, launch, requested, bound)
 
