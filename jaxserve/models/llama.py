@@ -212,23 +212,6 @@ class DecoderLayer(nn.Module):
 
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 
-# Token buckets whose step XLA:CPU compiles without YNN fusions (see `step_compiler_options`).
-NO_YNN_TOKEN_BUCKETS = range(8, 33)
-
-
-def step_compiler_options(num_tokens: int, platform: str) -> dict[str, str]:
-    """XLA compile options for the step of a `num_tokens` bucket on `platform` (none: defaults).
-
-    XLA:CPU hands f32 matmuls to YNNPACK fusions, which run a decode step of 8-32 rows slower
-    than XLA's older dot path. Measured on smollm2-135m (random weights, f32, unrolled), both
-    compiled in one process and interleaved on the shared 2-core machine, step time with YNN
-    fusions off over with them on: 8 rows 0.89x, 16 rows 0.85-0.94x, 32 rows 0.74-0.95x (wall;
-    0.92x CPU), but 1 row 1.01-1.08x and 64 rows 1.05x, so only the buckets between keep it off.
-    """
-    if platform != "cpu" or num_tokens not in NO_YNN_TOKEN_BUCKETS:
-        return {}
-    return {"xla_cpu_experimental_ynn_fusion_type": ""}
-
 
 # The fewest rows the LM head is run for when a step has more row slots than real rows.
 HEAD_MIN_ROWS = 8

@@ -28,7 +28,7 @@ from jaxserve import target as targets
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages, padded_bytes, pool_padding
-from jaxserve.models.llama import resolve_layer_loop, step_compiler_options
+from jaxserve.models.llama import resolve_layer_loop
 from jaxserve.models.loaded import abstract_params, model_for, unstack_layers
 from jaxserve.models.sharding import ShardingPlan, make_mesh
 from jaxserve.models.step_batch import pack_chunks, to_words
@@ -413,7 +413,6 @@ def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketRe
     )
     words = to_words((batch, SamplingBatch.empty(num_seqs)))
     words_in = jax.ShapeDtypeStruct(np.shape(words.words), jnp.int32, sharding=p.replicated)
-    options = step_compiler_options(num_tokens, p.target.platform) or None
     mask_in = jax.ShapeDtypeStruct(
         (num_seqs, mask_words(p.pen.output_counts.shape[1])), jnp.int32, sharding=p.replicated
     )
@@ -423,7 +422,6 @@ def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketRe
         donate_argnums=(1, 3, 4),
         in_shardings=(p.param_shardings, p.kv_sharding, *[p.replicated] * 4),
         out_shardings=(p.replicated, p.kv_sharding, p.replicated, p.replicated),
-        compiler_options=options,
     )
     report = BucketReport(num_tokens=num_tokens, num_seqs=num_seqs, compiled=False)
     start = time.perf_counter()

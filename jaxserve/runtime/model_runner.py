@@ -22,10 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import target
 from jaxserve.models.attention import import_kernels, warm_up_batches
 from jaxserve.models.kv_pool import KVPages, init_kv_pages
-from jaxserve.models.llama import logits_of_rows, step_compiler_options
+from jaxserve.models.llama import logits_of_rows
 from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for
 from jaxserve.models.lora import LoraAdapter, empty_slots, set_slot, slot_weights
 from jaxserve.models.sharding import ShardingPlan, make_mesh
@@ -223,8 +222,7 @@ class ModelRunner:
         # The step's host inputs cross as ONE int32 array (`batch.to_words`): on the CPU each array
         # passed to a jitted call costs a transfer of its own, ~1.5 ms a step for the ~30 arrays
         # of a StepBatch and SamplingBatch (a 2.5 ms decode step of `tiny` took 4 ms).
-        self._jit_step = functools.partial(
-            jax.jit,
+        self._step = jax.jit(
             self._step_words,
             static_argnums=(6,),
             donate_argnums=(1, 3, 4),
@@ -232,10 +230,6 @@ class ModelRunner:
             in_shardings=(self.sharding.params(self.params), kv, rep, rep, rep, rep, rep),
             out_shardings=(rep, kv, rep, rep),
         )
-        # Buckets that compile with XLA options of their own (llama.step_compiler_options) get
-        # a jitted step of their own: one per option set, made on first use.
-        self._option_steps = {(): self._jit_step()}
-        self._bucket_steps = {}  # num_tokens -> its jitted step
         # One shape (the context length) for every request: compiled once, on first use.
         self._init_penalty_row = jax.jit(init_penalty_row, donate_argnums=(0,))
         # Multi-host: process 0 sends every step to the others (jaxserve/runtime/multihost.py).
@@ -333,7 +327,7 @@ class ModelRunner:
             # Placed as the all-ones mask is: a host array would be a second signature of the
             # jitted step, compiled again for every bucket at warm-up.
             mask = jax.device_put(mask, self.sharding.replicated)
-        out, self.kv, self.penalties, self.last_tokens = self._step_for(batch)(
+        out, self.kv, self.penalties, self.last_tokens = self._step(
             self.params,
             self.kv,
             words.words,
@@ -346,18 +340,6 @@ class ModelRunner:
         if jax.process_count() > 1:  # this host's copy of the replicated result, readable here
             out = jax.tree.map(lambda a: a.addressable_data(0), out)
         return out
-
-    def _step_for(self, batch: StepBatch):
-        """The jitted step of `batch`'s bucket: with that bucket's XLA options, if it has any."""
-        num_tokens = batch.token_ids.shape[0]
-        step = self._bucket_steps.get(num_tokens)
-        if step is None:  # a bucket's first step: looked up once, then a dict hit per step
-            options = step_compiler_options(num_tokens, target.current().platform)
-            key = tuple(sorted(options.items()))
-            if key not in self._option_steps:
-                self._option_steps[key] = self._jit_step(compiler_options=options or None)
-            step = self._bucket_steps[num_tokens] = self._option_steps[key]
-        return step
 
     def follow(self) -> None:
         """Processes other than 0 of a multi-host mesh: runs process 0's steps until released."""

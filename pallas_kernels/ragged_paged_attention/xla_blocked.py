@@ -57,7 +57,8 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_paged_attention import common
 
 # Query rows per prefill tile: big enough for a real matmul against each key block, small enough
-# that a short chunk or the causal diagonal wastes little (module docstring: measured).
+# that a short chunk or the causal diagonal wastes little (module docstring: measured). A step of
+# fewer tokens takes tiles of its own size (`_tile_rows`).
 _TILE_ROWS = 64
 # Keys per block of the prefill loop.
 _TILE_KEYS = 128
@@ -80,7 +81,7 @@ class StepPlan:
 
     tile_seq: jax.Array  # i32[NT] sequence of each query tile (padding tiles: 0, never run)
     tile_start: jax.Array  # i32[NT] first query row of each tile
-    tile_rows: jax.Array  # i32[NT] real rows of each tile, 1.._TILE_ROWS (padding tiles: 0)
+    tile_rows: jax.Array  # i32[NT] real rows of each tile, 1.._tile_rows(T) (padding tiles: 0)
     num_tiles: jax.Array  # i32[] tiles to run; tiles [num_tiles, NT) are padding
     decode_rows: jax.Array  # i32[S] query row of each decoding sequence; T (scratch) otherwise
     decode_kv_max: jax.Array  # i32[] longest context among decoding sequences (0: none)
@@ -91,6 +92,15 @@ jax.tree_util.register_dataclass(
 )
 
 
+def _tile_rows(num_tokens: int) -> int:
+    """Query rows per prefill tile in a step of `num_tokens` (static): _TILE_ROWS, or the step's
+    own size where that is smaller. A chunk never has more rows than its step, so a small step's
+    chunks still take one tile each, without the padded rows: a speculative verification (a
+    chunk of k + 1 tokens in a small bucket) ran 64 rows for its 5, and on the embedded model
+    that padding was most of the step (docs/benchmarks.md, "Speculative decoding")."""
+    return min(_TILE_ROWS, max(num_tokens, 1))
+
+
 def plan_step(
     num_tokens: int,
     query_start: jax.Array,  # i32[S + 1]
@@ -99,18 +109,19 @@ def plan_step(
 ) -> StepPlan:
     """The tile list and decode rows of one step (jnp, O(S + T / _TILE_ROWS)); see the module."""
     num_slots = kv_lens.shape[0]
+    tile_rows = _tile_rows(num_tokens)
     q_lens = query_start[1:] - query_start[:-1]
     real = jnp.arange(num_slots) < num_seqs
     is_decode = real & (q_lens == 1)
-    tiles_per_seq = jnp.where(real & (q_lens > 1), -(-q_lens // _TILE_ROWS), 0)
+    tiles_per_seq = jnp.where(real & (q_lens > 1), -(-q_lens // tile_rows), 0)
     tiles_end = jnp.cumsum(tiles_per_seq)  # exclusive prefix: tiles_end - tiles_per_seq
     # Each prefill sequence has >= 2 rows and wastes < 1 tile, so this bounds the real tiles.
-    max_tiles = min(-(-num_tokens // _TILE_ROWS) + num_slots, max(num_tokens // 2, 1))
+    max_tiles = min(-(-num_tokens // tile_rows) + num_slots, max(num_tokens // 2, 1))
     tile = jnp.arange(max_tiles, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(tiles_end, tile, side="right"), num_slots - 1)
-    start = query_start[seq] + (tile - (tiles_end[seq] - tiles_per_seq[seq])) * _TILE_ROWS
+    start = query_start[seq] + (tile - (tiles_end[seq] - tiles_per_seq[seq])) * tile_rows
     num_tiles = tiles_end[-1]
-    rows = jnp.where(tile < num_tiles, jnp.minimum(query_start[seq + 1] - start, _TILE_ROWS), 0)
+    rows = jnp.where(tile < num_tiles, jnp.minimum(query_start[seq + 1] - start, tile_rows), 0)
     return StepPlan(
         tile_seq=seq.astype(jnp.int32),
         tile_start=start.astype(jnp.int32),
@@ -149,7 +160,7 @@ def ragged_paged_attention(
 
     def prefill(out):
         # Padded by one tile so a tile's slice never runs off the end (dynamic_slice clamps).
-        out = jnp.pad(out, ((0, _TILE_ROWS), (0, 0), (0, 0)))
+        out = jnp.pad(out, ((0, _tile_rows(num_tokens)), (0, 0), (0, 0)))
         out = _prefill_tiles(q, pool, query_start, plan, out, sm_scale, sliding_window)
         return out[:num_tokens]
 
@@ -249,18 +260,19 @@ def _prefill_tiles(q, pool, query_start, plan: StepPlan, out, sm_scale, sliding_
     group = num_heads // num_kv_heads
     pages_per_block = max(1, _TILE_KEYS // page_size)
     block_keys = pages_per_block * page_size
+    tile_rows = _tile_rows(q.shape[0])
     # Padded by one tile so a tile's slice never runs off the end (dynamic_slice would clamp it).
-    q_padded = jnp.pad(q * sm_scale, ((0, _TILE_ROWS), (0, 0), (0, 0)))
-    row = jnp.arange(_TILE_ROWS)
+    q_padded = jnp.pad(q * sm_scale, ((0, tile_rows), (0, 0), (0, 0)))
+    row = jnp.arange(tile_rows)
 
     def tile_body(i, out):
         seq, start, rows = plan.tile_seq[i], plan.tile_start[i], plan.tile_rows[i]
         kv_len, table = kv_lens[seq], page_tables[seq]
         first_pos = kv_len - (query_start[seq + 1] - start)  # position of the tile's row 0
-        q_pos = first_pos + row  # i32[_TILE_ROWS]
+        q_pos = first_pos + row  # i32[tile_rows]
         lowest = jnp.zeros_like(q_pos) if sliding_window is None else q_pos - sliding_window + 1
-        qt = jax.lax.dynamic_slice_in_dim(q_padded, start, _TILE_ROWS)
-        qt = qt.reshape(_TILE_ROWS, num_kv_heads, group, head_dim)
+        qt = jax.lax.dynamic_slice_in_dim(q_padded, start, tile_rows)
+        qt = qt.reshape(tile_rows, num_kv_heads, group, head_dim)
 
         def kv_body(block, carry):
             kv_pos = block * block_keys + jnp.arange(block_keys)  # i32[block_keys]
@@ -275,7 +287,7 @@ def _prefill_tiles(q, pool, query_start, plan: StepPlan, out, sm_scale, sliding_
             scores = jnp.einsum("qkgd,ckd->kgqc", qt, k, preferred_element_type=jnp.float32)
             return _online_softmax_step(carry, scores, mask, v, "kgqc,ckd->kgqd")
 
-        shape = (num_kv_heads, group, _TILE_ROWS)
+        shape = (num_kv_heads, group, tile_rows)
         init = (
             jnp.full(shape, _MASKED, jnp.float32),
             jnp.zeros(shape, jnp.float32),
@@ -288,9 +300,9 @@ def _prefill_tiles(q, pool, query_start, plan: StepPlan, out, sm_scale, sliding_
         last_block = jnp.where(rows > 0, (first_pos + rows - 1) // block_keys, first_block - 1)
         _, denom, acc = jax.lax.fori_loop(first_block, last_block + 1, kv_body, init)
         tile_out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [Hkv, g, rows, d]
-        tile_out = jnp.moveaxis(tile_out, 2, 0).reshape(_TILE_ROWS, num_heads, head_dim)
+        tile_out = jnp.moveaxis(tile_out, 2, 0).reshape(tile_rows, num_heads, head_dim)
         # The tile's padding rows belong to the next sequence (or padding): keep what is there.
-        old = jax.lax.dynamic_slice_in_dim(out, start, _TILE_ROWS)
+        old = jax.lax.dynamic_slice_in_dim(out, start, tile_rows)
         new = jnp.where((row < rows)[:, None, None], tile_out, old)
         return jax.lax.dynamic_update_slice_in_dim(out, new, start, axis=0)
 

@@ -75,6 +75,20 @@ def test_default_sizes_match_reference():
     _check(case, np.asarray(jax.jit(fn)(*make_inputs(case))))
 
 
+def test_small_step_takes_tiles_of_its_own_size():
+    """A step of 8 tokens (a speculative verification's bucket): 3 decodes and a 5-token chunk
+    at the step's end, whose one tile is 8 rows, not _TILE_ROWS (64); it matches the reference
+    with the production key blocks, and a step of 512 tokens still takes 64-row tiles."""
+    assert (xla_blocked._tile_rows(8), xla_blocked._tile_rows(512)) == (8, xla_blocked._TILE_ROWS)
+    case = Case(((1, 30), (1, 9), (1, 17), (5, 21)), 4, 4, 2, 16, F32, 8, 4)
+    args = make_inputs(case)
+    plan = xla_blocked.plan_step(8, args[3], args[4], args[6])
+    assert plan.tile_rows.shape == (4,)  # at most min(1 + 4 slots, 8 // 2) tiles of 8 rows
+    np.testing.assert_array_equal(plan.tile_rows, [5, 0, 0, 0])
+    fn = functools.partial(xla_blocked.ragged_paged_attention, sm_scale=case.head_dim**-0.5)
+    _check(case, np.asarray(jax.jit(fn)(*args)))
+
+
 # One sequence slot: the decode loop's larger blocks (_DECODE_KEYS_ONE_SEQ), over a context that
 # ends mid-block, with and without a window that starts past the first blocks.
 ONE_SLOT = {
