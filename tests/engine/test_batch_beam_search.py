@@ -77,7 +77,19 @@ def test_a_beam_line_holds_llm_beam_searchs_beams_and_reruns_skip_it(stories_eng
     out.write_text("".join(json.dumps(r) + "\n" for r in records.values() if r["id"] != "beams"))
     again = run_batch(stories_engine, inp, out, include_token_ids=True, progress=False)
     assert (again.already_done, again.completed) == (2, 1)
-    assert _records(out)["beams"] == got
+    # Alone the line runs in other token buckets than beside the others: the same tokens and
+    # text, its log-probabilities equal up to the float differences of another bucket's step.
+    rerun = _records(out)["beams"]
+    scores = ("cumulative_logprob", "score")
+    assert {k: v for k, v in rerun.items() if k != "beams"} == {
+        k: v for k, v in got.items() if k != "beams"
+    }
+    for r, g in zip(rerun["beams"], got["beams"], strict=True):
+        assert {k: v for k, v in r.items() if k not in scores} == {
+            k: v for k, v in g.items() if k not in scores
+        }
+        for key in scores:
+            assert math.isclose(r[key], g[key], abs_tol=1e-4), (key, r[key], g[key])
 
 
 def test_bad_beam_lines_are_reported_and_skipped(stories_engine, tmp_path, capsys):
