@@ -2,11 +2,11 @@
 
 Every choice that depends on the hardware reads it from here: the attention backend, the
 kernels' block sizes and VMEM limits, the layer loop, the default dtype, the device kind a cost
-model is keyed by. Serving builds for the process's own devices
-(`current()` with nothing in use). `jaxserve compile --target v5e:2x2` builds for chips this
-process does not have: `use(resolve("v5e:2x2"))` around the tracing, with the abstract devices
-of libtpu's topology API (or the CUDA plugin's, for "h100" / "h200"), so nothing that decides a
-shape or a kernel ever asks `jax.default_backend()` itself (docs/architecture.md, Decision 5).
+model is keyed by. Serving builds for the process's own devices (`current()` with nothing in
+use). `jaxserve compile --target v5e:2x2` builds for chips this process does not have:
+`use(resolve("v5e:2x2"))` around the tracing, with the abstract devices of libtpu's topology API
+(or the CUDA plugin's, for "h100" / "h200"), so nothing that decides a shape or a kernel ever
+asks `jax.default_backend()` itself (docs/architecture.md, Decision 5).
 """
 
 from __future__ import annotations
