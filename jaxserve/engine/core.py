@@ -516,6 +516,7 @@ class Engine:
         request's outputs are all known here and its matcher follows them first.
         """
         mask = np.full((num_seqs, self.runner.mask_words), -1, np.int32)
+        address = mask.ctypes.data
         for row in rows.tolist():
             seq = seqs[row]
             grammar = self._request_grammars.get(seq.request_id)
@@ -529,7 +530,7 @@ class Engine:
                 seq.request.status_message = f"The grammar refused a token: {grammar.error}"
                 self.scheduler.abort_request(seq.request_id, FinishReason.ERROR)
                 continue
-            grammar.fill(mask, row)
+            grammar.fill(mask, row, address)
         return mask
 
     def _collect(self) -> list:

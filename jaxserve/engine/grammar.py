@@ -146,6 +146,14 @@ class RequestGrammar:
         """Brings the matcher to `outputs` (the request's output tokens); False if refused."""
         seen = self._seen
         common = len(seen)
+        if len(outputs) == common + 1 and (not common or outputs[common - 1] == seen[-1]):
+            # Every step's case, kept short: it runs for each grammar row on the engine thread.
+            token = outputs[common]
+            if not self._matcher.consume_token(token):
+                self.error = self._matcher.get_error().strip() or f"token {token} was refused"
+                return False
+            seen.append(token)
+            return True
         if len(outputs) < common or (common and outputs[common - 1] != seen[-1]):
             # Outputs that are not an extension of what was consumed: back to where they agree.
             common = next(
@@ -161,11 +169,21 @@ class RequestGrammar:
             seen.append(token)
         return True
 
-    def fill(self, mask: np.ndarray, row: int) -> None:
-        """Row `row` of mask (i32[S, ceil(V / 32)]): the tokens allowed next."""
-        import llguidance.numpy as llnp
+    def fill(self, mask: np.ndarray, row: int, address: int | None = None) -> None:
+        """Row `row` of mask (i32[S, ceil(V / 32)], C-contiguous): the tokens allowed next.
 
-        llnp.fill_next_token_bitmask(self._matcher, mask, row)
+        address: `mask.ctypes.data`, when the caller fills several rows of one mask (reading
+        it costs about as much as a row's mask at a small vocabulary).
+        """
+        if address is None:
+            if mask.dtype != np.int32 or mask.ndim != 2 or not mask.flags["C_CONTIGUOUS"]:
+                raise ValueError(
+                    f"A token mask is a C-contiguous int32 [rows, words] array, not "
+                    f"{mask.dtype}{list(mask.shape)}."
+                )
+            address = mask.ctypes.data
+        row_bytes = mask.shape[1] * 4
+        self._matcher.unsafe_compute_mask_ptr(address + row * row_bytes, row_bytes)
 
     def is_accepting(self) -> bool:
         """Whether the output so far is complete (EOS is allowed now)."""

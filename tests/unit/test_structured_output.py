@@ -102,6 +102,35 @@ def test_request_grammar_follows_outputs_and_rolls_back():
     compiler.close()
 
 
+def test_one_token_at_a_time_and_rows_of_a_shared_mask():
+    """The one-new-token path of `sync` (every step's) agrees with consuming all at once, takes
+    back a last token that changed, and refuses a forbidden one; rows filled through the mask's
+    address land in their own row."""
+    from checkpoints.byte_bpe import byte_bpe_tokenizer
+    from jaxserve.engine.grammar import GrammarCompiler
+
+    tok = byte_bpe_tokenizer(1024)
+    compiler = GrammarCompiler(tok, 1024, (2,))
+    spec = StructuredOutput(json={"type": "object", "properties": {"q": {"type": "integer"}}})
+    text = tok('{"q":12}', add_special_tokens=False)["input_ids"]
+    stepped, at_once = compiler.matcher(spec), compiler.matcher(spec)
+    mask = np.zeros((3, 32), np.int32)
+    for n in range(1, len(text) + 1):
+        assert stepped.sync(text[:n])
+    assert at_once.sync(text)
+    stepped.fill(mask, 1, mask.ctypes.data)
+    at_once.fill(mask, 2)
+    assert (mask[1] == mask[2]).all() and not mask[0].any()
+    assert stepped.is_accepting()
+    # The same length with another last token: a rollback, then the new token.
+    other = [*text[:-1], tok("3", add_special_tokens=False)["input_ids"][0]]
+    assert stepped.sync(other) and not stepped.is_accepting()
+    assert not stepped.sync([*other, ord("x")]) and stepped.error  # refused, not a crash
+    with pytest.raises(ValueError, match="C-contiguous int32"):
+        at_once.fill(np.zeros((2, 32), np.int64), 0)
+    compiler.close()
+
+
 def test_a_compile_past_its_bound_is_a_clear_error_and_the_cache_serves_later():
     from checkpoints.byte_bpe import byte_bpe_tokenizer
     from jaxserve.engine.grammar import GrammarCompiler
