@@ -61,7 +61,10 @@ class GrammarCompiler:
         self._cache: collections.OrderedDict[StructuredOutput, concurrent.futures.Future] = (
             collections.OrderedDict()
         )
-        self._ll_tokenizer = None  # built on the first compile (worker thread)
+        # llguidance's description of the tokenizer, built once on a worker when the first
+        # constraint arrives. Not bounded by timeout_s: it is the model's, not the constraint's,
+        # and takes ~1 s for a real vocabulary (16 s for a synthetic BPE of 49,152 ids).
+        self._ll_tokenizer: concurrent.futures.Future | None = None
 
     def submit(self, spec: StructuredOutput) -> concurrent.futures.Future:
         """The compile of `spec` (started now unless cached): a Future of its template matcher."""
@@ -71,6 +74,8 @@ class GrammarCompiler:
                 "model with one."
             )
         with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = self._pool.submit(self._describe_tokenizer)
             future = self._cache.get(spec)
             if future is None:
                 future = self._cache[spec] = self._pool.submit(self._compile, spec)
@@ -83,6 +88,7 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredOutput) -> RequestGrammar:
         """A new request's matcher for `spec`, waiting up to the bound for its compile."""
         future = self.submit(spec)
+        self._ll_tokenizer.exception()  # the first constraint waits for it, unbounded
         try:
             template = future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -93,6 +99,8 @@ class GrammarCompiler:
         """Waits, without blocking the event loop, for `spec` to be compiled (so the engine
         thread later finds it in the cache); raises ValueError if it fails or runs too long."""
         future = self.submit(spec)
+        # The tokenizer's description first, unbounded (once per process); then the bound.
+        await asyncio.wait([asyncio.wrap_future(self._ll_tokenizer)])
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.timeout_s)
         except TimeoutError:
@@ -110,14 +118,8 @@ class GrammarCompiler:
         import llguidance
         import llguidance.numpy as llnp
 
-        with self._lock:  # one build of the tokenizer description, however many workers
-            if self._ll_tokenizer is None:
-                import llguidance.hf
-
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self.tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
-                )
-        matcher = llguidance.LLMatcher(self._ll_tokenizer, spec.engine_grammar(), log_level=0)
+        ll_tokenizer = self._ll_tokenizer.result()  # raises its ValueError for every compile
+        matcher = llguidance.LLMatcher(ll_tokenizer, spec.engine_grammar(), log_level=0)
         if matcher.is_error():
             raise ValueError(
                 f"The {spec.kind} constraint cannot be enforced: {matcher.get_error().strip()}"
@@ -128,6 +130,20 @@ class GrammarCompiler:
                 f"The {spec.kind} constraint cannot be enforced: {matcher.get_error().strip()}"
             )
         return matcher
+
+    def _describe_tokenizer(self):
+        """On a worker: llguidance's view of the tokenizer (ValueError if it has none)."""
+        import llguidance.hf
+
+        try:
+            return llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
+            )
+        except Exception as e:  # llguidance raises ValueError and others for what it cannot read
+            raise ValueError(
+                "This model's tokenizer cannot be described to the grammar engine "
+                f"(llguidance), so structured output cannot be enforced: {e}"
+            ) from e
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

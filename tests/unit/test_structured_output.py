@@ -142,3 +142,43 @@ def test_a_compile_past_its_bound_is_a_clear_error_and_the_cache_serves_later():
     compiler.submit(spec).result(timeout=60)  # it went on, off the caller's thread
     assert compiler.matcher(spec).is_accepting() is False  # now served from the cache at once
     compiler.close()
+
+
+def test_the_tokenizer_description_is_not_counted_against_the_bound():
+    """The first constraint waits for llguidance's description of the tokenizer (once per
+    process, seconds for a large vocabulary) before its own bound starts: a slow description
+    is not reported as a constraint that did not compile."""
+    import time
+
+    from checkpoints.byte_bpe import byte_bpe_tokenizer
+    from jaxserve.engine.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(byte_bpe_tokenizer(1024), 1024, (2,), timeout_s=1.0)
+    describe = compiler._describe_tokenizer
+
+    def slow():
+        time.sleep(1.5)
+        return describe()
+
+    compiler._describe_tokenizer = slow
+    g = compiler.matcher(StructuredOutput(choice=("yes", "no")))
+    assert not g.is_accepting()
+    compiler.close()
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_clear_error():
+    """A WordLevel vocabulary with a WordPiece decoder (what the peers' synthetic models
+    ship): every constraint is refused with the reason, and the compiler goes on."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxserve.engine.grammar import GrammarCompiler
+
+    raw = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.decoder = decoders.WordPiece()
+    compiler = GrammarCompiler(PreTrainedTokenizerFast(tokenizer_object=raw), 3, (0,))
+    for spec in (StructuredOutput(choice=("a", "b")), StructuredOutput(regex="a+")):
+        with pytest.raises(ValueError, match=r"tokenizer cannot be described to the grammar"):
+            compiler.matcher(spec)
+    compiler.close()
