@@ -88,9 +88,6 @@ def _engines(args):
         model = load_model(args.model)
         if model.tokenizer is None:
             model.tokenizer = byte_bpe_tokenizer(model.config.vocab_size)
-        # A synthetic BPE of a large vocabulary holds ~all of it as reserved tokens, which
-        # llguidance takes ~16 s to describe (49,152 ids) before the first compile.
-        config["grammar_compile_timeout_s"] = 300.0
         yield args.model, Engine(EngineConfig(**config), model=model)
         return
     yield "stories260k", Engine(EngineConfig(**config))
