@@ -63,7 +63,7 @@ class GrammarCompiler:
         )
         # llguidance's description of the tokenizer, built once on a worker when the first
         # constraint arrives. Not bounded by timeout_s: it is the model's, not the constraint's,
-        # and takes ~1 s for a real vocabulary (16 s for a synthetic BPE of 49,152 ids).
+        # which llguidance documents as ~1 s (16 s here for a synthetic BPE of 49,152 ids).
         self._ll_tokenizer: concurrent.futures.Future | None = None
 
     def submit(self, spec: StructuredOutput) -> concurrent.futures.Future:
