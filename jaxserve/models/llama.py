@@ -366,8 +366,11 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits [N, vocab_size] of final hidden states [N, hidden_size]."""
         if self.config.tie_word_embeddings:
             precision = jax.lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
-            emb = self.embed_tokens.embedding
-            out = jnp.dot(hidden, emb.T, precision=precision)
+            emb = self.embed_tokens.embedding  # [vocab, hidden]
+            # Contract the embedding's own last axis, not a transpose of it: for one row XLA:CPU
+            # fused `hidden @ emb.T` with a copy of the transposed table into a loop (smollm2-
+            # 135m: 11 ms against 8.9 on JAX 0.10, 30 against 12 ms on 0.12, the head alone).
+            out = jax.lax.dot_general(hidden, emb, (((1,), (1,)), ((), ())), precision=precision)
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)
