@@ -132,15 +132,30 @@ def test_one_token_at_a_time_and_rows_of_a_shared_mask():
 
 
 def test_a_compile_past_its_bound_is_a_clear_error_and_the_cache_serves_later():
+    """A compile that outlasts the bound refuses its request by name, goes on off the caller's
+    thread, and serves the next request from the cache. The compile is slowed on purpose: a
+    real one of a small schema can finish before a loaded machine lets the caller time out."""
+    import threading
+    import time
+
     from checkpoints.byte_bpe import byte_bpe_tokenizer
     from jaxserve.engine.grammar import GrammarCompiler
 
-    compiler = GrammarCompiler(byte_bpe_tokenizer(1024), 1024, (2,), timeout_s=1e-6)
-    # The tokenizer's description first (unbounded, once): the bound is the constraint's own.
-    compiler.submit(StructuredOutput(choice=("a", "b"))).result(timeout=60)
+    compiler = GrammarCompiler(byte_bpe_tokenizer(1024), 1024, (2,), timeout_s=0.2)
+    compile_ = compiler._compile
+    release = threading.Event()
+
+    def slow(spec):
+        release.wait(60)  # held until the caller has timed out
+        return compile_(spec)
+
+    compiler._compile = slow
     spec = StructuredOutput(json={"type": "object", "properties": {"q": {"type": "integer"}}})
-    with pytest.raises(ValueError, match=r"did not compile within 1e-06 s"):
-        compiler.matcher(spec)  # no compile takes a microsecond
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"did not compile within 0.2 s"):
+        compiler.matcher(spec)
+    assert time.perf_counter() - start < 30  # the bound, not the compile, ended the wait
+    release.set()
     compiler.submit(spec).result(timeout=60)  # it went on, off the caller's thread
     assert compiler.matcher(spec).is_accepting() is False  # now served from the cache at once
     compiler.close()
