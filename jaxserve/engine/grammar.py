@@ -162,14 +162,6 @@ class RequestGrammar:
         """Brings the matcher to `outputs` (the request's output tokens); False if refused."""
         seen = self._seen
         common = len(seen)
-        if len(outputs) == common + 1 and (not common or outputs[common - 1] == seen[-1]):
-            # Every step's case, kept short: it runs for each grammar row on the engine thread.
-            token = outputs[common]
-            if not self._matcher.consume_token(token):
-                self.error = self._matcher.get_error().strip() or f"token {token} was refused"
-                return False
-            seen.append(token)
-            return True
         if len(outputs) < common or (common and outputs[common - 1] != seen[-1]):
             # Outputs that are not an extension of what was consumed: back to where they agree.
             common = next(

@@ -103,7 +103,7 @@ def test_request_grammar_follows_outputs_and_rolls_back():
 
 
 def test_one_token_at_a_time_and_rows_of_a_shared_mask():
-    """The one-new-token path of `sync` (every step's) agrees with consuming all at once, takes
+    """`sync` one token at a time (every step's case) agrees with consuming all at once, takes
     back a last token that changed, and refuses a forbidden one; rows filled through the mask's
     address land in their own row."""
     from checkpoints.byte_bpe import byte_bpe_tokenizer
