@@ -100,6 +100,9 @@ class ServerOptions:
     clients_may_raise_priority: bool = False
     # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter on the HTTP API.
     allow_runtime_lora: bool = False
+    # A Jinja chat template the HTTP API renders chat with, in place of the model's own (the
+    # embedded model has none); None: the model's.
+    chat_template: str | None = None
     stay_up_on_engine_failure: bool = False  # serve(): linger answering INTERNAL, for debugging
 
     def __post_init__(self):
@@ -275,6 +278,7 @@ class JaxServeServer:
             max_body_bytes=opts.max_message_bytes,
             clients_may_raise_priority=opts.clients_may_raise_priority,
             allow_runtime_lora=opts.allow_runtime_lora,
+            chat_template=opts.chat_template,
         )
         self._http = HttpListener(
             self.http_app.app,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from jaxserve.cli.common import UserError, add_multihost_args, is_follower, join_cluster
@@ -76,6 +77,12 @@ def register(sub) -> None:
         help="after the engine fails, keep answering INTERNAL until signalled (debugging) "
         "instead of draining and exiting with status 3 for a supervisor to restart",
     )
+    srv.add_argument(
+        "--chat-template",
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) that the HTTP API renders "
+        "chat with, in place of the model's own; the embedded model has none",
+    )
     srv.add_argument("--log-format", choices=["json", "text"], default="json")
     add_engine_args(srv)
     add_multihost_args(srv)
@@ -128,6 +135,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         clients_may_raise_priority=args.clients_may_raise_priority,
         allow_runtime_lora=args.allow_runtime_lora,
         stay_up_on_engine_failure=args.stay_up_on_engine_failure,
+        chat_template=_chat_template(args.chat_template),
     )
     if is_follower(args):
         return _follow(config)
@@ -155,6 +163,28 @@ def _follow(config) -> int:
         raise UserError(str(e)) from e
     engine.runner.follow()
     return 0
+
+
+def _chat_template(arg: str | None) -> str | None:
+    """--chat-template's template: a file's text, or the argument itself where it is one
+    (as vLLM takes it); checked to compile as the tokenizer will compile it."""
+    if arg is None:
+        return None
+    if os.path.isfile(arg):
+        template = _read_file(arg).decode("utf-8", errors="replace")
+    elif any(c in arg for c in "{}\n"):
+        template = arg
+    else:
+        raise UserError(f"--chat-template {arg!r} is neither a file nor a Jinja template.")
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers without it: the first chat call reports a bad one
+        return template
+    try:
+        _compile_jinja_template(template)
+    except Exception as e:  # jinja2's TemplateSyntaxError, or an extension transformers lacks
+        raise UserError(f"--chat-template does not compile as a Jinja template: {e}.") from e
+    return template
 
 
 def _read_file(path: str | None) -> bytes | None:

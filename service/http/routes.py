@@ -64,7 +64,8 @@ class OpenAIFrontEnd:
 
     `auth_token`, when set, is the bearer token every call must send (/health too, unless
     `health_without_auth`). `max_body_bytes` bounds a request's body (413 beyond it);
-    `clients_may_raise_priority` lets clients send a priority below 0.
+    `clients_may_raise_priority` lets clients send a priority below 0. `chat_template` (Jinja)
+    renders chat in place of the model's own template, for a model without one.
     """
 
     def __init__(
@@ -77,13 +78,16 @@ class OpenAIFrontEnd:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         clients_may_raise_priority: bool = False,
         allow_runtime_lora: bool = False,
+        chat_template: str | None = None,
     ):
         self.lifecycle = lifecycle
         self.registry = registry
         self._auth_token = auth_token
         self._health_without_auth = health_without_auth
         limits = dict(
-            max_body_bytes=max_body_bytes, clients_may_raise_priority=clients_may_raise_priority
+            max_body_bytes=max_body_bytes,
+            clients_may_raise_priority=clients_may_raise_priority,
+            chat_template=chat_template,
         )
         self.serving = OpenAIServing(lifecycle, **limits)  # /v1/models, /tokenize, /detokenize
         self.completions = OpenAIServingCompletion(lifecycle, **limits)

@@ -111,10 +111,13 @@ class OpenAIServing:
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         clients_may_raise_priority: bool = False,
+        chat_template: str | None = None,
     ):
         self.lifecycle = lifecycle
         self.max_body_bytes = max_body_bytes
         self.clients_may_raise_priority = clients_may_raise_priority
+        # Renders chat in place of the tokenizer's own template (`serve --chat-template`).
+        self.chat_template = chat_template
 
     @property
     def engine(self) -> AsyncEngine:
@@ -258,13 +261,21 @@ class OpenAIServing:
         add_prompt: bool,
         tools: list[dict] | None = None,
     ):
-        """The token ids of chat messages rendered by the model's chat template (with the
-        functions `tools` offers, where the call has them)."""
+        """The token ids of chat messages rendered by the server's chat template, else the
+        model's (with the functions `tools` offers, where the call has them)."""
         tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        if tokenizer is None:
+            raise InvalidRequest(
+                f"Model {self.model_id()} has no tokenizer, so chat messages cannot be "
+                "rendered; use /v1/completions with prompt token ids instead.",
+                "messages",
+            )
+        template = self.chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
             raise InvalidRequest(
                 f"Model {self.model_id()} has no chat template, so chat messages cannot be "
-                "rendered; use /v1/completions with a prompt instead.",
+                "rendered; use /v1/completions with a prompt instead, or start the server "
+                "with --chat-template.",
                 "messages",
             )
         limit = self.lifecycle.prompt_limit
@@ -277,7 +288,11 @@ class OpenAIServing:
 
         def render() -> list[int]:
             text = tokenizer.apply_chat_template(
-                rendered, tools=tools, tokenize=False, add_generation_prompt=add_prompt
+                rendered,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_prompt,
+                chat_template=template,
             )
             # The template writes the special tokens (BOS included) itself.
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,4 +1,4 @@
-"""`jaxserve generate` and `jaxserve convert` as a user runs them: real processes, real output."""
+"""`jaxserve generate`, `convert` and `serve` flags as a user runs them: real output."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from checkpoints import DEFAULT_MODEL_DIR
 from jaxserve.cli import main
+from jaxserve.cli.serve import _chat_template
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -78,6 +79,23 @@ def test_prompt_longer_than_context_is_one_line_error():
 @pytest.mark.parametrize("args", [["--max-tokens", "0"], ["--temperature", "-1"]])
 def test_bad_sampling_flags_are_one_line_errors(args, capsys):
     _assert_one_line_error(run_main(capsys, "generate", "hi", *args))
+
+
+def test_chat_template_flag_takes_a_file_or_a_template_and_refuses_neither(tmp_path, capsys):
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    assert _chat_template(str(path)) == template
+    assert _chat_template(template) == template
+    _assert_one_line_error(
+        run_main(capsys, "serve", "--chat-template", str(tmp_path / "missing.jinja")),
+        "missing.jinja",
+        "neither a file nor a Jinja template",
+    )
+    _assert_one_line_error(
+        run_main(capsys, "serve", "--chat-template", "{% for m in messages %}{{ m }"),
+        "does not compile as a Jinja template",
+    )
 
 
 def test_convert_then_generate_from_the_orbax_folder(tmp_path, capsys):

@@ -78,12 +78,9 @@ JSON_FORMAT = {
 
 @pytest.fixture(scope="module")
 def server(engine):
-    engine.tokenizer.chat_template = CHAT_TEMPLATE
-    try:
-        with serving(engine, http_port=0) as server:
-            yield server
-    finally:
-        engine.tokenizer.chat_template = None
+    # The embedded model has no chat template: the server's own renders chat (--chat-template).
+    with serving(engine, http_port=0, chat_template=CHAT_TEMPLATE) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
