@@ -16,7 +16,10 @@ subprocess under its own time limit (capped by what is left of `--budget-s`):
    (the CPU half in a subprocess with JAX_PLATFORMS=cpu).
 5. speed: per backend, single-stream TPOT and its memory-bandwidth utilisation, bursts of 64 and
    256 requests, the mixed profile at a saturating rate (jaxserve/bench workloads and metrics).
-6. peer: the same bursts through Hugging Face transformers' continuous batching (torch).
+6. features: speculative decoding and structured output on the device, on tiny shapes: greedy
+   tokens with every n-gram proposal verified against without speculation, and constrained
+   samples checked (needs llguidance and jsonschema, which the GPU machine must be given).
+7. peer: the same bursts through Hugging Face transformers' continuous batching (torch).
 
 Why subprocesses: a stage that hangs or runs out of device memory is killed alone, the next one
 starts on a clean device (JAX keeps what it allocated until its process exits, and torch must
@@ -55,6 +58,7 @@ STAGES = (
     ("engine_correctness", 150, 240),
     ("tiny_f32_vs_cpu", 90, 240),
     ("speed", 180, 240),
+    ("features", 90, 240),
     ("peer", 120, 240),
 )
 MIN_STAGE_S = 15  # a stage with less time than this left is skipped, not started
@@ -91,6 +95,7 @@ def plan(dry_run: bool) -> dict:
             mixed=dict(num_requests=8, prompt_range=(4, 16), output_range=(2, 8)),
             tiny_prompt_lens=(3, 9, 17, 30),
             tiny_tokens=6,
+            feature_tokens=32,  # enough for llama-tiny's output to repeat itself: proposals
             # The correctness stage's xla engine, so both halves load it from the cache.
             tiny_engine={},
         )
@@ -109,6 +114,7 @@ def plan(dry_run: bool) -> dict:
         mixed=dict(num_requests=None, prompt_range=(32, 128), output_range=(16, 64)),
         tiny_prompt_lens=(3, 9, 17, 30, 64, 100, 129, 200),
         tiny_tokens=32,
+        feature_tokens=32,
         # One bucket: each half compiles once (the CPU half concurrently with the device's).
         tiny_engine=dict(
             max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64, max_model_len=512
@@ -226,6 +232,8 @@ NEEDED_MODULES = (
     "transformers",
     "torch",
     "pytest",  # gpu_check runs the kernel tests with it
+    "llguidance",  # features: structured output's grammar engine
+    "jsonschema",  # features: validates the constrained JSON (parsed only without it)
 )
 
 
@@ -645,11 +653,106 @@ def _peer_burst(manager, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
+def stage_features(s: Stage) -> None:
+    """Speculative decoding and structured output on the device: their device paths (the
+    verification rows and `sampling.verify`; the grammar mask's branch) run nowhere else.
+    Tiny shapes, one bucket per engine: llama-tiny's greedy tokens with every n-gram proposal
+    verified (each step priced flat) against without speculation, over prompts that repeat a
+    passage; then qwen3-tiny with a byte-level BPE, a few samples per constraint at
+    temperature 1.0, each finished one checked."""
+    import importlib.util
+
+    from jaxserve.engine.build import build_engine
+
+    p = s.plan
+    tiny = dict(p["tiny_engine"], model="llama-tiny", dtype="float32")
+    base = build_engine(engine_config(s.args, p, "auto", **tiny))
+    spec = build_engine(engine_config(s.args, p, "auto", speculative="ngram", **tiny))
+    spec.scheduler.set_step_cost(lambda spans: 1.0)  # every proposal verified, at any price
+    warm = spec.runner.num_compiles
+    vocab = base.model.config.vocab_size
+    # Two requests (of the tiny engine's 4 rows, the rest for proposals), each a passage said
+    # three times, as the bench's repetitive profile.
+    prompts = [q * 3 for q in prompt_ids([16, 16], vocab, "features")]
+    want = greedy_tokens(base, prompts, p["feature_tokens"])
+    got = greedy_tokens(spec, prompts, p["feature_tokens"])
+    stats = spec.metrics.stats
+    s.put(
+        "speculative",
+        {
+            "tokens_equal": compare_tokens(got, want),
+            "verifications": stats.spec_verifications,
+            "proposed": stats.spec_proposed_tokens,
+            "accepted": stats.spec_accepted_tokens,
+            "compiles_after_warmup": spec.runner.num_compiles - warm,
+        },
+    )
+    del base, spec
+    if importlib.util.find_spec("llguidance") is None:
+        s.put("structured", "not run: llguidance is missing (carry it: docs/accelerators)")
+        return
+    s.put("structured", _constrained_samples(s.args, p, tiny))
+
+
+def _constrained_samples(args, p: dict, tiny: dict) -> dict:
+    """qwen3-tiny (random weights, a byte-level BPE of its vocabulary) under each of the
+    structured-output bench's constraints: finished samples, each checked (raises if not).
+    Without jsonschema (a compiled dependency that may not travel to the device) the JSON is
+    parsed, not validated, and the report says so."""
+    import importlib.util
+    import re
+
+    from checkpoints import load_model
+    from checkpoints.byte_bpe import byte_bpe_tokenizer
+    from jaxserve.bench import structured
+    from jaxserve.engine.build import build_engine
+    from jaxserve.engine.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    config = engine_config(args, p, "auto", **dict(tiny, model="qwen3-tiny"))
+    model = load_model("qwen3-tiny")
+    model.tokenizer = byte_bpe_tokenizer(model.config.vocab_size)
+    llm = LLM(engine=build_engine(config, model))
+    warm = llm.engine.runner.num_compiles
+    room = config.max_model_len - 8  # the prompt is a few tokens
+    specs = {
+        "json": {"json": structured.NESTED_SCHEMA},
+        "regex": {"regex": structured.REGEX},
+        "choice": {"choice": list(structured.CHOICES)},
+    }
+    validate = None
+    if importlib.util.find_spec("jsonschema") is not None:
+        from jsonschema import validate
+    report = {"json_checked_by": "jsonschema" if validate else "json.loads (jsonschema missing)"}
+    n = 8
+    for kind, spec in specs.items():
+        params = [
+            SamplingParams(max_tokens=room, temperature=1.0, seed=i, structured_output=spec)
+            for i in range(n)
+        ]
+        done = [
+            o for o in llm.generate(["Once upon a time"] * n, params) if o.finish_reason == "stop"
+        ]
+        for o in done:
+            if kind == "json":
+                value = structured.check_output(o.text)
+                if validate is not None:
+                    validate(value, structured.NESTED_SCHEMA)
+            elif kind == "regex":
+                assert re.fullmatch(structured.REGEX, o.text), o.text
+            else:
+                assert o.text in structured.CHOICES, o.text
+        report[kind] = {"finished": len(done), "samples": n, "all_valid": True}
+    report["compiles_after_warmup"] = llm.engine.runner.num_compiles - warm
+    return report
+
+
 STAGE_FNS = {
     "environment": stage_environment,
     "engine_correctness": stage_engine_correctness,
     "tiny_f32_vs_cpu": stage_tiny_f32_vs_cpu,
     "speed": stage_speed,
+    "features": stage_features,
     "peer": stage_peer,
 }
 
@@ -901,6 +1004,30 @@ def summary_markdown(report: dict) -> str:
             f"Greedy tokens equal between backends: {eq.get('num_equal')}/{eq.get('num_prompts')}"
             f"; first divergence: {eq.get('first_divergence')}.",
         ]
+    features = _result(report, "features")
+    if features.get("speculative"):
+        sp = features["speculative"]
+        eq = sp["tokens_equal"]
+        lines += [
+            "",
+            f"Speculative decoding (llama-tiny, every proposal verified): greedy tokens equal "
+            f"to without: {eq['num_equal']}/{eq['num_prompts']}; {sp['verifications']} "
+            f"verifications, {sp['accepted']} of {sp['proposed']} proposals accepted; "
+            f"{sp['compiles_after_warmup']} compiles after warm-up.",
+        ]
+    if "structured" in features:
+        st = features["structured"]
+        text = (
+            st
+            if isinstance(st, str)
+            else "; ".join(
+                f"{k} {v['finished']}/{v['samples']} finished, all valid"
+                for k, v in st.items()
+                if isinstance(v, dict)
+            )
+            + f"; JSON checked by {st.get('json_checked_by')}"
+        )
+        lines += ["", f"Structured output (qwen3-tiny, temperature 1.0): {text}."]
     tiny = _result(report, "tiny_f32_vs_cpu").get("tokens_equal")
     if tiny:
         lines += [

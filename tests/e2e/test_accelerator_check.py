@@ -63,6 +63,15 @@ def test_dry_run_writes_every_stage_with_equal_tokens_and_no_compiles(tmp_path, 
         for name, count in p["bursts"].items():
             assert runs[name]["output_tokens"] == count * p["burst_lengths"]["output_range"][1]
         assert runs["single"]["tpot"]["p50"] > 0
+    features = stages["features"]["result"]
+    spec = features["speculative"]
+    assert spec["tokens_equal"]["num_equal"] == 2
+    assert spec["verifications"] > 0 and spec["proposed"] >= spec["accepted"] > 0
+    assert spec["compiles_after_warmup"] == 0
+    structured = features["structured"]
+    assert structured["compiles_after_warmup"] == 0
+    for kind in ("json", "regex", "choice"):
+        assert structured[kind]["all_valid"] and structured[kind]["finished"] > 0, kind
     if peer_runs:
         peer = stages["peer"]["result"]
         for name, count in p["bursts"].items():
@@ -76,6 +85,7 @@ def test_dry_run_writes_every_stage_with_equal_tokens_and_no_compiles(tmp_path, 
     summary = (out / "summary.md").read_text()
     assert "| engine_correctness | ok |" in summary
     assert "Greedy tokens equal between backends: 16/16" in summary
+    assert "greedy tokens equal to without: 2/2" in summary
 
 
 def test_a_spent_budget_skips_the_remaining_stages_and_still_reports(tmp_path):
