@@ -700,14 +700,12 @@ def _constrained_samples(args, p: dict, tiny: dict) -> dict:
     Without jsonschema (a compiled dependency that may not travel to the device) the JSON is
     parsed, not validated, and the report says so."""
     import importlib.util
-    import re
 
     from checkpoints import load_model
     from checkpoints.byte_bpe import byte_bpe_tokenizer
     from jaxserve.bench import structured
     from jaxserve.engine.build import build_engine
     from jaxserve.engine.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
 
     config = engine_config(args, p, "auto", **dict(tiny, model="qwen3-tiny"))
     model = load_model("qwen3-tiny")
@@ -715,34 +713,14 @@ def _constrained_samples(args, p: dict, tiny: dict) -> dict:
     llm = LLM(engine=build_engine(config, model))
     warm = llm.engine.runner.num_compiles
     room = config.max_model_len - 8  # the prompt is a few tokens
-    specs = {
-        "json": {"json": structured.NESTED_SCHEMA},
-        "regex": {"regex": structured.REGEX},
-        "choice": {"choice": list(structured.CHOICES)},
-    }
     validate = None
     if importlib.util.find_spec("jsonschema") is not None:
         from jsonschema import validate
     report = {"json_checked_by": "jsonschema" if validate else "json.loads (jsonschema missing)"}
     n = 8
-    for kind, spec in specs.items():
-        params = [
-            SamplingParams(max_tokens=room, temperature=1.0, seed=i, structured_output=spec)
-            for i in range(n)
-        ]
-        done = [
-            o for o in llm.generate(["Once upon a time"] * n, params) if o.finish_reason == "stop"
-        ]
-        for o in done:
-            if kind == "json":
-                value = structured.check_output(o.text)
-                if validate is not None:
-                    validate(value, structured.NESTED_SCHEMA)
-            elif kind == "regex":
-                assert re.fullmatch(structured.REGEX, o.text), o.text
-            else:
-                assert o.text in structured.CHOICES, o.text
-        report[kind] = {"finished": len(done), "samples": n, "all_valid": True}
+    for kind in structured.CONSTRAINTS:
+        done = structured.finished_samples(llm, kind, n, room, validate)
+        report[kind] = {"finished": done, "samples": n, "all_valid": True}
     report["compiles_after_warmup"] = llm.engine.runner.num_compiles - warm
     return report
 

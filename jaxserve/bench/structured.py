@@ -97,35 +97,49 @@ def _engines(args):
         yield "qwen3-tiny", Engine(EngineConfig(**config), model=model)
 
 
+# Each constraint's spec and the output tokens its samples get (the bench's; enough to finish).
+CONSTRAINTS = {
+    "json": ({"json": NESTED_SCHEMA}, 160),
+    "regex": ({"regex": REGEX}, 32),
+    "choice": ({"choice": list(CHOICES)}, 16),
+}
+
+
+def finished_samples(llm, kind: str, n: int, max_tokens: int, validate=None) -> int:
+    """n samples of one of CONSTRAINTS at temperature 1.0: how many finished, each checked
+    (raises on one that breaks its constraint). `validate(value, schema)` checks the JSON;
+    None: parsed only."""
+    from jaxserve.sampling_params import SamplingParams
+
+    spec = CONSTRAINTS[kind][0]
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, structured_output=spec)
+        for i in range(n)
+    ]
+    done = [o for o in llm.generate(["Once upon a time"] * n, params) if o.finish_reason == "stop"]
+    for o in done:
+        if kind == "json":
+            value = check_output(o.text)
+            if validate is not None:
+                validate(value, NESTED_SCHEMA)
+        elif kind == "regex":
+            assert re.fullmatch(REGEX, o.text), o.text
+        else:
+            assert o.text in CHOICES, o.text
+    return len(done)
+
+
 def samples(engine, n: int) -> dict:
     """n samples per constraint at temperature 1.0: how many finished, all checked."""
     import jsonschema
 
     from jaxserve.engine.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
 
     llm = LLM(engine=engine)
     report = {}
-    specs = {
-        "json": ({"json": NESTED_SCHEMA}, 160),
-        "regex": ({"regex": REGEX}, 32),
-        "choice": ({"choice": list(CHOICES)}, 16),
-    }
-    for kind, (spec, max_tokens) in specs.items():
-        params = [
-            SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, structured_output=spec)
-            for i in range(n)
-        ]
-        outs = llm.generate(["Once upon a time"] * n, params)
-        done = [o for o in outs if o.finish_reason == "stop"]
-        for o in done:
-            if kind == "json":
-                jsonschema.validate(check_output(o.text), NESTED_SCHEMA)
-            elif kind == "regex":
-                assert re.fullmatch(REGEX, o.text), o.text
-            else:
-                assert o.text in CHOICES, o.text
-        report[kind] = f"{len(done)}/{n} finished, all valid"
+    for kind, (_, max_tokens) in CONSTRAINTS.items():
+        done = finished_samples(llm, kind, n, max_tokens, jsonschema.validate)
+        report[kind] = f"{done}/{n} finished, all valid"
     return report
 
 
