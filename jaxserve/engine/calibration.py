@@ -55,7 +55,7 @@ def feature_set(engine) -> str:
     tiled attention costs by its loops' trips, a kernel by the pairs it attends."""
     from jaxserve.models.attention import resolve_backend
 
-    return "items" if resolve_backend(engine.runner.config.attention_backend) == "xla" else "pairs"
+    return "tiles" if resolve_backend(engine.runner.config.attention_backend) == "xla" else "pairs"
 
 
 def cost_key(engine) -> cost_model.CostKey:

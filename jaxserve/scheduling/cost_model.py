@@ -5,14 +5,13 @@ shapes are fixed and the time varies with the work the attention does. Per token
 by least squares over measured steps, a line in the step's work (`StepWork`). Which work depends
 on the attention that runs (`FEATURE_SETS`):
 
-- "items", the CPU's attention (pallas_kernels/ragged_paged_attention/xla_blocked.py):
-  `seconds = fixed + per_token * tokens + per_row_key * row_keys + per_block * blocks`.
+- "tiles", the CPU's attention (pallas_kernels/ragged_paged_attention/xla_blocked.py):
+  `seconds = fixed + per_token * tokens + per_decode_key * decode_keys + per_block * blocks`.
   Its decode runs a work list of (row, key block) items, each decoding row through its own
-  context in blocks of 32 keys (`row_keys`: the rows' contexts, each rounded up to a block;
+  context in blocks of 32 keys (`decode_keys`: the rows' contexts, each rounded up to a block;
   one block of 128 for a one-slot bucket), and its prefill (query tile, key block) pairs
   (`prefill_blocks`). (Until 2026-12-03 the decode ran every slot to the longest decoding
-  context, and its term `decode_keys` was that context, paid per slot: files that price by it
-  are refused, and the engine measures a new model at warm-up.)
+  context, and `decode_keys` was that context, paid per slot.)
 - "pairs", any other attention (the Pallas kernels): `fixed + per_token * tokens + per_pair *
   attended`, where a decode at context c attends c and a prefill chunk of n tokens after s
   cached ones n * s + n * (n + 1) / 2.
@@ -57,9 +56,9 @@ import numpy as np
 # own slope for the terms in PER_BUCKET when it has the steps to tell; the others are shared.
 FEATURE_SETS = {
     "pairs": ("fixed", "tokens", "attended"),
-    "items": ("fixed", "tokens", "row_keys", "prefill_blocks"),
+    "tiles": ("fixed", "tokens", "decode_keys", "prefill_blocks"),
 }
-PER_BUCKET = frozenset({"tokens", "row_keys"})
+PER_BUCKET = frozenset({"tokens", "decode_keys"})
 # The CPU attention's loop sizes (xla_blocked: _DECODE_KEYS, _DECODE_KEYS_ONE_SEQ, _TILE_ROWS,
 # _TILE_KEYS), here without JAX; tests/kernels/test_xla_blocked.py checks they agree.
 DECODE_KEYS, DECODE_KEYS_ONE_SEQ, TILE_ROWS, TILE_KEYS = 32, 128, 64, 128
@@ -104,7 +103,7 @@ class StepWork(NamedTuple):
     attended: int  # (query, key) pairs the attention reads
     # Keys the decode reads: every decoding row's context rounded up to the loop's key block,
     # summed (0: no decode in the step).
-    row_keys: int = 0
+    decode_keys: int = 0
     prefill_blocks: int = 0  # (query tile, key block) trips of the prefill loop
 
 
@@ -124,9 +123,9 @@ def decode_keys(contexts: Iterable[int], tokens: int) -> int:
 
 
 def decode_keys_estimate(rows: int, attended: int, longest: int, tokens: int) -> int:
-    """`decode_keys` (a StepWork's `row_keys`) where only the rows' number, their contexts'
-    sum `attended` and the longest are known (the SLO policy's plans): a one-row step
-    exactly, more rows half a block of rounding each."""
+    """`decode_keys` where only the rows' number, their contexts' sum `attended` and the longest
+    are known (the SLO policy's plans): a one-row step exactly, more rows half a block of
+    rounding each."""
     if rows <= 1:
         return decode_keys([longest] if rows else [], tokens)
     return attended + rows * (DECODE_KEYS // 2)
@@ -292,7 +291,7 @@ class CostModel:
                 )
                 for b in obj["buckets"]
             ]
-            # Files before the tiles (now items) features: none (each bucket its own slot count).
+            # Files before the tiles features: none (then each bucket is its own slot count).
             slots = {int(b): int(n) for b, n in (obj.get("slots") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CostModelError(f"Not a jaxserve cost model: missing or bad field {e}.") from None
@@ -364,7 +363,7 @@ class CostModel:
 _UNITS = {
     "tokens": ("us/token", 1e6),
     "attended": ("ns/attended pair", 1e9),
-    "row_keys": ("us/row key", 1e6),
+    "decode_keys": ("us/decode key", 1e6),
     "prefill_blocks": ("us/prefill block", 1e6),
 }
 

@@ -10,21 +10,12 @@ work is split the way a kernel splits it (`attention_backend="xla"`, and `auto` 
   the block of the tile's last query (causal), so each key block is read once per (sequence,
   query tile) and a sequence stops at its own context. GQA: the query heads of one KV head form
   one matmul against that head's keys (no repeat of K or V).
-- Decode sequences (one query) would waste a whole tile each, so they run together, as a work
-  list of (row, key block) items, S items a trip, each row through its own context only
-  (`_decode_items`); a one-slot bucket folds its blocks in one loop. Until 2026-12-03 every slot
-  ran to the longest decoding context, its reads past its own context masked: under the mixed
-  overload (rows at context 30 beside rows at 700) most of that loop was padding. One layer of
-  attention at 64 decode rows, the all-slots loop against the work list in one process, best
-  of 15 (2-core CPU, idle): `small`'s shapes (9 heads, 3 KV heads, d 64) 0.65-0.75x on a mixed
-  batch (44 rows at 300-700, 20 at 30-90), 0.92-0.95x at a burst's 48-192, 1.04-1.19x with all
-  64 rows at 400 (the work list's buffers, written and read once a layer); `tiny`'s (8, 4, d 32)
-  0.53-0.64x mixed, 0.93-1.10x burst, 0.96-1.04x equal.
+- Decode sequences (one query) would waste a whole tile each, so they run together: one batched
+  loop over key blocks of every sequence slot at once, up to the longest decoding context. Past a
+  row's own context its block reads point at page 0 (cache-hot) and are masked.
 
 The tile list and the decode rows (`StepPlan`) depend only on the step's batch, so the model makes
-them once per step (`plan_step`, before the layer loop) and every layer reuses them. (The decode's
-work list is made in each layer: a cumsum over the S slots and a searchsorted placing its
-items, small beside its gathers.)
+them once per step (`plan_step`, before the layer loop) and every layer reuses them.
 
 Chosen by measurement: the per-row gather it replaced against this, both jitted in one process,
 best of 5, one layer of smollm2-135m's attention (9 heads, 3 KV heads, head_dim 64, pages of 16,

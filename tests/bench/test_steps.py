@@ -73,7 +73,7 @@ def test_steps_profile_prints_and_writes_every_point(tmp_path):
     assert cost.fit_error["samples"] > 100 and cost.fit_error["rel_rms"] is not None
     # Measured in the CPU attention's terms; a full prefill step over long contexts costs more
     # than a one-token decode.
-    assert cost.features == "items"
+    assert cost.features == "tiles"
     assert cost.predict(work_of([(300, BUDGET)])) > cost.predict(work_of([(31, 1)]))
     assert "rel RMS" in proc.stderr
 

@@ -19,7 +19,7 @@ from tests.engine.conftest import SMALL, drain
 
 
 def _cost_file(
-    engine: Engine, path, device_kind: str | None = None, fixed_s: float = 1e-3, features="items"
+    engine: Engine, path, device_kind: str | None = None, fixed_s: float = 1e-3, features="tiles"
 ) -> str:
     """A cost model of `engine`'s key: `fixed_s` (1 ms) + 0.1 ms per token in every bucket, in
     the CPU attention's terms unless told otherwise."""
@@ -29,7 +29,7 @@ def _cost_file(
         device_kind=device_kind or jax.devices()[0].device_kind,
         token_buckets=tuple(engine.runner.config.token_buckets),
     )
-    coef = (fixed_s, 1e-4, 0.0, 0.0) if features == "items" else (fixed_s, 1e-4, 0.0)
+    coef = (fixed_s, 1e-4, 0.0, 0.0) if features == "tiles" else (fixed_s, 1e-4, 0.0)
     fits = [
         BucketFit(bucket=b, coef=coef, samples=0, shared_slopes=True, rel_rms=None)
         for b in key.token_buckets
@@ -68,7 +68,7 @@ def test_policy_caps_steps_beside_decodes_and_keeps_outputs(stories_engine, tmp_
     "made, why",
     [
         ({"device_kind": "TPU v9"}, "device_kind='TPU v9'"),
-        # Priced by attended pairs (a kernel's terms, or a file from before the CPU's "items"):
+        # Priced by attended pairs (a kernel's terms, or a file from before the CPU's "tiles"):
         # it would price this engine's decode steps by their rows' mean context, not the longest.
         ({"features": "pairs"}, "by 'pairs' features, and this engine's attention"),
     ],

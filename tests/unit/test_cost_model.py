@@ -66,7 +66,7 @@ def test_work_of_counts_the_cpu_attentions_loop_trips():
     # Decodes: each row reads its own context in blocks of 32 keys (128 for a step of one
     # slot): contexts 41 and 9 read 64 + 32 keys; a lone decode at context 9, 128.
     assert work_of([(40, 1), (8, 1)]) == (2, 41 + 9, 96, 0)
-    assert work_of([(8, 1)]).row_keys == 128
+    assert work_of([(8, 1)]).decode_keys == 128
     # Where only the rows' sum and longest are known: half a block of rounding a row.
     assert decode_keys_estimate(2, 41 + 9, 41, 2) == 50 + 32
     assert decode_keys_estimate(1, 9, 9, 1) == 128
@@ -76,7 +76,7 @@ def test_work_of_counts_the_cpu_attentions_loop_trips():
     assert work_of([(0, 100)]).prefill_blocks == 2
     assert work_of([(100, 100)]).prefill_blocks == 4
     assert work_of([(100, 100), (40, 1)]) == (101, 100 * 100 + 5050 + 41, 64, 4)
-    assert work_of([(100, 100), (40, 1), (8, 1)]).row_keys == 96
+    assert work_of([(100, 100), (40, 1), (8, 1)]).decode_keys == 96
 
 
 def _tiles_samples(seed=0, per_context=10, mixed=30):
@@ -89,7 +89,7 @@ def _tiles_samples(seed=0, per_context=10, mixed=30):
     def step(spans):
         w = work_of(spans)
         b = next(b for b in KEY.token_buckets if b >= w.tokens)
-        t = 1e-3 * b / 32 + 2e-5 * w.tokens + 2.5e-7 * w.row_keys
+        t = 1e-3 * b / 32 + 2e-5 * w.tokens + 2.5e-7 * w.decode_keys
         out.append(StepSample(w, (t + 4e-5 * w.prefill_blocks) * (1 + rng.gauss(0, 0.01))))
 
     for b in KEY.token_buckets:
@@ -105,15 +105,15 @@ def _tiles_samples(seed=0, per_context=10, mixed=30):
 
 def test_tiles_model_prices_a_decode_by_its_rows_blocks():
     samples = _tiles_samples()
-    tiles = fit(samples, KEY, "items")
-    assert tiles.features == "items" and tiles.fit_error["rel_rms"] < 0.05
+    tiles = fit(samples, KEY, "tiles")
+    assert tiles.features == "tiles" and tiles.fit_error["rel_rms"] < 0.05
     # Serving's commonest step: 64 rows whose contexts spread from 16 to 700 (mean 358).
     spans = [(16 + 11 * i, 1) for i in range(64)]
-    truth = 2e-3 + 2e-5 * 64 + 2.5e-7 * work_of(spans).row_keys
+    truth = 2e-3 + 2e-5 * 64 + 2.5e-7 * work_of(spans).decode_keys
     assert tiles.predict(work_of(spans)) == pytest.approx(truth, rel=0.05)
     # Saved and loaded with its features.
     loaded = CostModel.from_json(json.loads(json.dumps(tiles.to_json())))
-    assert loaded.features == "items"
+    assert loaded.features == "tiles"
     assert loaded.predict(work_of(spans)) == tiles.predict(work_of(spans))
 
 
@@ -122,14 +122,14 @@ def test_fewer_steps_than_a_fit_of_their_own_share_the_decode_slope_across_bucke
     # costs the same in any bucket (each row reads its own), so one shared slope prices an
     # 8-row and a 64-row decode right; the buckets' sequence slots are recorded for refits.
     samples = _tiles_samples(per_context=2, mixed=6)
-    model = fit(samples, KEY, "items")
+    model = fit(samples, KEY, "tiles")
     assert all(f.shared_slopes for f in model.fits.values())
     assert model.fits[8].coef[2] == pytest.approx(model.fits[64].coef[2])
     for rows in (8, 64):
         spans = [(700, 1)] * rows
-        truth = 1e-3 * rows / 32 + 2e-5 * rows + 2.5e-7 * work_of(spans).row_keys
+        truth = 1e-3 * rows / 32 + 2e-5 * rows + 2.5e-7 * work_of(spans).decode_keys
         assert model.predict(work_of(spans)) == pytest.approx(truth, rel=0.1)
-    capped = fit(samples, KEY, "items", slots={64: 32})
+    capped = fit(samples, KEY, "tiles", slots={64: 32})
     assert CostModel.from_json(capped.to_json()).slots == {8: 8, 16: 16, 32: 32, 64: 32}
 
 
@@ -250,12 +250,3 @@ def test_a_file_from_before_the_serving_scale_loads_without_it(tmp_path):
     model = CostModel.load(path, expect=KEY)
     assert model.serving_scale == 1.0
     assert model.predict(W20) == model.predict_calibrated(W20)
-
-
-def test_a_file_priced_by_the_old_decode_loop_is_refused():
-    # Before the decode work list, the CPU's term was `decode_keys` (the longest row, per
-    # slot): its slopes mean something else now, so such a file must not load as "items".
-    obj = fit(_tiles_samples(per_context=2, mixed=6), KEY, "items").to_json()
-    obj["features"] = [("decode_keys" if t == "row_keys" else t) for t in obj["features"]]
-    with pytest.raises(CostModelError, match=r"unknown features.*decode_keys"):
-        CostModel.from_json(json.loads(json.dumps(obj)))

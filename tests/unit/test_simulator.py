@@ -20,14 +20,14 @@ BUCKETS = bucket_ladder(1, 64)
 def fake_cost(fixed=1e-3, per_token=1e-4, per_pair=0.0, per_decode_key=None) -> CostModel:
     """Every bucket the same line: a step of t tokens costs fixed + per_token * t seconds, plus
     per_pair an attended pair ("pairs" features) or, given per_decode_key, that per key of the
-    CPU attention's decode loop ("items")."""
+    CPU attention's decode loop ("tiles")."""
     key = CostKey(model="fake", dtype="float32", device_kind="cpu", token_buckets=BUCKETS)
     tiles = per_decode_key is not None
     coef = (fixed, per_token, per_decode_key, 0.0) if tiles else (fixed, per_token, per_pair)
     fits = [
         BucketFit(bucket=b, coef=coef, samples=0, shared_slopes=True, rel_rms=None) for b in BUCKETS
     ]
-    return CostModel(key, fits, features="items" if tiles else "pairs")
+    return CostModel(key, fits, features="tiles" if tiles else "pairs")
 
 
 CONFIG = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)

@@ -465,7 +465,7 @@ def test_the_policy_sees_the_queue_in_the_order_the_scheduler_starts_it():
 
 def test_admission_prices_the_cpu_decode_by_its_rows_keys():
     # The CPU attention reads each decoding row's own context in blocks of 32 keys (cost_model
-    # "items"): 2 ms + 0.1 ms a token + 0.1 us a decode key, a row's keys its final context
+    # "tiles"): 2 ms + 0.1 ms a token + 0.1 us a decode key, a row's keys its final context
     # plus half a block. Three rows (final contexts 70, 70 and the newcomer's) fit the 2.565 ms
     # target while 70 + 70 + final + 3 * 16 stays within 2,650 keys: final 2,461 may start,
     # final 2,464 not.
