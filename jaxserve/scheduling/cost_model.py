@@ -7,28 +7,26 @@ on the attention that runs (`FEATURE_SETS`):
 
 - "tiles", the CPU's attention (pallas_kernels/ragged_paged_attention/xla_blocked.py):
   `seconds = fixed + per_token * tokens + per_decode_key * decode_keys + per_block * blocks`.
-  Its decode runs a work list of (row, key block) items, each decoding row through its own
-  context in blocks of 32 keys (`decode_keys`: the rows' contexts, each rounded up to a block;
-  one block of 128 for a one-slot bucket), and its prefill (query tile, key block) pairs
-  (`prefill_blocks`). (Until 2026-12-03 the decode ran every slot to the longest decoding
-  context, and `decode_keys` was that context, paid per slot.)
+  Its decode loop runs every sequence slot of the bucket through key blocks up to the longest
+  decoding context, so a decode step costs by that context (`decode_keys`), not by the sum of
+  the rows' contexts; its prefill runs (query tile, key block) pairs (`prefill_blocks`).
 - "pairs", any other attention (the Pallas kernels): `fixed + per_token * tokens + per_pair *
   attended`, where a decode at context c attends c and a prefill chunk of n tokens after s
   cached ones n * s + n * (n + 1) / 2.
 
 Measured on `tiny` (2026-12-01, one process, docs/benchmarks.md): calibrated by attended pairs,
 served steps ran 1.41-1.57x the prediction, 64-row decode steps 2.1-2.5x (their rows' contexts
-spread from 16 to 700, and every slot then ran to the longest); by the kernel's work,
-1.01-1.08x.
+spread from 16 to 700, and every slot runs to the longest); by the kernel's work, 1.01-1.08x.
 
 Steps are timed as the engine loop sees them (host work included), which is what a request waits
 for. The fit is one least-squares problem: each bucket has its own intercept (its matmuls run the
 padded shape) and, with 30 steps or more, its own per-token and per-decode-key slopes (fewer
-steps, as at warm-up: one slope shared by such buckets); the per-pair and per-block slopes
-are one for all buckets, since an attended pair or a prefill block costs the same in any.
-(Per-bucket pair slopes, fitted to a few dozen noisy steps at the calibration's contexts,
-predicted at the longer contexts of a static batch's tail a 32-row decode 20-40% slower than
-a 64-row one.) Buckets never measured interpolate the intercepts of their neighbours.
+steps, as at warm-up: one slope shared by such buckets, per sequence slot for a decode key,
+which every slot of the bucket runs); the per-pair and per-block slopes are one for all buckets,
+since an attended pair or a prefill block costs the same in any. (Per-bucket pair slopes,
+fitted to a few dozen noisy steps at the calibration's contexts, predicted at the longer
+contexts of a static batch's tail a 32-row decode 20-40% slower than a 64-row one.) Buckets
+never measured interpolate the intercepts of their neighbours.
 
 What the features still miss in serving (the machine's pace between calibration and serving)
 is one factor, `serving_scale`, measured on served steps (the function `serving_scale`: their
@@ -59,6 +57,10 @@ FEATURE_SETS = {
     "tiles": ("fixed", "tokens", "decode_keys", "prefill_blocks"),
 }
 PER_BUCKET = frozenset({"tokens", "decode_keys"})
+# Per-bucket terms whose work is done once per sequence slot of the bucket: where buckets share
+# the slope (too few steps of their own, as at warm-up), it is shared per slot, so a one-slot
+# decode key is not priced as a 64-slot one.
+PER_SLOT = frozenset({"decode_keys"})
 # The CPU attention's loop sizes (xla_blocked: _DECODE_KEYS, _DECODE_KEYS_ONE_SEQ, _TILE_ROWS,
 # _TILE_KEYS), here without JAX; tests/kernels/test_xla_blocked.py checks they agree.
 DECODE_KEYS, DECODE_KEYS_ONE_SEQ, TILE_ROWS, TILE_KEYS = 32, 128, 64, 128
@@ -101,8 +103,8 @@ class StepWork(NamedTuple):
 
     tokens: int  # real tokens run
     attended: int  # (query, key) pairs the attention reads
-    # Keys the decode reads: every decoding row's context rounded up to the loop's key block,
-    # summed (0: no decode in the step).
+    # Keys the decode loop runs every slot through: the longest decoding context, rounded up to
+    # the loop's key block (0: no decode in the step).
     decode_keys: int = 0
     prefill_blocks: int = 0  # (query tile, key block) trips of the prefill loop
 
@@ -115,20 +117,11 @@ class StepSample:
     seconds: float
 
 
-def decode_keys(contexts: Iterable[int], tokens: int) -> int:
-    """Keys the CPU attention's decode reads in a step of `tokens` tokens whose decoding rows
-    have `contexts`: each row's whole key blocks (larger ones for a one-slot step)."""
+def decode_keys(longest: int, tokens: int) -> int:
+    """Keys the CPU attention's decode loop runs to in a step of `tokens` tokens whose longest
+    decoding context is `longest`: whole key blocks (larger ones for a one-slot step)."""
     block = DECODE_KEYS_ONE_SEQ if tokens == 1 else DECODE_KEYS
-    return sum(-(-c // block) * block for c in contexts)
-
-
-def decode_keys_estimate(rows: int, attended: int, longest: int, tokens: int) -> int:
-    """`decode_keys` where only the rows' number, their contexts' sum `attended` and the longest
-    are known (the SLO policy's plans): a one-row step exactly, more rows half a block of
-    rounding each."""
-    if rows <= 1:
-        return decode_keys([longest] if rows else [], tokens)
-    return attended + rows * (DECODE_KEYS // 2)
+    return -(-longest // block) * block
 
 
 def prefill_blocks(start: int, n: int) -> int:
@@ -142,22 +135,21 @@ def prefill_blocks(start: int, n: int) -> int:
 def work_of(spans: Iterable[tuple[int, int]]) -> StepWork:
     """The work of a step running chunks of (start_pos, num_tokens): one token is a decode (the
     attention's rule), more a prefill chunk."""
-    tokens = attended = blocks = 0
-    contexts = []
+    tokens = attended = longest = blocks = 0
     for s, n in spans:
         tokens += n
         attended += n * s + n * (n + 1) // 2
         if n == 1:
-            contexts.append(s + 1)
+            longest = max(longest, s + 1)
         else:
             blocks += prefill_blocks(s, n)
-    return StepWork(tokens, attended, decode_keys(contexts, tokens), blocks)
+    return StepWork(tokens, attended, decode_keys(longest, tokens), blocks)
 
 
 def decode_work(rows: int, attended: int, longest: int) -> StepWork:
     """The work of a decode-only step of `rows` rows attending `attended` keys in all, the
     longest `longest`."""
-    return StepWork(rows, attended, decode_keys_estimate(rows, attended, longest, rows), 0)
+    return StepWork(rows, attended, decode_keys(longest, rows), 0)
 
 
 def plan_features(plan) -> StepWork:
@@ -394,8 +386,7 @@ def fit(
 ) -> CostModel:
     """Fits one line per token bucket of `key` to measured steps, in the terms of `features`
     (a FEATURE_SETS name; see the module docstring). `slots`: each bucket's sequence slots (the
-    runner's seq_bucket_for; default the bucket's size), recorded with the model: no term is
-    priced per slot since the decode reads each row's own keys."""
+    runner's seq_bucket_for); default the bucket's size."""
     buckets = list(key.token_buckets)
     slots = {b: int(slots[b]) if slots and b in slots else b for b in buckets}
     if not samples:
@@ -429,8 +420,8 @@ def _fit_once(
     measured = [b for b in buckets if by_bucket[b]]
     # One least-squares fit for all buckets (module docstring): a column per measured bucket's
     # intercept; per term of PER_BUCKET a column per bucket with the steps to tell its slope
-    # (within a bucket tokens range over a factor of 2 at most) and one shared by the others;
-    # one column per other term, for all buckets.
+    # (within a bucket tokens range over a factor of 2 at most) and one shared by the others
+    # (per slot, for PER_SLOT terms); one column per other term, for all buckets.
     terms = FEATURE_SETS[features][1:]
     fields = [StepWork._fields.index(t) for t in terms]
     columns: dict[tuple[str, int | None], int] = {("fixed", b): j for j, b in enumerate(measured)}
@@ -444,6 +435,10 @@ def _fit_once(
     def column(t: str, b: int) -> int:
         return columns.get((t, b), columns[t, None])
 
+    def per_unit(t: str, b: int) -> int:
+        """How many of the column's units one unit of term `t` is in bucket `b`."""
+        return slots[b] if t in PER_SLOT and (t, b) not in columns else 1
+
     rows = np.zeros((len(samples), len(columns)), np.float64)  # f64[n, columns]
     times = np.zeros(len(samples), np.float64)  # f64[n]
     r = 0
@@ -451,7 +446,7 @@ def _fit_once(
         for s in by_bucket[b]:
             rows[r, columns["fixed", b]] = 1.0
             for t, field in zip(terms, fields, strict=True):
-                rows[r, column(t, b)] = s.work[field]
+                rows[r, column(t, b)] = s.work[field] * per_unit(t, b)
             times[r] = s.seconds
             r += 1
     coef = _nonneg_lstsq(rows, times)
@@ -465,7 +460,7 @@ def _fit_once(
         fits.append(
             BucketFit(
                 bucket=b,
-                coef=(intercept, *(float(coef[column(t, b)]) for t in terms)),
+                coef=(intercept, *(float(coef[column(t, b)]) * per_unit(t, b) for t in terms)),
                 samples=len(by_bucket[b]),
                 shared_slopes=any(t in PER_BUCKET and (t, b) not in columns for t in terms),
                 rel_rms=None,

@@ -21,7 +21,8 @@ with
   buys a request's whole goodput. A request that cannot meet its target at any budget gets no
   boost: it is served at the capped rate rather than making everyone late;
 - admission: a waiting request starts only when (a) the predicted decode step of every row
-  running plus it, each at its final context (prompt + max_tokens), stays within `headroom *
+  running plus it, each at its final context (prompt + max_tokens; on the CPU, whose decode loop
+  runs every slot to the longest context, priced by the longest), stays within `headroom *
   tpot_s` (the row cap), and (b) its whole prompt, run in this step beside the running
   requests' tokens, keeps the step within the allowance above. Capping each step's prefill is
   not enough: each admitted request is one more row in every later step, so once the rows
@@ -77,7 +78,7 @@ from collections.abc import Callable, Iterable, Sequence
 from jaxserve.scheduling.cost_model import (
     CostModel,
     StepWork,
-    decode_keys_estimate,
+    decode_keys,
     decode_work,
     prefill_blocks,
     work_of,
@@ -173,8 +174,7 @@ class SloPolicy:
 
         def step_s(budget: int) -> float:
             pairs, blocks = _prefill_work(spans, budget - decodes)
-            keys = decode_keys_estimate(decodes, decode_pairs, decode_max, budget)
-            work = StepWork(budget, decode_pairs + pairs, keys, blocks)
+            work = StepWork(budget, decode_pairs + pairs, decode_keys(decode_max, budget), blocks)
             return self.scale * self.cost.predict(work)
 
         if self.shed is not None and self.ttft_s is not None:

@@ -70,9 +70,6 @@ _DECODE_KEYS = 32
 # 32-key blocks: context 144 0.99x, 300 0.82x, 600 0.81x, 900 0.75x; 256-key blocks 0.85x and
 # 0.83x at 300 and 900.
 _DECODE_KEYS_ONE_SEQ = 128
-# Softmax trips per trip of the decode work list's combine loop (_decode_items): its trips are
-# cheap (a scale and a scatter-add), so fewer, wider ones cost less than one per softmax trip.
-_COMBINE_TRIPS = 4
 # A finite "minus infinity": a row with no visible key in a block adds exp(0) * (zeroed V) there,
 # which the first block with a visible key rescales away (its max is far above -1e30).
 _MASKED = -1e30
@@ -216,18 +213,13 @@ def _online_softmax_step(carry, scores, mask, v, spec: str):
 
 
 def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window):
-    """Every decoding sequence's one query, batched over sequence slots: f32[S, H, d].
-
-    One slot (a batch-1 decode bucket) folds its key blocks in one loop. More slots run a work
-    list of (slot, key block) items instead (`_decode_items`), so each slot reads its own
-    context, not the longest one in the step."""
-    if pool.page_tables.shape[0] > 1:
-        return _decode_items(q, pool, plan, sm_scale, sliding_window)
+    """Every decoding sequence's one query, batched over sequence slots: f32[S, H, d]."""
     page_tables, kv_lens = pool.page_tables, pool.kv_lens
     page_size, num_kv_heads, head_dim = pool.page_size, pool.num_kv_heads, pool.head_dim
     num_slots = page_tables.shape[0]
     group = q.shape[1] // num_kv_heads
-    pages_per_block = max(1, _DECODE_KEYS_ONE_SEQ // page_size)
+    decode_keys = _DECODE_KEYS_ONE_SEQ if num_slots == 1 else _DECODE_KEYS
+    pages_per_block = max(1, decode_keys // page_size)
     block_keys = pages_per_block * page_size
     is_decode = plan.decode_rows < q.shape[0]
     kv_len = jnp.where(is_decode, kv_lens, 0)
@@ -242,6 +234,7 @@ def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window):
         kv_pos = block * block_keys + jnp.arange(block_keys)  # i32[block_keys]
         mask = (kv_pos[None, :] < kv_len[:, None]) & (kv_pos[None, :] >= lowest[:, None])
         pages = _block_pages(page_tables, block, pages_per_block)  # i32[S, pages_per_block]
+        # Blocks wholly past a row's context read page 0 instead: the same cached lines.
         pages = jnp.where(block * block_keys < kv_len[:, None], pages, 0)
         k, v = pool.read(pages, block_keys)  # [S, block_keys, num_kv_heads, head_dim] each
         v = jnp.where(mask[:, :, None, None], v, 0)  # unused slots may hold NaN; 0 * NaN = NaN
@@ -255,106 +248,6 @@ def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window):
         jnp.zeros((*shape, head_dim), jnp.float32),
     )
     _, denom, acc = jax.lax.fori_loop(first_block, num_blocks, body, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out.reshape(num_slots, num_kv_heads * group, head_dim)
-
-
-def _decode_items(q, pool, plan: StepPlan, sm_scale, sliding_window):
-    """The decode of a step with S > 1 slots as a work list: f32[S, H, d].
-
-    Item j is one key block of one decoding slot; the slots' items lie back to back in slot
-    order, a slot's blocks in key order, from its window's first block to its last key's, so
-    the list holds exactly the blocks some row reads. A loop runs S items a trip (the footprint
-    of a trip of the all-slots loop this replaced), each item's softmax over its own block: the
-    block's max, its sum of exps and its probabilities times V, kept in buffers, while each
-    slot's max over its blocks is scattered with `max` (exact in any order). A second loop
-    weights every item by exp(its max - its slot's max) and scatter-adds it into its slot: the
-    updates of one scatter are applied in index order, so a slot's sum is taken over its own
-    blocks in key order whatever its neighbours in the batch, the same bits in any batch.
-    """
-    page_tables, kv_lens = pool.page_tables, pool.kv_lens
-    page_size, num_kv_heads, head_dim = pool.page_size, pool.num_kv_heads, pool.head_dim
-    num_slots, pages_per_seq = page_tables.shape
-    group = q.shape[1] // num_kv_heads
-    pages_per_block = max(1, _DECODE_KEYS // page_size)
-    block_keys = pages_per_block * page_size
-    is_decode = plan.decode_rows < q.shape[0]
-    kv_len = jnp.where(is_decode, kv_lens, 0)
-    lowest = jnp.zeros_like(kv_len) if sliding_window is None else kv_len - sliding_window
-    first_block = jnp.maximum(lowest, 0) // block_keys  # i32[S]
-    num_blocks = jnp.where(kv_len > 0, -(-kv_len // block_keys) - first_block, 0)  # i32[S]
-    items_end = jnp.cumsum(num_blocks)
-    num_items = items_end[-1]
-    width = num_slots  # items a trip of the softmax loop
-    combine_width = _COMBINE_TRIPS * width  # items a trip of the combine loop
-    max_blocks = -(-pages_per_seq // pages_per_block)
-    capacity = num_slots * max_blocks
-    item = jnp.arange(capacity, dtype=jnp.int32)
-    item_slot = jnp.searchsorted(items_end, item, side="right").astype(jnp.int32)
-    real_slot = jnp.minimum(item_slot, num_slots - 1)  # items past the list: slot S, dropped
-    item_block = first_block[real_slot] + item - (items_end[real_slot] - num_blocks[real_slot])
-    # Padded by one combine trip so no trip's slices run off the end (dynamic_slice would clamp).
-    pad = lambda x, fill: jnp.pad(x, (0, combine_width), constant_values=fill)  # noqa: E731
-    item_slot, item_block = pad(item_slot, num_slots), pad(item_block, 0)
-    qd = q[jnp.minimum(plan.decode_rows, q.shape[0] - 1)] * sm_scale
-    qd = qd.reshape(num_slots, num_kv_heads, group, head_dim)
-    num_trips = -(-num_items // width)
-
-    def trip_items(trip, width):
-        start = trip * width
-        slot = jax.lax.dynamic_slice_in_dim(item_slot, start, width)
-        block = jax.lax.dynamic_slice_in_dim(item_block, start, width)
-        return start, slot, jnp.minimum(slot, num_slots - 1), block
-
-    def softmax_body(trip, carry):
-        maxes, denoms, accs, slot_max = carry
-        start, slot, real, block = trip_items(trip, width)
-        kv_pos = block[:, None] * block_keys + jnp.arange(block_keys)  # i32[W, block_keys]
-        live = slot < num_slots
-        mask = (kv_pos < kv_len[real][:, None]) & (kv_pos >= lowest[real][:, None])
-        mask &= live[:, None]
-        page_idx = jnp.minimum(
-            block[:, None] * pages_per_block + jnp.arange(pages_per_block), pages_per_seq - 1
-        )
-        pages = jnp.where(live[:, None], page_tables[real[:, None], page_idx], 0)
-        k, v = pool.read(pages, block_keys)  # [W, block_keys, num_kv_heads, head_dim] each
-        v = jnp.where(mask[:, :, None, None], v, 0)  # unused slots may hold NaN; 0 * NaN = NaN
-        scores = jnp.einsum("wkgd,wckd->wkgc", qd[real], k, preferred_element_type=jnp.float32)
-        scores = jnp.where(mask[:, None, None, :], scores, _MASKED)
-        block_max = jnp.max(scores, axis=-1)  # f32[W, Hkv, g]
-        probs = jnp.exp(scores - block_max[..., None])
-        pv = jnp.einsum(
-            "wkgc,wckd->wkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
-        )
-        maxes = jax.lax.dynamic_update_slice_in_dim(maxes, block_max, start, axis=0)
-        denoms = jax.lax.dynamic_update_slice_in_dim(denoms, jnp.sum(probs, -1), start, axis=0)
-        accs = jax.lax.dynamic_update_slice_in_dim(accs, pv, start, axis=0)
-        slot_max = slot_max.at[slot].max(block_max, mode="drop")
-        return maxes, denoms, accs, slot_max
-
-    shape = (num_slots, num_kv_heads, group)
-    buffers = (capacity + combine_width, num_kv_heads, group)
-    init = (
-        jnp.full(buffers, _MASKED, jnp.float32),
-        jnp.zeros(buffers, jnp.float32),
-        jnp.zeros((*buffers, head_dim), jnp.float32),
-        jnp.full(shape, _MASKED, jnp.float32),
-    )
-    maxes, denoms, accs, slot_max = jax.lax.fori_loop(0, num_trips, softmax_body, init)
-
-    def combine_body(trip, carry):
-        denom, acc = carry
-        start, slot, real, _ = trip_items(trip, combine_width)
-        scale = jnp.exp(jax.lax.dynamic_slice_in_dim(maxes, start, combine_width) - slot_max[real])
-        block_denom = jax.lax.dynamic_slice_in_dim(denoms, start, combine_width)
-        block_acc = jax.lax.dynamic_slice_in_dim(accs, start, combine_width)
-        denom = denom.at[slot].add(block_denom * scale, mode="drop")
-        acc = acc.at[slot].add(block_acc * scale[..., None], mode="drop")
-        return denom, acc
-
-    init = (jnp.zeros(shape, jnp.float32), jnp.zeros((*shape, head_dim), jnp.float32))
-    num_combines = -(-num_items // combine_width)
-    denom, acc = jax.lax.fori_loop(0, num_combines, combine_body, init)
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.reshape(num_slots, num_kv_heads * group, head_dim)
 

@@ -138,9 +138,7 @@ def test_prefill_tiles_read_each_key_block_once_per_tile(small_tiles, monkeypatc
     One 12-row chunk at context 20 (positions 8..19; tiles of 4 rows, blocks of 8 keys) and one
     decode at context 40, with a window of 6. Tile 0 (positions 8..11) sees keys 3..11: blocks
     0-1; tile 1 (12..15) keys 7..15: blocks 0-1; tile 2 (16..19) keys 11..19: blocks 1-2. The
-    decode (position 39) sees keys 34..39: block 4 alone, one item of the decode's work list,
-    so its two loops (the items' softmax, then their combine) run one trip each. The outer loop
-    runs the 3 real tiles.
+    decode (position 39) sees keys 34..39: block 4 alone. The outer loop runs the 3 real tiles.
     """
     case = Case(((12, 20), (1, 40)), 4, 2, 1, 16, F32, 16, 2, 6)
     visits = {}  # loop (in trace order) -> indices it ran, recorded as the compiled step runs
@@ -162,75 +160,8 @@ def test_prefill_tiles_read_each_key_block_once_per_tile(small_tiles, monkeypatc
     )
     got = jax.block_until_ready(jax.jit(fn)(*make_inputs(case)))
     _check(case, np.asarray(got))
-    # Trace order: the decode's two loops, the tile loop, the key loop nested in it (per tile).
-    assert visits == {0: [0], 1: [0], 2: [0, 1, 2], 3: [0, 1, 0, 1, 1, 2]}
-
-
-def _recorded_trips(monkeypatch, fn, *args) -> dict[int, list[int]]:
-    """Runs jitted `fn(*args)`, recording the indices each fori_loop ran (in trace order)."""
-    visits = {}
-    real_loop = jax.lax.fori_loop
-
-    def recording_loop(lower, upper, body, init):
-        name = len(visits)
-        visits[name] = []
-
-        def recorded(i, carry):
-            jax.debug.callback(lambda i: visits[name].append(int(i)), i, ordered=True)
-            return body(i, carry)
-
-        return real_loop(lower, upper, recorded, init)
-
-    monkeypatch.setattr(xla_blocked.jax.lax, "fori_loop", recording_loop)
-    jax.block_until_ready(jax.jit(fn)(*args))
-    return visits
-
-
-def test_decode_reads_each_rows_own_blocks_not_the_longest(small_tiles, monkeypatch):
-    """Decodes at contexts 40, 9, 9 and 9 (blocks of 8 keys): 5 + 2 + 2 + 2 = 11 (slot, block)
-    items, 4 a trip (the bucket's slots): 3 trips, then one trip of the combine (16 items a
-    trip). The all-slots loop it replaced ran every slot to the longest context: 5 trips of 4
-    blocks, 20 blocks for 11 real ones."""
-    case = Case(((1, 40), (1, 9), (1, 9), (1, 9)), 4, 4, 2, 16, F32, 4, 4)
-    args = make_inputs(case)
-    fn = functools.partial(xla_blocked.ragged_paged_attention, sm_scale=case.head_dim**-0.5)
-    visits = _recorded_trips(monkeypatch, fn, *args)
-    assert visits == {0: [0, 1, 2], 1: [0], 2: [], 3: []}  # no tile runs: no prefill
-    _check(case, np.asarray(jax.jit(fn)(*args)))
-
-
-@pytest.mark.parametrize("combine_trips", [1, 4])
-def test_decode_row_is_bit_identical_whatever_its_neighbours(
-    small_tiles, monkeypatch, combine_trips
-):
-    """Batch invariance of the decode work list: a row's output is the same bits when its
-    neighbours' lengths or its own slot move its blocks to other trips and other places in a
-    trip (blocks of 8 keys, 4 items a trip; the row at context 30 has 4 blocks), with the
-    combine taking one trip's items at a time (so a row's sum crosses combine trips) or four."""
-    monkeypatch.setattr(xla_blocked, "_COMBINE_TRIPS", combine_trips)
-    case = Case(((1, 9), (1, 30), (1, 17)), 4, 4, 2, 16, F32, 4, 4)
-    q, kv_pool, layer, query_start, kv_lens, tables, num_seqs = make_inputs(case)
-    fn = jax.jit(functools.partial(xla_blocked.ragged_paged_attention, sm_scale=0.25))
-    want = np.asarray(fn(q, kv_pool, layer, query_start, kv_lens, tables, num_seqs))[1]
-    # Slot 0 at context 3 (a prefix of what it holds): the row's items start one place earlier.
-    shorter = kv_lens.at[0].set(3)
-    got = np.asarray(fn(q, kv_pool, layer, query_start, shorter, tables, num_seqs))[1]
-    np.testing.assert_array_equal(got, want)
-    # The row first in the batch: its items start the list.
-    order = jnp.array([1, 0, 2, 3])
-    moved = fn(q[order], kv_pool, layer, query_start, kv_lens[order], tables[order], num_seqs)
-    np.testing.assert_array_equal(np.asarray(moved)[0], want)
-    # Alone in the bucket.
-    alone = fn(
-        q[order],
-        kv_pool,
-        layer,
-        query_start.at[2:].set(1),
-        kv_lens[order].at[1:].set(0),
-        tables[order],
-        jnp.int32(1),
-    )
-    np.testing.assert_array_equal(np.asarray(alone)[0], want)
+    # Trace order: the decode loop, the tile loop, the key loop nested in it (run once per tile).
+    assert visits == {0: [4], 1: [0, 1, 2], 2: [0, 1, 0, 1, 1, 2]}
 
 
 def test_cost_model_counts_the_loops_this_attention_runs():

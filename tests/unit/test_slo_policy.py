@@ -463,20 +463,19 @@ def test_the_policy_sees_the_queue_in_the_order_the_scheduler_starts_it():
     assert [s.request_id for s in plan.seqs] == seen[0]  # four 8-token prompts fit 64
 
 
-def test_admission_prices_the_cpu_decode_by_its_rows_keys():
-    # The CPU attention reads each decoding row's own context in blocks of 32 keys (cost_model
-    # "tiles"): 2 ms + 0.1 ms a token + 0.1 us a decode key, a row's keys its final context
-    # plus half a block. Three rows (final contexts 70, 70 and the newcomer's) fit the 2.565 ms
-    # target while 70 + 70 + final + 3 * 16 stays within 2,650 keys: final 2,461 may start,
-    # final 2,464 not.
-    cost = fake_cost(fixed=2e-3, per_token=1e-4, per_decode_key=1e-7)
+def test_admission_prices_the_cpu_decode_loop_by_its_longest_row():
+    # The CPU attention runs every slot to the longest decoding context (cost_model "tiles"):
+    # 2 ms + 0.1 ms a token + 1 us a decode key, keys in blocks of 32. Three rows fit the
+    # 2.565 ms target while the longest final context rounds up to at most 256 keys, whatever
+    # the others' contexts: by attended pairs the sum (70 + 70 + 256) would be priced instead.
+    cost = fake_cost(fixed=2e-3, per_token=1e-4, per_decode_key=1e-6)
     policy = SloPolicy(
         cost, tpot_s=CAP_TPOT, ttft_s=None, token_buckets=BUCKETS, max_num_batched_tokens=64
     )
-    decodes, waiting = _two_rows_with_slack_and_a_prompt(max_tokens=2364)
+    decodes, waiting = _two_rows_with_slack_and_a_prompt(max_tokens=157)  # final 257: 288 keys
     assert policy(decodes, [waiting], now=0.05) == 2
     assert policy.num_held == 1
-    waiting.sampling_params = SamplingParams(max_tokens=2361)
+    waiting.sampling_params = SamplingParams(max_tokens=156)  # 256: 256 keys, 2.556 ms
     assert policy(decodes, [waiting], now=0.05) == 64
 
 
