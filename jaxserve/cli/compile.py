@@ -85,6 +85,10 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / _MiB:,.1f}"
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3g} ms"
+
+
 def format_report(report) -> str:
     """The report as a terminal table: one line per bucket, then the pool and the verdict."""
     lines = [
@@ -106,11 +110,12 @@ def format_report(report) -> str:
         "temp MiB",
         "out MiB",
         "pool copies",
+        "floor",
         "predicted step",
     )
     rows = []
     for b in report.buckets:
-        predicted = "-" if b.predicted_step_s is None else f"{b.predicted_step_s * 1e3:.3g} ms"
+        predicted = _ms(b.predicted_step_s)
         rows.append(
             (
                 str(b.num_tokens),
@@ -121,6 +126,7 @@ def format_report(report) -> str:
                 _mib(b.temp_bytes) if b.compiled else "-",
                 _mib(b.output_bytes) if b.compiled else "-",
                 str(b.pool_copies) if b.compiled else "-",
+                _ms(b.floor_step_s) if b.compiled else "-",
                 predicted,
             )
         )
@@ -140,6 +146,8 @@ def format_report(report) -> str:
     lines.append(
         f"peak {_mib(report.peak_bytes)} MiB a device of {_mib(report.hbm_bytes_per_device)}: "
         f"{verdict}. Step times are a roofline prediction from the compiled cost analysis and "
-        "the chip's published peaks, not a measurement."
+        "the chip's published peaks, never below the floor (the weights, KV and logits the "
+        "step must move and its FLOPs, for a full bucket with no earlier context), not a "
+        "measurement; kernel launches are not counted."
     )
     return "\n".join(lines)

@@ -8,7 +8,8 @@ the KV pool as shapes only, so nothing is allocated. For each bucket: compiled o
 error, compile seconds, the executable's memory (arguments, temporaries, outputs), any copy of
 the whole KV pool the compiler added (a relayout: the pool's bytes again, every step), and the
 step time a roofline predicts from the compiled cost analysis and the chip's published peaks
-(`pallas_kernels/chips.py`): predicted, never measured.
+(`pallas_kernels/chips.py`), never below the bytes and FLOPs the step must do
+(jaxserve/runtime/roofline.py): predicted, never measured.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages, padded_bytes, pool_padding
 from jaxserve.models.llama import resolve_layer_loop
-from jaxserve.models.loaded import abstract_params, model_for, unstack_layers
+from jaxserve.models.loaded import abstract_params, layer_loop_of, model_for, unstack_layers
 from jaxserve.models.sharding import ShardingPlan, make_mesh
 from jaxserve.models.step_batch import pack_chunks, to_words
 from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.runtime.model_runner import RunnerConfig, step_words
+from jaxserve.runtime.roofline import StepWork, layer_floor, predict, step_floor
 from jaxserve.runtime.sampling import PenaltyState, SamplingBatch, mask_words
 from pallas_kernels import gpu_targets
 
@@ -54,6 +56,10 @@ class _StepProgram:
     target: targets.Target
     pool_shard_shape: tuple[int, ...]  # one device's pool [L, pages, page_size, lanes]
     peaks: tuple[float, float] | None  # (FLOP/s, bytes/s) of one device
+    model: ModelConfig
+    tensor_parallel: int
+    layer_loop: str  # "scan" or "unrolled", as the params are laid out
+    itemsize: int  # bytes of one weight
 
 
 @dataclasses.dataclass
@@ -72,7 +78,11 @@ class BucketReport:
     pool_copies: int = 0  # ops that materialise the whole (per-device) KV pool again
     flops: float | None = None  # per device, the compiled cost analysis (None on the GPU)
     bytes_accessed: float | None = None
-    predicted_step_s: float | None = None  # roofline: max(flops / peak, bytes / bandwidth)
+    floor_flops: float = 0.0  # per device, the least the step must do (runtime/roofline.py)
+    floor_bytes: float = 0.0
+    floor_step_s: float | None = None  # the floor's roofline: no step of the bucket is faster
+    # max(floor, the cost analysis's roofline with a scanned loop's other layers added)
+    predicted_step_s: float | None = None
 
     @property
     def reserved_bytes(self) -> int:
@@ -148,9 +158,11 @@ def _hbm_per_device(where: targets.Target) -> int | None:
 
 def _peaks(where: targets.Target, dtype) -> tuple[float, float] | None:
     """(FLOP/s, bytes/s) of one device of the target, from the chip table."""
-    chip = where.chip
-    if chip is None:
-        return None
+    return None if where.chip is None else chip_peaks(where.chip, dtype)
+
+
+def chip_peaks(chip, dtype) -> tuple[float, float]:
+    """(FLOP/s, bytes/s) of one JAX device of `chip` (a pallas_kernels.chips row) in `dtype`."""
     devices_per_chip = getattr(chip, "devices_per_chip", 1)
     flops = chip.peak_bf16_flops
     if jnp.dtype(dtype) == jnp.float32:  # f32 matmuls: the GPU's CUDA-core rate; TPUs emulate
@@ -390,6 +402,10 @@ def step_program(
         target=where,
         pool_shard_shape=tuple(kv_sharding.shard_shape(pool_shape)),
         peaks=_peaks(where, dtype),
+        model=mc,
+        tensor_parallel=sharding.tensor_parallel,
+        layer_loop=layer_loop_of(params),
+        itemsize=jnp.dtype(dtype).itemsize,
     )
 
 
@@ -450,14 +466,45 @@ def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketRe
         report.alias_bytes = int(memory.alias_size_in_bytes)
     report.pool_copies = len(pool_copies(compiled.as_text(), p.pool_shard_shape))
     report.flops, report.bytes_accessed = _cost(compiled)
-    if report.flops is None:  # priced from the shapes: every weight read once, 2 FLOPs each
-        weights = _bytes_per_device(p.params, p.param_shardings)
-        itemsize = jax.tree.leaves(p.params)[0].dtype.itemsize
-        report.flops = 2.0 * num_tokens * weights / itemsize
-        report.bytes_accessed = float(weights)
-    if p.peaks is not None and report.flops is not None:
-        flops_per_s, bytes_per_s = p.peaks
-        report.predicted_step_s = max(
-            report.flops / flops_per_s, (report.bytes_accessed or 0.0) / bytes_per_s
-        )
+    analysed = None
+    if report.flops is not None:
+        analysed = StepWork(report.flops, report.bytes_accessed or 0.0)
+    floor, report.predicted_step_s = predict_bucket(
+        p.model,
+        num_tokens,
+        num_seqs,
+        p.itemsize,
+        p.peaks,
+        analysed,
+        tensor_parallel=p.tensor_parallel,
+        layer_loop=p.layer_loop,
+    )
+    report.floor_flops, report.floor_bytes = floor.flops, floor.bytes
+    if p.peaks is not None:
+        report.floor_step_s = floor.seconds(p.peaks)
     return report
+
+
+def predict_bucket(
+    model: ModelConfig,
+    num_tokens: int,
+    num_seqs: int,
+    itemsize: int,
+    peaks: tuple[float, float] | None,
+    analysed: StepWork | None,
+    *,
+    tensor_parallel: int = 1,
+    layer_loop: str = "scan",
+) -> tuple[StepWork, float | None]:
+    """(the floor, the predicted step time or None without peaks) of one bucket on one device.
+
+    `analysed` is the compiled cost analysis (None: the compile-only GPU client gives none). XLA
+    prices a while loop's body once, so under the scan the other num_layers - 1 layers are
+    added at the floor's per-layer work (tests/unit/test_roofline.py measures the undercount).
+    """
+    floor = step_floor(model, num_tokens, num_seqs, itemsize, tensor_parallel=tensor_parallel)
+    if peaks is None:
+        return floor, None
+    layer = layer_floor(model, num_tokens, num_seqs, itemsize, tensor_parallel=tensor_parallel)
+    missing = model.num_layers - 1 if layer_loop == "scan" else 0
+    return floor, predict(floor, peaks, analysed, missing_layers=missing, layer=layer)

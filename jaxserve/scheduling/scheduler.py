@@ -3,8 +3,9 @@
 Every iteration hands out a token budget (`max_num_batched_tokens`): first one token to each
 running request that is decoding, then the rest of each running request's prompt (chunked when
 the budget is short), then prefill chunks of waiting requests, in order of importance, while a
-slot, the pages and the budget allow. There are no prefill and decode modes (DESIGN.md, decisions
-1 and 2). `Scheduler` is the coordinator of one step, and each part is a module of its own:
+slot, the pages and the budget allow. There are no prefill and decode modes
+(docs/architecture.md, Decisions 1 and 2). `Scheduler` is the coordinator of one step, and each
+part is a module of its own:
 
 - running.py: the running requests' decodes and prefill chunks;
 - admission.py: which waiting requests start, and what may be queued at all;

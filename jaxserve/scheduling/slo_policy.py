@@ -60,8 +60,8 @@ every request (A/B at 0.25 s / 20 ms on tiny, 2026-12-01: 0-5 good requests of 2
 quantiles against 1-8 for the average with the terms above). The caution the old pairing of
 steps gave (b050def) was making up for the two missing terms, not for the pace: replayed in the
 simulator, where the pace is exact, the shed policy served 6 good requests of 200 without them
-and 37 with them (cost_model_night.json); measured, alternated in one process, 26 in three runs
-against 2 (docs/bench-slo/pace_and_bias.md).
+and 37 with them (docs/history/bench-slo/cost_model_night.json); measured, alternated in one
+process, 26 in three runs against 2 (docs/history/bench-slo/pace_and_bias.md).
 
 Nothing starves: the cap never stops decodes, decodes always finish (max_tokens), and when no
 row runs the first waiting request starts, so the queue drains in its order. With no SLO, or with

@@ -39,13 +39,18 @@ def test_compiles_the_buckets_for_a_v5e_chip_and_prints_the_table(tmp_path):
     assert [b["num_tokens"] for b in report["buckets"]] == [1, 16]
     for bucket in report["buckets"]:
         assert bucket["compiled"] and bucket["argument_bytes"] > 0
-        assert bucket["predicted_step_s"] > 0
+        # Never below what the step must move and compute (issue 47, item 5).
+        assert bucket["predicted_step_s"] >= bucket["floor_step_s"] > 0
+        assert bucket["floor_bytes"] > 0 and bucket["floor_flops"] > 0
         assert bucket["pool_copies"] == 0  # the pool keeps its place (issue 28, defect 3)
+    one, sixteen = report["buckets"]
+    assert sixteen["floor_step_s"] > one["floor_step_s"]  # 16 tokens' KV and rows' logits
     # llama-tiny's 2 KV heads of 16: 64 lanes of keys and values, padded to one 128-lane tile.
     assert report["pool_padding"] == 2.0 and "layout padding 2.00x" in proc.stdout
     # Sized from the chip's 16 GiB, so capped by 4 sequences of llama-tiny's 2048-token context.
     assert report["num_pages"] == 4 * 2048 // 16
     assert "tokens" in proc.stdout and "predicted step" in proc.stdout and "fits" in proc.stdout
+    assert "floor" in proc.stdout
 
 
 def test_an_unknown_target_is_one_line_and_exit_2(tmp_path):

@@ -1,0 +1,138 @@
+"""The least work one step of a bucket must do on one device, and the step time it allows.
+
+`jaxserve compile` predicts each bucket's step time from the compiled program's cost analysis and
+the chip's published peaks (jaxserve/runtime/aot.py). That analysis alone predicted steps faster
+than the chip can move the weights (issue 47, item 5): XLA prices a scanned layer loop's body
+once, not once per layer, and the compile-only GPU client gives no analysis at all. So every
+prediction is held to a floor counted here from the model's shapes:
+
+- bytes: every weight the step's matmuls read (the LM head's whole table; of an untied input
+  embedding only the rows gathered), the KV the step writes and the KV its attention reads back,
+  and the f32 logits it writes;
+- FLOPs: 2 per weight per token for the decoder's matmuls, 2 per head weight per sampled row,
+  and attention's Q K^T and P V over the causal pairs.
+
+Both are per device under tensor parallelism, split as jaxserve/models/sharding.py splits the
+model: the fused qkv projection and the KV over the KV-head split, everything else over the
+whole model axis, attention's heads replicated where the KV heads cannot be split. The bucket
+is taken as full (its tokens spread evenly over its sequences, every sequence sampled) and each
+sequence with `context` earlier tokens in the pool (0 by default: the least a step of that
+bucket reads). Nothing else is counted (norms, biases, rotary, sampling, a kernel's launch), so
+the floor is below what any real step does; the prediction is max(floor, the cost analysis with
+a scanned loop's other layers added).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.sharding import kv_split
+
+
+@dataclasses.dataclass(frozen=True)
+class StepWork:
+    """FLOPs and HBM bytes of one step on one device."""
+
+    flops: float
+    bytes: float
+
+    def seconds(self, peaks: tuple[float, float]) -> float:
+        """The roofline: max(FLOPs / peak FLOP/s, bytes / bandwidth) for peaks (FLOP/s, B/s)."""
+        flops_per_s, bytes_per_s = peaks
+        return max(self.flops / flops_per_s, self.bytes / bytes_per_s)
+
+
+def layer_weights(model: ModelConfig, tensor_parallel: int = 1) -> float:
+    """Matmul weights (elements) of one decoder layer on one device: q/k/v split with the KV
+    heads (sharding.kv_split), o, gate/up and down over the whole model axis."""
+    c, tp = model, tensor_parallel
+    qkv = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    rest = c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    return qkv / kv_split(tp, c.num_kv_heads) + rest / tp
+
+
+def _query_heads(model: ModelConfig, tensor_parallel: int) -> float:
+    """Query heads one device attends with: split with the model axis, or all of them where
+    the KV heads neither divide nor are divided by it (sharding.py: replicated attention)."""
+    nkv, tp = model.num_kv_heads, tensor_parallel
+    if nkv % tp and tp % nkv:
+        return float(model.num_heads)
+    return model.num_heads / tp
+
+
+def layer_floor(
+    model: ModelConfig,
+    num_tokens: int,
+    num_seqs: int,
+    itemsize: int,
+    *,
+    tensor_parallel: int = 1,
+    context: int = 0,
+) -> StepWork:
+    """One decoder layer's share of `step_floor`: its weights, its KV written and read, its
+    matmuls and its attention, on one device."""
+    c, tp = model, tensor_parallel
+    if num_tokens < num_seqs or num_seqs < 1 or context < 0:
+        raise ValueError(
+            f"A step floor needs num_tokens >= num_seqs >= 1 and context >= 0, got "
+            f"{num_tokens=}, {num_seqs=}, {context=}."
+        )
+    weights = layer_weights(c, tp)
+    kv_per_token = 2 * c.num_kv_heads * c.head_dim * itemsize / kv_split(tp, c.num_kv_heads)
+    # Written: the step's tokens; read back by attention: each sequence's context and its own.
+    kv_bytes = kv_per_token * (num_tokens + num_tokens + num_seqs * context)
+    q = num_tokens / num_seqs  # each sequence's new tokens (even: the fewest causal pairs)
+    pairs = num_seqs * (q * context + q * (q + 1) / 2)
+    attention = 4 * _query_heads(c, tp) * c.head_dim * pairs  # Q K^T and P V, 2 FLOPs a MAC
+    return StepWork(
+        flops=2 * num_tokens * weights + attention,
+        bytes=weights * itemsize + kv_bytes,
+    )
+
+
+def step_floor(
+    model: ModelConfig,
+    num_tokens: int,
+    num_seqs: int,
+    itemsize: int,
+    *,
+    tensor_parallel: int = 1,
+    context: int = 0,
+) -> StepWork:
+    """The least one device does in a full step of `num_tokens` tokens over `num_seqs`
+    sequences with `context` earlier tokens each (weights of `itemsize` bytes): see the module
+    docstring for what is counted."""
+    c, tp = model, tensor_parallel
+    layer = layer_floor(c, num_tokens, num_seqs, itemsize, tensor_parallel=tp, context=context)
+    table = c.vocab_size * c.hidden_size / tp  # split by vocabulary rows
+    head_bytes = table * itemsize  # the LM head reads all of it, tied or not
+    if not c.tie_word_embeddings:  # the input embedding: only the step's rows are gathered
+        head_bytes += min(num_tokens, c.vocab_size) * c.hidden_size * itemsize / tp
+    logits_bytes = num_seqs * c.vocab_size * 4 / tp  # f32, split by vocabulary
+    return StepWork(
+        flops=c.num_layers * layer.flops + 2 * num_seqs * table,
+        bytes=c.num_layers * layer.bytes + head_bytes + logits_bytes,
+    )
+
+
+def predict(
+    floor: StepWork,
+    peaks: tuple[float, float],
+    analysed: StepWork | None = None,
+    *,
+    missing_layers: int = 0,
+    layer: StepWork | None = None,
+) -> float:
+    """The predicted step time (s): the roofline of the compiled cost analysis (`analysed`,
+    None where the compiler gives none), with `missing_layers` more copies of `layer` added
+    where the analysis priced a scanned loop's body once, and never below `floor`'s."""
+    predicted = floor.seconds(peaks)
+    if analysed is not None:
+        extra = layer if layer is not None and missing_layers else StepWork(0.0, 0.0)
+        whole = StepWork(
+            flops=analysed.flops + missing_layers * extra.flops,
+            bytes=analysed.bytes + missing_layers * extra.bytes,
+        )
+        predicted = max(predicted, whole.seconds(peaks))
+    return predicted
