@@ -5,11 +5,13 @@ another language (or `jq`) fails on them. `loads` refuses them; `StrictTransport
 httpx2 transport of the `openai` client with every response body checked as it arrives (a
 JSON body whole, each `data:` line of a server-sent event stream as it completes), so every
 call a test makes through `ServerThread.openai()` fails at once on a body that is not JSON.
-`checked` counts the bodies and events checked, so a test can see the check ran.
+`checked` counts the bodies and events checked, so a test can see the check ran. `post` is a
+raw POST whose answer, streamed or not, is parsed so too.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 
 import httpx2
@@ -80,3 +82,27 @@ class StrictTransport(httpx2.BaseTransport):
 
     def close(self) -> None:
         self._inner.close()
+
+
+def post(port: int, path: str, body: dict, timeout: float = 300.0) -> tuple[int, object]:
+    """POSTs `body` (JSON) to 127.0.0.1:`port`; (status, the answer parsed strictly), or for a
+    stream (status, the list of its `data:` events, each parsed strictly, the last "[DONE]" when
+    the stream ended well; any other line but blank ones fails)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        raw = response.read()
+        streamed = response.getheader("content-type", "").startswith("text/event-stream")
+    finally:
+        conn.close()
+    if not streamed:
+        return response.status, loads(raw)
+    events = []
+    for line in raw.decode("utf-8").split("\n"):
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else loads(data))
+        else:
+            assert line == "", f"{line!r} is not a line of a server-sent event stream"
+    return response.status, events
