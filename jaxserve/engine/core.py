@@ -718,9 +718,14 @@ def _verified_rows(seqs, accepted: np.ndarray) -> dict[int, list[int]]:
 
 
 def _logprob_of(host, row: int, seq) -> TokenLogprob:
-    """Row `row`'s chosen-token logprob and top-n, as its request asked (host: SampleOutput)."""
+    """Row `row`'s chosen-token logprob and top-n, as its request asked (host: SampleOutput).
+
+    A token masked out (a grammar's mask, min_tokens' EOS) has logprob -inf: it could not have
+    been chosen, so it is not an alternative, and the top-n lists only the tokens that could
+    (fewer than n where fewer are allowed). -inf is not JSON either (RFC 8259)."""
     n = seq.request.sampling_params.logprobs
     top = [(int(host.top_ids[row, j]), float(host.top_logprobs[row, j])) for j in range(n)]
+    top = [(token_id, logprob) for token_id, logprob in top if logprob != -math.inf]
     return TokenLogprob(int(host.token_ids[row]), float(host.logprobs[row]), top)
 
 

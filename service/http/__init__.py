@@ -38,8 +38,12 @@ class HttpListener:
     """One uvicorn server of an ASGI app on the running event loop.
 
     The socket is bound in `start()`, so a port in use fails there (OSError) and port 0 learns
-    its number at once. `stop()` closes the listening socket and cancels the calls still open
-    after `cancel_after_s` (the drain before it has already waited for them).
+    its number at once. It sets SO_REUSEADDR, as uvicorn, vLLM and asyncio's own servers do: a
+    server restarted on the port of one that has just served binds at once, although that one's
+    closed connections still sit in TIME_WAIT for a minute; a port another socket is LISTENING
+    on is still refused (Linux and macOS refuse to bind it whatever the option). `stop()`
+    closes the listening socket and cancels the calls still open after `cancel_after_s` (the
+    drain before it has already waited for them).
     """
 
     def __init__(
@@ -71,6 +75,8 @@ class HttpListener:
             self._load_tls(*self._tls)
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
+        if os.name == "posix":  # on Windows the option lets a second server share a live port
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self._host.strip("[]"), self._port))
         except OSError:

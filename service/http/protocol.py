@@ -15,6 +15,8 @@ use_beam_search, length_penalty, early_stopping and best_of on both endpoints).
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -197,6 +199,40 @@ class UnloadLoraRequest(_Body):
 
 
 # ---- responses ----------------------------------------------------------------------------
+
+
+class ResponseNotJson(RuntimeError):
+    """A response the server built holds a value that JSON cannot carry (NaN, Infinity): a bug
+    in the server, answered 500 and logged, never the client's 400."""
+
+
+def dumps(body: Any) -> str:
+    """`body` as strict JSON text (RFC 8259: no NaN, Infinity or -Infinity), as every response
+    and every server-sent event is written; `ResponseNotJson` naming the first such value."""
+    try:
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError as e:
+        where = _non_finite(body, "")
+        raise ResponseNotJson(
+            f"The response is not JSON (RFC 8259): {where or 'a value'} is not a finite number; "
+            "this is a bug in the server."
+        ) from e
+
+
+def _non_finite(value: Any, path: str) -> str | None:
+    """Where in `value` the first non-finite float is ("choices[0].logprobs...=-inf")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{path or 'the body'}={value}"
+    if isinstance(value, dict):
+        items = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for sub_path, sub in items:
+        if (found := _non_finite(sub, sub_path)) is not None:
+            return found
+    return None
 
 
 def now() -> int:

@@ -152,7 +152,9 @@ class OpenAIFrontEnd:
                 if isinstance(result, Response):
                     return result
                 if isinstance(result, dict):
-                    return JSONResponse(result)
+                    # Strict JSON; a body that is not (a server bug) is a 500, not the
+                    # ValueError that Starlette's JSONResponse raises, read as a 400 below.
+                    return Response(protocol.dumps(result), media_type="application/json")
                 streamed = True  # an async iterator of server-sent events
 
                 def end() -> None:

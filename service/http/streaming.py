@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -32,7 +31,7 @@ async def sse(
     code and message there, a client gone mid-stream its code 499."""
     try:
         async for event in events:
-            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            yield f"data: {protocol.dumps(event)}\n\n"
         yield "data: [DONE]\n\n"
     except asyncio.CancelledError:  # the client left mid-stream (Starlette cancels us)
         fields["code"] = 499
@@ -41,7 +40,7 @@ async def sse(
         error = await error_of(e)
         fields.update(code=error.status, error=str(error))
         body = protocol.error_body(str(error), error.type, error.param, error.code)
-        yield f"data: {json.dumps(body)}\n\n"
+        yield f"data: {protocol.dumps(body)}\n\n"
     finally:
         with contextlib.suppress(Exception):
             await events.aclose()

@@ -64,11 +64,18 @@ class ServerThread:
 
     def openai(self, api_key: str = "none"):
         """The official `openai` client of the HTTP port, without retries (a test sees every
-        status as the server sent it)."""
+        status as the server sent it), refusing any response that is not strict JSON."""
+        import httpx2
         import openai
 
+        from tests.service.strict_json import StrictTransport
+
         base_url = f"http://127.0.0.1:{self.server.http_port}/v1"
-        return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        # Every response body is checked as strict JSON as it arrives (strict_json.py).
+        http_client = httpx2.Client(transport=StrictTransport(), timeout=600.0)
+        return openai.OpenAI(
+            base_url=base_url, api_key=api_key, max_retries=0, http_client=http_client
+        )
 
     def stop(self, grace_s: float = 5.0) -> None:
         try:

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from tests.service import strict_json
 from tests.service.conftest import serving, wait_until
 
 PROMPT = "Once upon a time"
@@ -88,9 +89,9 @@ def _post(server, path: str, body, headers=None, *, with_headers=False):
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as r:
-            status, parsed, got = r.status, json.loads(r.read()), r.headers
+            status, parsed, got = r.status, strict_json.loads(r.read()), r.headers
     except urllib.error.HTTPError as e:
-        status, parsed, got = e.code, json.loads(e.read()), e.headers
+        status, parsed, got = e.code, strict_json.loads(e.read()), e.headers
     return (status, parsed, got) if with_headers else (status, parsed)
 
 
@@ -367,7 +368,7 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(served, engine):
 def test_models_tokenize_detokenize_health_and_metrics(served, engine):
     server, _ = served
     status, body = _get(server, "/v1/models")
-    assert status == 200 and json.loads(body)["data"][0]["id"] == "stories260k"
+    assert status == 200 and strict_json.loads(body)["data"][0]["id"] == "stories260k"
     status, body = _post(server, "/tokenize", {"prompt": PROMPT})
     assert status == 200 and body["tokens"] == engine.encode(PROMPT)
     status, back = _post(server, "/detokenize", {"tokens": body["tokens"]})

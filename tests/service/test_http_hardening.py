@@ -25,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.service import strict_json
 from tests.service.conftest import serving, wait_until
 from tests.service.test_http import PROMPT, _get, _post
 
@@ -53,7 +54,11 @@ def _raw(server, method: str, path: str, body: bytes = b"", headers=None):
         conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
         data = response.read()
-        return response.status, dict(response.getheaders()), json.loads(data) if data else None
+        return (
+            response.status,
+            dict(response.getheaders()),
+            strict_json.loads(data) if data else None,
+        )
     finally:
         conn.close()
 
@@ -176,7 +181,7 @@ def test_a_body_over_the_limit_is_413_by_its_header_or_as_it_streams(engine):
         # The reason phrase is Python's: "Request Entity Too Large" to 3.12, "Content Too Large"
         # (RFC 9110) from 3.13.
         assert status_line.startswith(b"HTTP/1.1 413 ") and took < 1.0, status_line
-        error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+        error = strict_json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
         assert error["code"] == "request_too_large"
         assert f"has {limit + 1} bytes (its Content-Length)" in error["message"]
         assert f"at most {limit} bytes (--max-message-bytes)" in error["message"]
@@ -188,7 +193,9 @@ def test_a_body_over_the_limit_is_413_by_its_header_or_as_it_streams(engine):
             conn.request("POST", "/tokenize", iter(chunks), encode_chunked=True)
         response = conn.getresponse()
         assert response.status == 413
-        assert f"has more than {limit} bytes" in json.loads(response.read())["error"]["message"]
+        assert (
+            f"has more than {limit} bytes" in strict_json.loads(response.read())["error"]["message"]
+        )
         conn.close()
         # Just under the limit is read and judged as usual; gRPC has the same limit.
         status, body = _post(server, "/tokenize", b'{"prompt": "Once"}' + b" " * (limit - 100))
@@ -505,7 +512,7 @@ def test_calls_cut_by_the_end_of_a_drain_get_503_and_streams_an_error_event(engi
             assert "grace period (0.3 s) ended" in body["error"]["message"]
         for conn, response in streams:
             events = [line for line in response.read().split(b"\n") if line.startswith(b"data: ")]
-            last = json.loads(events[-1][len(b"data: ") :])
+            last = strict_json.loads(events[-1][len(b"data: ") :])
             assert last["error"]["type"] == "service_unavailable", events[-3:]
             assert b"data: [DONE]" not in events
             conn.close()

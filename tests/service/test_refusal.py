@@ -17,6 +17,7 @@ import pytest
 
 from jaxserve.scheduling import slo_policy
 from jaxserve.scheduling.cost_model import BucketFit, CostKey, CostModel
+from tests.service import strict_json
 from tests.service.conftest import serving
 
 PROMPT = "Once upon a time"
@@ -89,9 +90,10 @@ def test_http_refusal_is_429_with_the_reason(server, engine, stream):
         assert policy.num_shed == 1
     # Streamed too: the refusal comes before the first token, so it is the call's status.
     assert status == 429, text
-    error = json.loads(text)["error"]
+    error = strict_json.loads(text)["error"]
     assert error["type"] == "rate_limit"
     _check_message(error["message"])
     # Without the policy the same request is served.
     status, text = _post(server, {**body, "stream": False})
-    assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] in ("stop", "length")
+    finish = strict_json.loads(text)["choices"][0]["finish_reason"]
+    assert status == 200 and finish in ("stop", "length")
