@@ -51,6 +51,8 @@ def tpu_interpret(*args, **kwargs):
     RaceDetectionState made afresh for each kernel run, `races_found` set on a race, the race
     printed): no public API reads it, so the private module is read here. The state is reset
     before the call, so a state left by an earlier call cannot pass for this one's.
+    The detector costs ~1.7x (the 7 TPU cases: 21 s without, 36 s with, on 2 shared cores), so
+    every case keeps it on.
     """
     pltpu.reset_tpu_interpret_mode_state()
     out = jax.block_until_ready(
