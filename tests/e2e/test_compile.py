@@ -73,3 +73,65 @@ def test_the_tpu_kernel_compiles_under_tensor_parallel_where_attention_is_not_he
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert report["num_devices"] == 2 and report["attention_backend"] == "pallas_tpu"
     assert all(b["compiled"] and b["pool_copies"] == 0 for b in report["buckets"]), report
+
+
+# ---- the pool sized from a target's HBM and the step's reserved bytes, on this CPU ----------
+
+MiB = 2**20
+
+
+def test_size_pool_leaves_the_step_s_reserved_bytes_out_of_the_pool():
+    """kv_cache_memory_fraction of the HBM, less the params and the step's reserved bytes,
+    in whole pages, capped by max_num_seqs full-length sequences; at least one page."""
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.runtime import aot
+
+    config = EngineConfig(max_num_seqs=4, page_size=16, kv_cache_memory_fraction=0.9)
+    model = None  # size_pool reads only the config and the byte counts
+
+    def pages(hbm, reserved, max_model_len=65536):
+        return aot.size_pool(config, model, "float32", hbm, 100 * MiB, MiB, max_model_len, reserved)
+
+    # 0.9 GiB = 921.6 MiB, less 100 MiB of params: 821 pages; 200 MiB reserved: 200 fewer.
+    assert pages(2**30, 0) == 821
+    assert pages(2**30, 200 * MiB) == 621
+    assert pages(2**30, 900 * MiB) == 1  # nothing fits: one page, the step still runs
+    # 4 sequences of 1024 tokens need 256 pages: the cap, whatever the HBM leaves.
+    assert pages(2**30, 200 * MiB, max_model_len=1024) == 256
+    # No HBM figure (the CPU): kv_cache_memory_gb (1 GiB: 1024 pages), reserved or not.
+    assert pages(None, 200 * MiB) == pages(None, 0) == 1024
+
+
+def test_compile_sizes_the_pool_again_from_the_measured_reserved_bytes(monkeypatch):
+    """`compile_for_target` on this CPU with an HBM figure given to it (the CPU has none): the
+    largest bucket compiles with the pool the HBM allows, its memory analysis says what the
+    step needs beside its arguments, and the pool is sized again without those bytes and
+    compiled at that size. The compiles are real; only the HBM figure is supplied."""
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.runtime import aot
+
+    hbm = 12 * MiB  # under what 16 sequences of 2048 tokens take: the HBM, not the cap, binds
+    compiled = []
+    real = aot._compile_bucket
+
+    def recording(program, num_tokens, num_seqs):
+        report = real(program, num_tokens, num_seqs)
+        compiled.append((program.runner.num_pages, report))
+        return report
+
+    monkeypatch.setattr(aot, "_compile_bucket", recording)
+    monkeypatch.setattr(aot, "_hbm_per_device", lambda where: hbm)
+    config = EngineConfig(model="llama-tiny", max_num_seqs=16, max_num_batched_tokens=16)
+    report = aot.compile_for_target(config, None, buckets=[16])
+    assert report.platform == "cpu" and report.hbm_bytes_per_device == hbm
+    (first_pages, first), (pages, last) = compiled
+    assert first.compiled and last.compiled and report.buckets == [last]
+    page_bytes = report.pool_bytes_per_device // report.num_pages
+    free = 0.9 * hbm - report.param_bytes_per_device
+    # The step's temporaries and its outputs that are not the donated pool: some, but not
+    # the pool again (the pool is donated and aliased).
+    reserved = first.reserved_bytes
+    assert reserved == first.temp_bytes + first.output_bytes - first.alias_bytes
+    assert 0 < reserved < first_pages * page_bytes
+    assert first_pages == int(free // page_bytes)
+    assert pages == report.num_pages == int((free - reserved) // page_bytes) < first_pages

@@ -45,6 +45,39 @@ def test_verify_keeps_the_longest_agreeing_prefix():
     assert (int(accepted[0]), int(after[0])) == (3, 5)
 
 
+def test_all_accepted_proposals_that_fill_every_sampling_row_keep_their_bonus_token():
+    """The proposals' extra rows end at the last sampling row (no padding row after them): all
+    accepted, the count is all of them and the token after them is the sequence's own sample
+    (the bonus). Outputs cannot tell a lost bonus (the token it adds comes one step later
+    instead), so the counts are what is checked."""
+    # 4 rows, all used: row 0 runs [7, 1, 2] (proposals 1, 2), row 1 decodes 9, and rows 2-3
+    # are row 0's extra rows (its first two queries). Tokens: 7 1 2 | 9.
+    token_ids = jnp.array([7, 1, 2, 9], jnp.int32)
+    logits_indices = jnp.array([2, 3, 0, 1], jnp.int32)
+    num_proposals = jnp.array([2, 0, 0, 0], jnp.int32)
+    extra_start = jnp.array([2, 0, 0, 0], jnp.int32)
+    # After 7 came 1 (= proposal 1), after 1 came 2 (= proposal 2), after 2 came 8: both
+    # accepted, and 8, sampled by row 0 itself after its last proposal, is the bonus.
+    sampled = jnp.array([8, 4, 1, 2], jnp.int32)
+    accepted, after = verify(sampled, token_ids, logits_indices, num_proposals, extra_start)
+    assert accepted.tolist()[:2] == [2, 0]
+    assert after.tolist()[:2] == [8, 4]
+    # The last row disagrees (5, not 2): one accepted, and 5 is the token after it.
+    accepted, after = verify(
+        sampled.at[3].set(5), token_ids, logits_indices, num_proposals, extra_start
+    )
+    assert (int(accepted[0]), int(after[0])) == (1, 5)
+    # One sequence, proposals filling every row after it: 3 proposals on 4 rows.
+    accepted, after = verify(
+        jnp.array([6, 1, 2, 3], jnp.int32),
+        jnp.array([7, 1, 2, 3], jnp.int32),
+        jnp.array([3, 0, 1, 2], jnp.int32),
+        jnp.array([3, 0, 0, 0], jnp.int32),
+        jnp.array([1, 0, 0, 0], jnp.int32),
+    )
+    assert (int(accepted[0]), int(after[0])) == (3, 6)
+
+
 def chi2_critical(df: int, z: float = 3.09) -> float:
     """The chi-square statistic a fair sample exceeds with probability ~0.001 (z = 3.09), by
     Wilson and Hilferty's cube-root normal approximation (no scipy needed)."""
@@ -157,6 +190,24 @@ def test_greedy_with_speculation_is_token_for_token_the_same(stories_engine, spe
     )
     assert spec_engine.scheduler.num_pages_used == 0
     assert stats.compiles_after_warmup == 0
+
+
+def test_constrained_and_penalised_requests_run_without_proposals(stories_engine, spec_engine):
+    """In one batch with a plain request that accepts proposals, a regex-constrained request
+    and ones with a repetition penalty or a logit bias (whose per-row work covers one sampled
+    row) are proposed nothing, and give the tokens they give without speculation."""
+    prompt = REPETITIVE[2]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0, structured_output={"regex": "( [a-z]+)+[.]"}),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logit_bias={5: 1.0}),
+    ]
+    got = LLM(engine=spec_engine).generate([prompt] * 4, params)
+    want = LLM(engine=stories_engine).generate([prompt] * 4, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert got[0].num_proposed_tokens > 0 and got[0].num_accepted_tokens > 0
+    assert [(g.num_proposed_tokens, g.num_verifications) for g in got[1:]] == [(0, 0)] * 3
 
 
 def test_sampling_with_speculation_keeps_the_distribution(stories_engine, spec_engine):

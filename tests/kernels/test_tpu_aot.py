@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import SingleDeviceSharding
 
 from pallas_kernels import chips
 from pallas_kernels.ragged_paged_attention import common, reference, tpu_kernel, tuning
+from tests.kernels.test_ragged_paged_attention import tpu_interpret
 
 # Single-chip topologies (v4, v5p and TPU7x name three axes).
 TOPOLOGIES = {
@@ -289,6 +289,51 @@ def test_v4_splits_the_kv_heads_of_the_f32_shape():
     assert plan.heads_per_block < 32 and plan.heads_per_block % 8 == 0
 
 
+def test_a_shape_that_fits_gets_the_table_s_blocks_cut_to_the_bucket():
+    """Plans worked from the rule (no shrinking where the targets fit):
+    - BASE (64 tokens, GQA 4, 2 KV heads of 128, bf16, pages of 16, 16 per sequence) on v6e:
+      the row's 256 rows are 64 tokens, the whole bucket; its 512 keys would be 32 pages, but
+      a sequence has only 16; both KV heads (2 has no divisor that is a multiple of 8).
+    - GQA 3 on v5e: 128 rows are 42 tokens, rounded up to whole bf16 tiles of 16 rows: a tile
+      is 16 / gcd(16, 3) = 16 tokens, so 48 tokens, 144 rows (9 tiles); 256 keys, 16 pages.
+    """
+    plan = BASE.plan("v6e")
+    assert (plan.block_tokens, plan.rows, plan.heads_per_block, plan.pages_per_block) == (
+        64,
+        256,
+        2,
+        16,
+    )
+    gqa3 = dataclasses.replace(BASE, num_heads=6).plan("v5e")
+    assert (gqa3.block_tokens, gqa3.rows, gqa3.heads_per_block, gqa3.pages_per_block) == (
+        48,
+        144,
+        2,
+        16,
+    )
+    assert gqa3.vmem_limit_bytes == 96 * 2**20 and gqa3.chip == "v5e"
+
+
+def test_the_f32_mha_shape_on_v4_shrinks_heads_then_pages():
+    """MHA32_F32 on v4 (16 MiB limit, budget 0.9 of it: 14.4 MiB; temporaries count double),
+    worked from `tpu_vmem_bytes` in MiB, group 1, rows = tokens:
+    - 32 heads, 128 rows, 16 pages: the page buffers alone, 2 x 16 x 16 x 8192 lanes x 4 B, are
+      16 MiB. Split the heads (32 -> 16): 4 (q, out) + 8 (pages) + 4 (heads-first copy) = 16.
+    - 8 heads: 2 + 4 + 2 + 0.5 (acc) + 1 (stats) + 2 x 3.875 (temps) = 17.25 MiB, and 8 is the
+      last head choice. Halving the rows would leave 14.625 MiB, halving the pages 10.5 MiB:
+      the pages go (16 -> 8), and 10.5 MiB fits.
+    """
+    plan = MHA32_F32.plan("v4")
+    assert (plan.block_tokens, plan.rows, plan.heads_per_block, plan.pages_per_block) == (
+        128,
+        128,
+        8,
+        8,
+    )
+    assert plan.vmem_limit_bytes == 16 * 2**20
+    assert plan.vmem_bytes == 10.5 * 2**20
+
+
 def test_padding_to_tpu_tiles():
     assert tuning.padded_bytes((16, 100), jnp.float32) == 16 * 128 * 4
     assert tuning.padded_bytes((3, 8, 1), jnp.float32) == 3 * 8 * 128 * 4  # a column: 128 lanes
@@ -370,7 +415,5 @@ def test_a_kv_head_split_matches_the_reference_in_interpret_mode():
     assert plan.heads_per_block == 8
     assert q_lens.sum() == 4
     want = reference.ragged_paged_attention(*args, sm_scale=0.3)
-    got = tpu_kernel.ragged_paged_attention(
-        *args, sm_scale=0.3, block_sizes=sizes, chip="v5e", interpret=pltpu.InterpretParams()
-    )
+    got = tpu_interpret(*args, sm_scale=0.3, block_sizes=sizes, chip="v5e")  # races checked
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

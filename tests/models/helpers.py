@@ -124,8 +124,11 @@ def save_hf(model: transformers.PreTrainedModel, path: Path, **kwargs) -> Path:
     return Path(path)
 
 
-def make_adapter(base, path, *, seed: int, r: int, alpha: float, rslora: bool = False):
-    """A random peft LoRA (B non-zero) of `base` on every target module, saved to `path`."""
+def make_adapter(
+    base, path, *, seed: int, r: int, alpha: float, rslora: bool = False, **lora_options
+):
+    """A random peft LoRA (B non-zero) of `base` on every target module, saved to `path`;
+    `lora_options` go to peft's LoraConfig as they are (rank_pattern, alpha_pattern)."""
     import peft  # here: only the LoRA tests need it, and it takes a while to import
 
     torch = require_torch()
@@ -137,6 +140,7 @@ def make_adapter(base, path, *, seed: int, r: int, alpha: float, rslora: bool = 
         target_modules=list(TARGET_MODULES),
         init_lora_weights=False,
         use_rslora=rslora,
+        **lora_options,
     )
     model = peft.get_peft_model(base, config)
     with torch.no_grad():  # large enough that every module's update moves the logits visibly

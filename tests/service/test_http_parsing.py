@@ -110,6 +110,40 @@ def test_token_texts_add_up_to_the_decoded_text(engine, text):
     assert pieces[0].startswith(" ")  # SentencePiece's leading space, which decode([id]) drops
 
 
+def test_token_texts_stay_in_context_far_past_the_kept_window(engine):
+    """TokenTexts keeps the tokens since the last text it gave out, trimming them once that
+    point passes 64 tokens: over a sequence of several hundred tokens (trimmed many times,
+    byte pieces of split characters across the trims), the chosen texts still add up to the
+    decoded text, and each alternative's text is what it would have added in the whole
+    sequence's context."""
+    tokenizer = engine.tokenizer
+    vocab = tokenizer.get_vocab()
+    line = "Once upon a time, there was a little girl. 中文 é 😀 naïve  two  spaces.\n"
+    ids = tokenizer(line * 10, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 6 * 64
+    prompt = tokenizer("Lily said", add_special_tokens=True)["input_ids"]
+    alternatives = [vocab["\u2581a"], vocab["a"], tokenizer.eos_token_id]
+
+    def decode(x):
+        return tokenizer.decode(x, skip_special_tokens=True)
+
+    texts = TokenTexts(tokenizer, prompt)
+    pieces, checked = [], 0
+    for i, token in enumerate(ids):
+        whole = prompt + ids[:i]
+        complete = not decode(whole).endswith("\ufffd")  # no split character pending
+        text, alt_texts = texts.step(token, alternatives)
+        pieces.append(text)
+        if complete and i > 64:
+            before = decode(whole)
+            want = [decode([*whole, a])[len(before) :] for a in alternatives]
+            assert alt_texts == want, (i, alt_texts, want)
+            checked += 1
+    assert "".join(pieces) == decode(prompt + ids)[len(decode(prompt)) :]
+    assert checked > 4 * 64  # most positions past the first trim
+    assert alt_texts[0] == " a" and alt_texts[2] == ""  # in context: the space; EOS adds none
+
+
 def test_alternatives_with_the_same_text_keep_distinct_keys(engine):
     tokenizer = engine.tokenizer
     vocab = tokenizer.get_vocab()

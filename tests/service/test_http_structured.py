@@ -284,6 +284,38 @@ def test_auto_parses_hermes_tool_call_blocks():
     )
 
 
+def test_an_auto_call_cut_by_max_tokens_finishes_length_streamed_or_not():
+    """A whole `<tool_call>` block, then the output cut by max_tokens: the call is parsed, but
+    the model did not choose to stop, so the finish is "length" (a client must not run a call
+    whose turn did not end); ended by the model, the same text is "tool_calls"."""
+    from service.http.chat import _CallStreams
+
+    plan = tools.ToolPlan("auto", [WEATHER])
+    text = (
+        'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 1}}'
+        '</tool_call> and then <tool_call>{"name": "get_'
+    )
+    content, calls = tools.parse(text, plan)
+    assert content == "Checking." and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert tools.finish_reason(plan, calls, "length") == "length"
+    assert tools.finish_reason(plan, calls, "stop") == "tool_calls"
+    # Streamed: held back to the end, then the call in one delta and the same finish.
+    for reason, want in (("length", "length"), ("stop", "tool_calls")):
+        streams = _CallStreams(plan, 1)
+        pieces = [text[:20], text[20:70], text[70:]]
+        got = [streams.delta(0, piece, None) for piece in pieces[:-1]]
+        assert got == [({}, None), ({}, None)]
+        delta, finish = streams.delta(0, pieces[-1], reason)
+        assert finish == want
+        assert delta["content"] == "Checking."
+        assert [c["function"]["name"] for c in delta["tool_calls"]] == ["get_weather"]
+    # `required` cut before its JSON closed: no call, the text is the content, "length".
+    required = tools.ToolPlan("required", [WEATHER])
+    cut = '{"name": "get_weather", "argu'
+    assert tools.parse(cut, required) == (cut, [])
+    assert tools.finish_reason(required, [], "length") == "length"
+
+
 def test_required_tool_call_streams_whole_as_non_streamed(client):
     args = dict(
         model="m",

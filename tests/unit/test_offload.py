@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduling.host_pool import HostPagePool
 from jaxserve.scheduling.offload import SwapPricer
 from jaxserve.scheduling.request import FinishReason, Request, RequestStatus
 from jaxserve.scheduling.scheduler import RequestRejected, Scheduler, SchedulerConfig
@@ -134,6 +135,24 @@ def test_auto_swaps_only_where_the_copy_is_cheaper_than_the_prefill():
         assert (stats.swap_preemptions > 0) == want_swaps
         assert (stats.recompute_preemptions > 0) != want_swaps
         assert [r.output_token_ids for r in reqs] == [reference_output(r) for r in reqs]
+
+
+def test_a_kept_page_offered_again_becomes_the_most_recently_used():
+    """The host tier evicts its least recently used page first. Offering a hash it keeps
+    already copies nothing (None) but refreshes it: the next fresh page evicts the oldest
+    other page, not the one just offered."""
+    pool = HostPagePool(3)
+    a, b, c, d, e = (bytes([i]) * 8 for i in range(5))
+    pages = {h: pool.offer(h) for h in (a, b, c)}
+    assert sorted(pages.values()) == [0, 1, 2] and pool.num_cached_pages == 3
+    assert pool.offer(a) is None  # kept already: no copy, now the newest
+    assert pool.offer(d) == pages[b]  # b, not a, is the least recently used: c, a, d
+    assert pool.match([b]) == [] and pool.stats.host_evictions == 1
+    # A prefix hit refreshes too: once c is read, a is the oldest (a, d, c).
+    assert pool.match([c]) == [pages[c]]
+    assert pool.offer(e) == pages[a]
+    assert pool.match([a]) == [] and pool.match([d, c, e]) == [pages[b], pages[c], pages[a]]
+    pool.check_invariants()
 
 
 def test_a_full_host_pool_makes_victims_recompute():

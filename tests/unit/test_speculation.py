@@ -93,6 +93,69 @@ def test_acceptance_rate_follows_the_outcomes():
     assert (state.num_proposed, state.num_accepted, state.num_verifications) == (180, 90, 60)
 
 
+def test_a_partial_acceptance_moves_the_rate_by_the_positions_it_tried():
+    """k proposals of which a are accepted tried a + 1 positions (the first rejection ends the
+    verification), or k when all were accepted: the rate moves toward a / tried, not a / k."""
+    state = SpecState(NgramProposer(1, 1))
+    assert state.rate == 0.7  # the prior
+    state.record(proposed=3, accepted=1)  # tried 2 positions, 1 accepted: 1/2
+    assert state.rate == pytest.approx(0.7 + 0.3 * (0.5 - 0.7))  # 0.64, not 0.59 (1/3)
+    state.record(proposed=4, accepted=2)  # tried 3: 2/3
+    assert state.rate == pytest.approx(0.64 + 0.3 * (2 / 3 - 0.64))
+    state.record(proposed=2, accepted=2)  # all accepted: tried both, 2/2
+    assert state.rate == pytest.approx(0.648 + 0.3 * (1 - 0.648))
+    assert (state.num_proposed, state.num_accepted, state.num_verifications) == (9, 5, 3)
+    # A request that accepts one of three every time accepts each position it tries half the
+    # time: the rate settles at 1/2, and 3 proposals are expected to add 1/2 + 1/4 + 1/8.
+    steady = SpecState(NgramProposer(1, 1))
+    for _ in range(60):
+        steady.record(proposed=3, accepted=1)
+    assert steady.rate == pytest.approx(0.5, abs=1e-6)
+    assert steady.expected(3) == pytest.approx(0.875, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"structured_output": {"regex": "[0-9]+"}},  # a grammar: its mask covers one row
+        {"logit_bias": {5: 2.0}},
+        {"min_tokens": 2},
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": 0.5},
+        {"repetition_penalty": 1.2},
+    ],
+    ids=lambda s: next(iter(s)),
+)
+def test_constrained_biased_and_penalised_requests_are_never_given_proposals(sampling):
+    """Beside a plain request whose proposals are verified, one whose sampling makes proposals
+    unsafe (its per-row host work covers one sampled row) gets none, step after step, though
+    its prompt repeats as much."""
+    sched = make_scheduler(speculative=SPEC)
+    sched.set_step_cost(lambda spans: 1.0)  # flat: every proposal would pay
+    plain = make_request("plain", max_tokens=20)
+    ruled = make_request("ruled", max_tokens=20, **sampling)
+    for req in (plain, ruled):
+        req.prompt_token_ids = [5, 6, 7, 5, 6]  # ends in "5 6": proposes "7 5 6"
+    add_all(sched, [plain, ruled])
+    assert plain.spec is not None and ruled.spec is None
+    sched.update(sched.schedule(), StepResult(sampled_token_ids=[7, 7]))  # the prefills
+    for _ in range(4):
+        plan = sched.schedule()
+        by_id = {s.request_id: s for s in plan.seqs}
+        assert by_id["plain"].num_proposals > 0
+        assert by_id["ruled"].num_proposals == 0 and len(by_id["ruled"].token_ids) == 1
+        # Every proposal accepted, the next token repeating the loop "7 5 6".
+        sampled = []
+        for seq in plan.seqs:
+            if seq.num_proposals:
+                sampled.append([*seq.token_ids[1:], seq.token_ids[-2]])
+            else:
+                sampled.append(7)
+        sched.update(plan, StepResult(sampled_token_ids=sampled))
+        sched.check_invariants()
+    assert ruled.spec is None and plain.spec.num_accepted > 0
+
+
 class VerifyingRunner(FakeRunner):
     """FakeRunner that also verifies proposals: it samples the model's token after each query
     of a verification row (each reading only the cache up to that query) and keeps them up to
@@ -246,6 +309,31 @@ def test_a_verification_stops_at_max_tokens_and_at_a_stop_id():
     assert short.status == RequestStatus.FINISHED_LENGTH
     assert stop.status == RequestStatus.FINISHED_STOPPED and stop.output_token_ids == [7, 8]
     assert sched.num_pages_used == 0
+
+
+@pytest.mark.parametrize(("max_num_seqs", "proposals"), [(4, 3), (3, 2)])
+def test_proposals_fill_the_sampling_rows_and_all_accepted_add_the_bonus_token(
+    max_num_seqs, proposals
+):
+    """Each proposal takes a sampling row of the step (max_num_seqs of them): one decoding
+    request gets as many as the rows left, all of them. All accepted, the update adds them and
+    the token sampled after them, and books every one as accepted."""
+    sched = make_scheduler(speculative=SPEC, max_num_seqs=max_num_seqs)
+    sched.set_step_cost(lambda spans: 1.0)
+    req = make_request("r", max_tokens=20)
+    req.prompt_token_ids = [5, 6, 7, 5, 6, 7, 5, 6]  # proposes "7 5 6"
+    sched.add_request(req)
+    sched.update(sched.schedule(), StepResult(sampled_token_ids=[7]))
+    plan = sched.schedule()
+    (seq,) = plan.seqs
+    assert seq.num_proposals == proposals == max_num_seqs - 1
+    assert plan.num_proposed == proposals
+    verified = [*seq.token_ids[1:], 9]  # every proposal, then the bonus 9
+    (update,) = sched.update(plan, StepResult(sampled_token_ids=[verified]))
+    assert update.new_token_ids == verified and len(verified) == proposals + 1
+    assert (req.spec.num_proposed, req.spec.num_accepted) == (proposals, proposals)
+    assert req.num_computed_tokens == 8 + 1 + proposals  # the bonus runs next
+    sched.check_invariants()
 
 
 def test_a_request_is_not_planned_while_its_verification_is_in_flight():

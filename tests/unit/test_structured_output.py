@@ -34,6 +34,34 @@ def test_bad_constraints_are_refused_by_name(spec, words):
     assert words in str(e.value)
 
 
+def test_a_choice_list_at_its_maximum_is_accepted_and_one_more_refused():
+    """MAX_CHOICES entries is the bound, inclusive: that many compile to one alternative each;
+    one more is refused with the count and the bound in the message."""
+    from jaxserve.structured_output import MAX_CHOICES
+
+    assert MAX_CHOICES == 1024
+    most = [f"choice-{i:04d}" for i in range(MAX_CHOICES)]  # none a prefix of another
+    at_most = StructuredOutput(choice=most)
+    assert len(at_most.choice) == MAX_CHOICES and at_most.kind == "choice"
+    # Enforced whole: the last entry is an output the grammar accepts, and not a prefix of it.
+    from checkpoints.byte_bpe import byte_bpe_tokenizer
+    from jaxserve.engine.grammar import GrammarCompiler
+
+    tok = byte_bpe_tokenizer(1024)
+    compiler = GrammarCompiler(tok, 1024, (2,))
+    last = tok(most[-1], add_special_tokens=False)["input_ids"]
+    g = compiler.matcher(at_most)
+    assert g.sync(last[:-1]) and not g.is_accepting()
+    assert g.sync(last) and g.is_accepting()
+    compiler.close()
+    with pytest.raises(ValueError, match=r"choice has 1025 entries; it needs 1 to 1024 "):
+        StructuredOutput(choice=[*most, "one more"])
+    # The bound reads the same through SamplingParams (every front end's way in).
+    assert SamplingParams(structured_output={"choice": most}).constrained
+    with pytest.raises(ValueError, match="1025 entries"):
+        SamplingParams(structured_output={"choice": [*most, "x"]})
+
+
 @pytest.mark.parametrize("other", [dict(ignore_eos=True), dict(min_tokens=2)])
 def test_options_that_move_the_end_conflict_with_a_grammar(other):
     with pytest.raises(ValueError, match="grammar alone decides"):
