@@ -402,10 +402,16 @@ class JaxServeServer:
             logging.INFO,
             "serving",
             model=engine.info.model,
+            served_model_names=list(self.servicer.model_names(engine.info)),
             warmup_s=round(warmup_s, 3),
             max_model_len=engine.info.max_model_len,
             max_prompt_bytes=self.lifecycle.prompt_limit.max_bytes,
             compiles=engine.num_compiles,
+            # The KV pools, the host's sized by --host-kv-gb or its default (kv_transfer.py).
+            kv_pages=engine.info.num_pages,
+            kv_bytes=engine.info.kv_bytes,
+            host_kv_pages=engine.info.num_host_pages,
+            host_kv_bytes=engine.info.host_kv_bytes,
         )
         self._spawn(self._watch_engine())
         self._ready.set()
