@@ -69,8 +69,10 @@ class EngineConfig:
     chat's history): admission skips them, and freed pages stay cached until needed."""
     host_kv_gb: float | None = None
     """Host memory for KV pages beyond the device pool (jaxserve/scheduling/offload.py): preempted
-    requests' pages swapped out, and the host tier of the prefix cache. None: a quarter of the
-    memory free at start-up, at most 64 GB (taken only as pages are used); 0: off."""
+    requests' pages swapped out, and the host tier of the prefix cache. None: twice the device
+    pool's bytes, at most a quarter of the memory free at start-up and 64 GB (taken only as pages
+    are used; `serve` logs the size at start, /metrics shows it as jaxserve_host_kv_bytes); 0:
+    off."""
     preemption: str | None = None
     """What a preempted request's KV becomes: recompute (dropped, computed again), swap (copied to
     the host pool and restored) or auto (per request, whichever the cost model prices cheaper);

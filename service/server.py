@@ -103,6 +103,10 @@ class ServerOptions:
     # A Jinja chat template the HTTP API renders chat with, in place of the model's own (the
     # embedded model has none); None: the model's.
     chat_template: str | None = None
+    # vLLM's --served-model-name: the names clients address the model by (in /v1/models, the
+    # `model` of answers, gRPC's ModelInfo), the first its main one; a request naming another
+    # is a 404. Empty: the model's folder's name, and any name a request sends.
+    served_model_names: tuple[str, ...] = ()
     stay_up_on_engine_failure: bool = False  # serve(): linger answering INTERNAL, for debugging
 
     def __post_init__(self):
@@ -114,6 +118,11 @@ class ServerOptions:
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name}={port} must be in [0, 65535].")
+        names = self.served_model_names
+        if not isinstance(names, tuple) or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"served_model_names={names!r} must be a tuple of non-empty names.")
+        if len(set(names)) != len(names):
+            raise ValueError(f"served_model_names={names!r} names a model twice.")
         if self.grace_s < 0:
             raise ValueError(f"grace_s={self.grace_s} must be >= 0.")
         if not 1024 <= self.max_message_bytes <= _MAX_MESSAGE_BYTES:
@@ -159,6 +168,7 @@ class JaxServeServer:
             self.registry,
             self.options.max_message_bytes,
             clients_may_raise_priority=self.options.clients_may_raise_priority,
+            served_model_names=self.options.served_model_names,
         )
         self._serving_gauge = Gauge(
             "jaxserve_serving", "1 while health says SERVING.", registry=self.registry
@@ -279,6 +289,7 @@ class JaxServeServer:
             clients_may_raise_priority=opts.clients_may_raise_priority,
             allow_runtime_lora=opts.allow_runtime_lora,
             chat_template=opts.chat_template,
+            served_model_names=opts.served_model_names,
         )
         self._http = HttpListener(
             self.http_app.app,
@@ -391,10 +402,16 @@ class JaxServeServer:
             logging.INFO,
             "serving",
             model=engine.info.model,
+            served_model_names=list(self.servicer.model_names(engine.info)),
             warmup_s=round(warmup_s, 3),
             max_model_len=engine.info.max_model_len,
             max_prompt_bytes=self.lifecycle.prompt_limit.max_bytes,
             compiles=engine.num_compiles,
+            # The KV pools, the host's sized by --host-kv-gb or its default (kv_transfer.py).
+            kv_pages=engine.info.num_pages,
+            kv_bytes=engine.info.kv_bytes,
+            host_kv_pages=engine.info.num_host_pages,
+            host_kv_bytes=engine.info.host_kv_bytes,
         )
         self._spawn(self._watch_engine())
         self._ready.set()

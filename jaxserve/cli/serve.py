@@ -83,6 +83,16 @@ def register(sub) -> None:
         help="a Jinja chat template (a file, or the template itself) that the HTTP API renders "
         "chat with, in place of the model's own; the embedded model has none",
     )
+    srv.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        default=[],
+        help="the names clients address the model by (vLLM's): listed by /v1/models and "
+        "GetModelInfo, given as the `model` of answers (the name the request sent, else the "
+        "first); a request naming another model is a 404 (default: the model's folder's name, "
+        "and any name is accepted)",
+    )
     srv.add_argument("--log-format", choices=["json", "text"], default="json")
     add_engine_args(srv)
     add_multihost_args(srv)
@@ -136,6 +146,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         allow_runtime_lora=args.allow_runtime_lora,
         stay_up_on_engine_failure=args.stay_up_on_engine_failure,
         chat_template=_chat_template(args.chat_template),
+        served_model_names=_served_model_names(args.served_model_name),
     )
     if is_follower(args):
         return _follow(config)
@@ -185,6 +196,16 @@ def _chat_template(arg: str | None) -> str | None:
     except Exception as e:  # jinja2's TemplateSyntaxError, or an extension transformers lacks
         raise UserError(f"--chat-template does not compile as a Jinja template: {e}.") from e
     return template
+
+
+def _served_model_names(names: list[str]) -> tuple[str, ...]:
+    """--served-model-name's names, checked: each non-empty, none twice."""
+    for name in names:
+        if not name.strip():
+            raise UserError(f"--served-model-name {name!r} is empty: name the model.")
+    if len(set(names)) != len(names):
+        raise UserError(f"--served-model-name {' '.join(names)} names a model twice.")
+    return tuple(names)
 
 
 def _read_file(path: str | None) -> bytes | None:

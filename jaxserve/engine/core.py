@@ -117,9 +117,13 @@ class Engine:
         # A runner without a device pool (the host benchmark's fake device) has nothing to copy.
         pool = getattr(self.runner, "kv", None)
         num_host_pages = 0
+        self.kv_bytes = 0  # the device pool's bytes, as EngineInfo reports them
         if pool is not None:
             bytes_per_page = kv_transfer.pool_bytes_per_page(pool)
-            num_host_pages = kv_transfer.host_pages_for(config.host_kv_gb, bytes_per_page)
+            self.kv_bytes = bytes_per_page * num_pages
+            num_host_pages = kv_transfer.host_pages_for(
+                config.host_kv_gb, bytes_per_page, num_pages
+            )
         self.kv_transfer = None
         self._restores_ahead = []  # staged by the last plan, written before the next step
         if num_host_pages:

@@ -36,11 +36,14 @@ class EngineInfo:
     page_size: int
     policy: str  # the scheduler's policy ("fcfs", "priority")
     max_loras: int = 0  # LoRA adapter slots on the device; 0: requests may name no adapter
+    kv_bytes: int = 0  # the device KV pool's bytes (0: a runner without one)
+    num_host_pages: int = 0  # pages of the host KV pool (--host-kv-gb; 0: none)
+    host_kv_bytes: int = 0  # its bytes (mapped lazily: taken as pages are used)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
         """The description of a built engine (only here does anything look inside it)."""
-        config, model = engine.config, engine.model
+        config, model, host = engine.config, engine.model, engine.kv_transfer
         return cls(
             model=str(model.source),
             architecture=model.config.architecture,
@@ -56,4 +59,7 @@ class EngineInfo:
             page_size=config.page_size,
             policy=config.policy,
             max_loras=config.max_loras,
+            kv_bytes=engine.kv_bytes,
+            num_host_pages=0 if host is None else host.num_host_pages,
+            host_kv_bytes=0 if host is None else host.host_bytes,
         )

@@ -167,18 +167,36 @@ def _chunks(pairs: Sequence[tuple[int, int]], size: int):
         yield pairs[i : i + size]
 
 
-DEFAULT_HOST_SHARE = 0.25  # of the memory free at start-up, when --host-kv-gb is not given
+# The host pool when --host-kv-gb is not given: sized from what the engine serves, this many
+# times the device pool's bytes (room to swap out every running request and to keep as much
+# again of the prefix cache), and never more than a share of the memory free at start-up nor
+# the cap, so that replicas sharing a host do not each claim a quarter of it whatever they serve.
+DEFAULT_HOST_DEVICE_MULTIPLE = 2
+DEFAULT_HOST_SHARE = 0.25
 DEFAULT_HOST_CAP_GB = 64.0
 
 
-def host_pages_for(host_kv_gb: float | None, bytes_per_page: int) -> int:
-    """Host pool pages for `host_kv_gb` GB (None: DEFAULT_HOST_SHARE of the free memory, at most
-    DEFAULT_HOST_CAP_GB; 0: none). Multi-host meshes get none: followers would not copy."""
+def host_pages_for(host_kv_gb: float | None, bytes_per_page: int, num_device_pages: int) -> int:
+    """Host pool pages for `host_kv_gb` GB (None: `default_host_bytes` of the device pool's
+    `num_device_pages` pages; 0: none). Multi-host meshes get none: followers would not copy."""
     if jax.process_count() > 1:
         return 0
     if host_kv_gb is None:
-        host_kv_gb = min(DEFAULT_HOST_SHARE * free_host_bytes() / 2**30, DEFAULT_HOST_CAP_GB)
+        return default_host_bytes(num_device_pages * bytes_per_page) // max(bytes_per_page, 1)
     return int(host_kv_gb * 2**30) // max(bytes_per_page, 1)
+
+
+def default_host_bytes(device_pool_bytes: int, free_bytes: int | None = None) -> int:
+    """The default host pool's bytes: DEFAULT_HOST_DEVICE_MULTIPLE device pools, at most
+    DEFAULT_HOST_SHARE of `free_bytes` (default: the memory free now) and DEFAULT_HOST_CAP_GB."""
+    free = free_host_bytes() if free_bytes is None else free_bytes
+    return int(
+        min(
+            DEFAULT_HOST_DEVICE_MULTIPLE * device_pool_bytes,
+            DEFAULT_HOST_SHARE * free,
+            DEFAULT_HOST_CAP_GB * 2**30,
+        )
+    )
 
 
 def free_host_bytes() -> int:

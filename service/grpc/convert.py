@@ -12,7 +12,7 @@ the server's size limit, into a `MalformedRequest` the handler answers with INVA
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -183,10 +183,12 @@ def response(
     return msg
 
 
-def model_info(info: EngineInfo) -> pb.ModelInfo:
-    """GetModelInfo's answer: the engine's description and the limits a request must keep."""
+def model_info(info: EngineInfo, served_model_names: Sequence[str] = ()) -> pb.ModelInfo:
+    """GetModelInfo's answer: the engine's description, the names it is served under, and the
+    limits a request must keep."""
     return pb.ModelInfo(
         model=info.model,
+        served_model_names=list(served_model_names),
         architecture=info.architecture,
         context_length=info.max_model_len,
         vocab_size=info.vocab_size,

@@ -78,10 +78,12 @@ class JaxServeServicer:
         max_message_bytes: int,
         *,
         clients_may_raise_priority: bool = False,
+        served_model_names: tuple[str, ...] = (),
     ):
         self.lifecycle = lifecycle
         self.max_message_bytes = max_message_bytes
         self.clients_may_raise_priority = clients_may_raise_priority
+        self.served_model_names = served_model_names  # --served-model-name
         self._calls = Counter(
             "jaxserve_grpc_calls",
             "gRPC calls by method and status code.",
@@ -233,8 +235,14 @@ class JaxServeServicer:
         convert.check_text("text", request.text, info, self.lifecycle.prompt_limit)
         return pb.TokenizeResponse(token_ids=await self._encode(request.text))
 
+    def model_names(self, info) -> tuple[str, ...]:
+        """The names the model is served under (--served-model-name), else its folder's name:
+        those the HTTP API's /v1/models lists (info: the engine's EngineInfo)."""
+        return self.served_model_names or (validation.model_name(info),)
+
     async def _model_info(self, request, context, call: _Call) -> pb.ModelInfo:
-        return convert.model_info(self.lifecycle.engine.info)
+        info = self.lifecycle.engine.info
+        return convert.model_info(info, self.model_names(info))
 
 
 def _raise_if_refused(out) -> None:

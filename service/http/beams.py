@@ -137,14 +137,21 @@ async def respond(
             echo = serving.echo_text(ids, text)
         for beam in out.beams[: body.n]:
             if chat:
-                choices.append(chat_choice(len(choices), beam))
+                choice = chat_choice(len(choices), beam)
             else:
-                choices.append(completion_choice(len(choices), beam, echo))
-    head = serving.head(cid, "chat.completion" if chat else "text_completion", lora)
+                choice = completion_choice(len(choices), beam, echo)
+                if body.return_token_ids:  # vLLM's: the prompt's ids on a completion's choice
+                    choice["prompt_token_ids"] = list(ids)
+            if body.return_token_ids:
+                choice["token_ids"] = list(beam.token_ids)
+            choices.append(choice)
+    head = serving.head(cid, "chat.completion" if chat else "text_completion", body.model)
     usage_ = usage(prompt_ids, outs, body.n)
+    # vLLM's: a chat's prompt ids (one prompt) beside its choices, in a stream's first chunk.
+    extra = {"prompt_token_ids": list(prompt_ids[0])} if chat and body.return_token_ids else {}
     if body.stream:
-        return events(head, choices, usage_ if include_usage(body) else None)
-    return {**head, "choices": choices, "usage": usage_}
+        return events(head, choices, usage_ if include_usage(body) else None, extra)
+    return {**head, "choices": choices, "usage": usage_, **extra}
 
 
 async def search_all(
@@ -211,9 +218,12 @@ def chat_choice(index: int, beam: Beam) -> dict:
     }
 
 
-async def events(head: dict, choices: list[dict], usage_: dict | None) -> AsyncIterator[dict]:
-    """The streamed form of a finished response: one chunk per whole choice, then the usage
-    chunk when asked (`usage_` not None). Chat choices become deltas (role and content)."""
+async def events(
+    head: dict, choices: list[dict], usage_: dict | None, first: dict | None = None
+) -> AsyncIterator[dict]:
+    """The streamed form of a finished response: one chunk per whole choice (the first with
+    the fields of `first` too), then the usage chunk when asked (`usage_` not None). Chat
+    choices become deltas (role and content)."""
     chat = head["object"] == "chat.completion"
     if chat:
         head = {**head, "object": "chat.completion.chunk"}
@@ -225,6 +235,9 @@ async def events(head: dict, choices: list[dict], usage_: dict | None) -> AsyncI
         chunk = {**head, "choices": [choice]}
         if usage_ is not None:
             chunk["usage"] = None
+        if first:
+            chunk.update(first)
+            first = None
         yield chunk
     if usage_ is not None:
         yield {**head, "choices": [], "usage": usage_}

@@ -61,9 +61,9 @@ class OpenAIServingChat(OpenAIServing):
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         fields.update(id=cid, n=body.n, stream=body.stream)
         running = await pumps.start(request, self.lifecycle, jobs, priority)
-        head = self.head(cid, "chat.completion", jobs[0].lora)
+        head = self.head(cid, "chat.completion", body.model)
         if body.stream:
-            return self._events(head, jobs, running, include_usage(body), plan)
+            return self._events(head, jobs, running, include_usage(body), plan, body)
         choices = await pumps.unless_gone(request, pumps.collect(running, len(jobs)))
 
         def build() -> list[dict]:  # decoding every logprob token in context: off the loop
@@ -79,38 +79,62 @@ class OpenAIServingChat(OpenAIServing):
                     content, calls = tools.parse(text, plan)
                     msg = tools.message(content, calls)
                     reason = tools.finish_reason(plan, calls, reason)
-                out.append(
-                    {"index": job.index, "message": msg, "logprobs": lp, "finish_reason": reason}
-                )
+                choice = {
+                    "index": job.index,
+                    "message": msg,
+                    "logprobs": lp,
+                    "finish_reason": reason,
+                }
+                if body.return_token_ids:  # vLLM's: the output's on the choice
+                    choice["token_ids"] = list(c.token_ids)
+                out.append(choice)
             return out
 
         built = await self.lifecycle.off_loop(build) if body.logprobs else build()
-        return {**head, "choices": built, "usage": pumps.collected_usage(jobs, choices)}
+        response = {**head, "choices": built, "usage": pumps.collected_usage(jobs, choices)}
+        if body.return_token_ids:  # vLLM's: the prompt's (one prompt, the rendered messages)
+            response["prompt_token_ids"] = list(ids)
+        return response
 
     async def _events(
-        self, head, jobs, running: pumps.Pumps, include_usage: bool, plan: tools.ToolPlan | None
+        self,
+        head,
+        jobs,
+        running: pumps.Pumps,
+        include_usage: bool,
+        plan: tools.ToolPlan | None,
+        body: protocol.ChatCompletionRequest,
     ):
         head = {**head, "object": "chat.completion.chunk"}
         outputs = [0] * len(jobs)
         texts = [self.token_texts(job.prompt_ids) for job in jobs]  # logprob tokens in context
         calls = _CallStreams(plan, len(jobs)) if plan is not None else None
+        ids_wanted = body.return_token_ids
         async with contextlib.aclosing(running):
             for job in jobs:  # the role first, as OpenAI's stream does
                 delta = {"role": "assistant", "content": ""}
                 choice = streaming.delta_choice(job.index, delta, None, None)
-                yield streaming.chunk(head, include_usage, choice)
+                chunk = streaming.chunk(head, include_usage, choice)
+                if ids_wanted:  # vLLM's: the prompt's in the first chunk, beside the choices
+                    choice["token_ids"] = []
+                    if job.index == 0:
+                        chunk["prompt_token_ids"] = list(job.prompt_ids)
+                yield chunk
             async for index, out in running:
                 pumps.fail_if_error(out)
                 lp = None
                 if out.logprobs:
                     lp = protocol.chat_logprobs(out.logprobs, texts[index])
                 outputs[index] = out.num_output_tokens
-                if out.text_delta or lp or out.finished:
+                # With return_token_ids, tokens that add no text (yet) have a chunk too.
+                if out.text_delta or lp or out.finished or (ids_wanted and out.new_token_ids):
                     delta = {"content": out.text_delta} if out.text_delta else {}
                     reason = out.finish_reason
                     if calls is not None:
                         delta, reason = calls.delta(index, out.text_delta, reason)
                     choice = streaming.delta_choice(index, delta, lp, reason)
+                    if ids_wanted:
+                        choice["token_ids"] = list(out.new_token_ids)
                     yield streaming.chunk(head, include_usage, choice)
             if include_usage:
                 usage = pumps.usage(jobs, outputs, running.firsts)

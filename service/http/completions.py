@@ -65,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
         cid = f"cmpl-{uuid.uuid4().hex}"
         fields.update(id=cid, prompts=len(prompts), n=body.n, stream=body.stream)
         running = await pumps.start(request, self.lifecycle, jobs, priority)
-        head = self.head(cid, "text_completion", jobs[0].lora)
+        head = self.head(cid, "text_completion", body.model)
         if body.stream:
             return self._events(head, jobs, running, body, include_usage(body))
         choices = await pumps.unless_gone(request, pumps.collect(running, len(jobs)))
@@ -126,18 +126,33 @@ class OpenAIServingCompletion(OpenAIServing):
                     0,
                 )
                 logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
-        return {
+        choice = {
             "index": job.index,
             "text": prefix + text,
             "logprobs": logprobs,
             "finish_reason": _finish_reason(job, c.last),
         }
+        if body.return_token_ids:  # vLLM's: on the choice, the prompt's and the output's
+            choice.update(prompt_token_ids=list(job.prompt_ids), token_ids=ids)
+        return choice
 
     async def _events(self, head, jobs, running: pumps.Pumps, body, include_usage: bool):
         head = {**head}
         offsets = [0] * len(jobs)  # characters of each choice's tokens so far
         outputs = [0] * len(jobs)
         echoed = [not body.echo] * len(jobs)
+        # return_token_ids: whether each choice has had its first chunk (which carries the
+        # prompt's ids); every chunk carries the ids of its own new tokens.
+        ids_sent = [False] * len(jobs)
+
+        def with_ids(choice: dict, index: int, token_ids: list[int]) -> dict:
+            if body.return_token_ids:
+                if not ids_sent[index]:
+                    ids_sent[index] = True
+                    choice["prompt_token_ids"] = list(jobs[index].prompt_ids)
+                choice["token_ids"] = list(token_ids)
+            return choice
+
         # Each choice's output tokens in context, from chunk to chunk (with logprobs).
         texts = [self.token_texts(job.prompt_ids) for job in jobs]
         # Every choice's first output is in by now (Pumps.first_outputs), so each choice's
@@ -157,12 +172,12 @@ class OpenAIServingCompletion(OpenAIServing):
                             entries, job.prompt_ids, self.token_texts(), 0
                         )
                     offsets[index] = len(text)
-                    choice = streaming.text_choice(index, text, lp, None)
+                    choice = with_ids(streaming.text_choice(index, text, lp, None), index, [])
                     yield streaming.chunk(head, include_usage, choice)
                 if job.scoring_only:
                     if out.finished:
                         choice = streaming.text_choice(index, "", None, _finish_reason(job, out))
-                        yield streaming.chunk(head, include_usage, choice)
+                        yield streaming.chunk(head, include_usage, with_ids(choice, index, []))
                     continue
                 lp = None
                 if body.logprobs is not None and out.logprobs:
@@ -173,8 +188,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 else:
                     offsets[index] += len(out.text_delta)
                 outputs[index] = out.num_output_tokens
-                if out.text_delta or lp or out.finished:
+                # With return_token_ids, tokens that add no text (yet) have a chunk too: a client
+                # counting them sees every one.
+                ids = body.return_token_ids and out.new_token_ids
+                if out.text_delta or lp or out.finished or ids:
                     choice = streaming.text_choice(index, out.text_delta, lp, out.finish_reason)
+                    choice = with_ids(choice, index, out.new_token_ids)
                     yield streaming.chunk(head, include_usage, choice)
             if include_usage:
                 usage = pumps.usage(jobs, outputs, running.firsts)

@@ -9,8 +9,8 @@ nothing here.
 
 Field names and meanings follow OpenAI's API reference for /v1/completions and
 /v1/chat/completions, plus the extra sampling fields vLLM accepts (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, and beam search's
-use_beam_search, length_penalty, early_stopping and best_of on both endpoints).
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, return_token_ids,
+and beam search's use_beam_search, length_penalty, early_stopping and best_of on both endpoints).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ class ResponseFormat(_Body):
 class _Sampling(_Body):
     """Fields both endpoints share: how to sample and when to stop."""
 
-    # The base model's name or a LoRA adapter's (see /v1/models); without adapters any name is
-    # served by the one model.
+    # One of the base model's served names or a LoRA adapter's (see /v1/models); with neither
+    # --served-model-name nor adapters, any name is served by the one model.
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -92,6 +92,9 @@ class _Sampling(_Body):
     # {"regex": ...}, {"choice": [...]}, {"grammar": ...}); service/validation.py reads both.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: the prompt's token ids and the generated ones beside the text (`prompt_token_ids`
+    # and `token_ids`; streamed, the prompt's in a choice's first chunk, each chunk's own).
+    return_token_ids: bool = False
 
 
 class CompletionRequest(_Sampling):

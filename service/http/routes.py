@@ -36,6 +36,7 @@ import hmac
 import logging
 import pathlib
 import time
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -66,6 +67,7 @@ class OpenAIFrontEnd:
     `health_without_auth`). `max_body_bytes` bounds a request's body (413 beyond it);
     `clients_may_raise_priority` lets clients send a priority below 0. `chat_template` (Jinja)
     renders chat in place of the model's own template, for a model without one.
+    `served_model_names` are the names the model is served under (`--served-model-name`).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class OpenAIFrontEnd:
         clients_may_raise_priority: bool = False,
         allow_runtime_lora: bool = False,
         chat_template: str | None = None,
+        served_model_names: Sequence[str] = (),
     ):
         self.lifecycle = lifecycle
         self.registry = registry
@@ -88,6 +91,7 @@ class OpenAIFrontEnd:
             max_body_bytes=max_body_bytes,
             clients_may_raise_priority=clients_may_raise_priority,
             chat_template=chat_template,
+            served_model_names=served_model_names,
         )
         self.serving = OpenAIServing(lifecycle, **limits)  # /v1/models, /tokenize, /detokenize
         self.completions = OpenAIServingCompletion(lifecycle, **limits)
@@ -259,30 +263,39 @@ class OpenAIFrontEnd:
     async def _metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def _model_card(self) -> dict:
-        """The one served model, as /v1/models lists it; 503 while warming up (there is no
-        engine yet to describe)."""
+    def _model_card(self, name: str) -> dict:
+        """The served model under one of its names, as /v1/models lists it; 503 while warming
+        up (there is no engine yet to describe). `root` is where it came from (its folder's
+        name), whatever it is served as."""
         if self.lifecycle.engine is None:
             self.lifecycle.admit()  # Refused: warming up, or warm-up failed
         info = self.serving.info
         return {
-            "id": self.serving.model_id(),
+            "id": name,
             "object": "model",
             "created": protocol.now(),
             "owned_by": "jaxserve",
-            "root": self.serving.model_id(),
+            "root": validation.model_name(info),
             "max_model_len": info.max_model_len,
             "vocab_size": info.vocab_size,
         }
 
     def _cards(self) -> list[dict]:
-        """The base model's card, then each LoRA adapter's, its base as `parent` (vLLM's)."""
-        base = self._model_card()
+        """The base model's card under each served name (vLLM's), then each LoRA adapter's, its
+        base's first name as `parent`."""
+        if self.lifecycle.engine is None:
+            self.lifecycle.admit()
+        bases = [self._model_card(name) for name in self.serving.model_names()]
         adapters = [
-            {**base, "id": name, "root": pathlib.PurePath(source).name, "parent": base["id"]}
+            {
+                **bases[0],
+                "id": name,
+                "root": pathlib.PurePath(source).name,
+                "parent": bases[0]["id"],
+            }
             for name, source in self.serving.engine.lora_adapters()
         ]
-        return [base, *adapters]
+        return [*bases, *adapters]
 
     async def _models(self, request: Request, fields: dict) -> dict:
         return {"object": "list", "data": self._cards()}
@@ -309,9 +322,10 @@ class OpenAIFrontEnd:
         fields.update(lora_name=body.lora_name)
         if self.lifecycle.engine is None:
             self.lifecycle.admit()  # Refused: warming up
-        if body.lora_name == self.serving.model_id():
+        if body.lora_name in self.serving.model_names():
             raise InvalidRequest(
-                f"lora_name={body.lora_name!r} is the base model's name; choose another.",
+                f"lora_name={body.lora_name!r} is a name of the base model "
+                f"{list(self.serving.model_names())}; choose another.",
                 "lora_name",
             )
         try:

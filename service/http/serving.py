@@ -112,12 +112,16 @@ class OpenAIServing:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         clients_may_raise_priority: bool = False,
         chat_template: str | None = None,
+        served_model_names: Sequence[str] = (),
     ):
         self.lifecycle = lifecycle
         self.max_body_bytes = max_body_bytes
         self.clients_may_raise_priority = clients_may_raise_priority
         # Renders chat in place of the tokenizer's own template (`serve --chat-template`).
         self.chat_template = chat_template
+        # `serve --served-model-name`: the names the base model answers to, the first the one
+        # it is known by; none given: its folder's name, and any name a body sends.
+        self.served_model_names = tuple(served_model_names)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -129,33 +133,44 @@ class OpenAIServing:
         """The engine's model and limits, as the checks read them."""
         return self.engine.info
 
-    def model_id(self) -> str:
-        """The served model's name: its folder's name ("stories260k")."""
-        return validation.model_name(self.info)
+    def model_names(self) -> tuple[str, ...]:
+        """The names the base model is served under (`--served-model-name`), else its folder's
+        name ("stories260k")."""
+        return self.served_model_names or (validation.model_name(self.info),)
 
-    def head(self, call_id: str, object_: str, lora: str | None = None) -> dict:
-        """The fields every response (and every chunk of a stream) of a call starts with; the
-        model is the adapter `lora` when the call ran one."""
+    def model_id(self) -> str:
+        """The served model's name: the first of `model_names()`."""
+        return self.model_names()[0]
+
+    def head(self, call_id: str, object_: str, model: str | None = None) -> dict:
+        """The fields every response (and every chunk of a stream) of a call starts with; its
+        model is the name the body's `model` gave (a served name or a LoRA adapter's, checked
+        by `adapter`), else the served model's."""
+        named = model is not None and (model in self.model_names() or self.adapter(model))
         return {
             "id": call_id,
             "object": object_,
             "created": protocol.now(),
-            "model": lora or self.model_id(),
+            "model": model if named else self.model_id(),
         }
 
     def adapter(self, model: str | None) -> str | None:
-        """The LoRA adapter a body's `model` names (None: the base model). With adapters served,
-        a name that is neither the base model's nor a loaded adapter's is a 404, as OpenAI's;
-        without, any name is the one model (as before adapters existed)."""
-        if model is None or model == self.model_id() or not self.info.max_loras:
+        """The LoRA adapter a body's `model` names (None: the base model, by one of its served
+        names). With `--served-model-name` given or adapters served, any other name is a 404,
+        as vLLM's ("The model `x` does not exist."); without either, any name is the one
+        model (as before either existed, and as clients that send a placeholder expect)."""
+        if model is None or model in self.model_names():
             return None
-        names = [name for name, _ in self.engine.lora_adapters()]
-        if model in names:
+        loaded = [name for name, _ in self.engine.lora_adapters()] if self.info.max_loras else []
+        if model in loaded:
             return model
+        if not self.served_model_names and not self.info.max_loras:
+            return None
+        adapters = f" and the LoRA adapters {loaded}" if self.info.max_loras else ""
         raise HttpError(
             404,
             f"The model {validation.short(model)} does not exist; this server serves "
-            f"{self.model_id()!r} and the LoRA adapters {names}.",
+            f"{list(self.model_names())}{adapters}.",
             "invalid_request_error",
             "model",
             "model_not_found",

@@ -7,12 +7,14 @@ serving, so every streamed token is checked, not just counted.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.engine.llm import LLM
 from jaxserve.sampling_params import SamplingParams
@@ -291,3 +293,26 @@ def test_model_info_tokenize_and_metrics(served, client, engine):
     assert 'jaxserve_grpc_calls_total{code="OK",method="Tokenize"}' in text
     assert "jaxserve_generation_tokens_total" in text  # the engine's own registry
     assert "jaxserve_serving 1.0" in text
+
+
+def test_the_default_host_kv_pool_is_sized_from_the_device_pool_logged_and_shown(engine, caplog):
+    """No --host-kv-gb: the host pool is twice the device pool's bytes (the embedded model's
+    pool is far below a quarter of any free memory), said in the serving log and /metrics."""
+    assert engine.config.host_kv_gb is None
+    with caplog.at_level(logging.INFO, logger="jaxserve.server"), serving(engine) as server:
+        info = server.server.engine.info
+        url = f"http://127.0.0.1:{server.server.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert info.kv_bytes > 0 and info.num_host_pages == 2 * info.num_pages
+    assert info.host_kv_bytes == 2 * info.kv_bytes
+    values = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert values["jaxserve_host_kv_bytes"] == info.host_kv_bytes
+    assert values["jaxserve_host_kv_pages_total"] == info.num_host_pages
+    (line,) = [r for r in caplog.records if r.getMessage() == "serving"]
+    assert line.fields["host_kv_bytes"] == info.host_kv_bytes
+    assert line.fields["host_kv_pages"] == info.num_host_pages
+    assert line.fields["kv_bytes"] == info.kv_bytes

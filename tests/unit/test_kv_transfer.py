@@ -1,5 +1,8 @@
 """Page copies between a device pool and the host pool (jaxserve/runtime/kv_transfer.py).
 
+The default host pool's size comes last: sized from the device pool's bytes, never from the
+machine's free memory alone.
+
 Pools of either layout (K and V leaves of [L, pages, page_size, heads, dim], or one leaf of
 [L, pages, page_size, lanes]) whose every page holds its own number, so a page that lands in the
 wrong place, a padded slot that writes, or a restore that reads a save not landed yet shows.
@@ -12,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.runtime import compiles
+from jaxserve.runtime import compiles, kv_transfer
 from jaxserve.runtime.kv_transfer import KVTransfer
 
 
@@ -71,3 +74,25 @@ def test_saves_land_without_blocking_and_in_order():
     transfer.drain()
     np.testing.assert_array_equal(transfer.host[0][:, 1], np.asarray(pool[0])[:, 6])
     transfer.poll()  # nothing pending: returns at once
+
+
+MiB, GiB = 2**20, 2**30
+
+
+def test_the_default_host_pool_is_twice_the_device_pool_within_memory_and_the_cap():
+    # Twice the device pool, where a quarter of the free memory and the cap allow it.
+    assert kv_transfer.default_host_bytes(3 * MiB, free_bytes=24 * GiB) == 6 * MiB
+    # A quarter of the free memory bounds it (8 replicas cannot each take a quarter of all).
+    assert kv_transfer.default_host_bytes(10 * GiB, free_bytes=8 * GiB) == 2 * GiB
+    # And the cap.
+    assert kv_transfer.default_host_bytes(100 * GiB, free_bytes=2**40) == 64 * GiB
+
+
+def test_host_pages_default_from_the_device_pool_or_as_the_flag_says(monkeypatch):
+    monkeypatch.setattr(kv_transfer, "free_host_bytes", lambda: 24 * GiB)
+    assert kv_transfer.host_pages_for(None, 4096, num_device_pages=500) == 1000
+    monkeypatch.setattr(kv_transfer, "free_host_bytes", lambda: 400 * 4096)  # a quarter: 100
+    assert kv_transfer.host_pages_for(None, 4096, num_device_pages=500) == 100
+    # The flag's size, whatever the device pool; 0 turns the pool off.
+    assert kv_transfer.host_pages_for(0.5, 4096, num_device_pages=500) == (GiB // 2) // 4096
+    assert kv_transfer.host_pages_for(0, 4096, num_device_pages=500) == 0

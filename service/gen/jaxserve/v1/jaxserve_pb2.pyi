@@ -200,7 +200,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "context_length", "vocab_size", "eos_token_ids", "dtype", "limits")
+    __slots__ = ("model", "architecture", "context_length", "vocab_size", "eos_token_ids", "dtype", "limits", "served_model_names")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     context_length: int
@@ -215,7 +216,8 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     limits: EngineLimits
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., limits: _Optional[_Union[EngineLimits, _Mapping]] = ...) -> None: ...
+    served_model_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., limits: _Optional[_Union[EngineLimits, _Mapping]] = ..., served_model_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineLimits(_message.Message):
     __slots__ = ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "num_kv_pages", "page_size", "max_stop_strings", "max_stop_string_chars", "max_logprobs", "policy")
