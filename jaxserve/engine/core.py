@@ -22,6 +22,7 @@ import dataclasses
 import gc
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -38,9 +39,10 @@ from jaxserve.models.loaded import LoadedModel
 from jaxserve.outputs import RequestOutput, TokenLogprob
 from jaxserve.runtime import compiles, kv_transfer
 from jaxserve.runtime.buckets import pick_bucket
-from jaxserve.runtime.builder import build_runner
+from jaxserve.runtime.builder import build_runner, load_params
 from jaxserve.runtime.input_batch import InputBatch
 from jaxserve.runtime.model_runner import ModelRunner
+from jaxserve.runtime.weight_swap import place_like
 from jaxserve.runtime.sampling import SamplingBatch
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduling.cost_model import work_of
@@ -111,6 +113,9 @@ class Engine:
         self.model, self.sharding = self.runner.model, self.runner.sharding
         self.tokenizer = self.model.tokenizer
         self.max_model_len = self.runner.config.max_model_len
+        self.weights_version = 0  # bumped by update_weights; salts the page hashes
+        self._sleeping = 0  # the level of the last sleep(), 0 while awake
+        self._host_params = None  # the weights while asleep at level 2
         num_pages = self.runner.config.num_pages
         # The host KV pool (swapped requests, the prefix cache's host tier): its copies compiled
         # and the host copy rate measured now, at start-up.
@@ -136,7 +141,7 @@ class Engine:
                 num_host_pages=num_host_pages,
                 # Caches of different weights must never match (one engine, one model; the key
                 # matters where pages could outlive a model swap).
-                prefix_cache_key=f"{self.model.source}:{self.model.dtype}",
+                prefix_cache_key=self._prefix_cache_key(),
             )
         )
         rc = self.runner.config
@@ -366,6 +371,86 @@ class Engine:
         processor off the engine thread), freeing its slot and pages; a no-op once it ended."""
         self.scheduler.finish_request(request_id, reason)
         self._request_grammars.pop(request_id, None)
+
+    # ---- the rollout API (docs/rl.md; docs/architecture.md, "The rollout API") ------------
+
+    def update_weights(self, params) -> list[RequestOutput]:
+        """Serves `params` from now on: a param tree in the model's structure, or a checkpoint
+        folder (Hugging Face or orbax) read by the checkpoints loaders.
+
+        Requests in flight are drained first: every request added before this call finishes
+        on the old weights, so a rollout is sampled from one policy; their outputs from the
+        drain are returned. Then the new weights are checked against the old (structure,
+        shapes, dtypes: a ValueError names the offending path), placed on the old ones'
+        shardings, and swapped in; the prefix cache, device and host tier, is dropped and its
+        hashes salted with the new weights' version, so no page of the old weights is reused.
+        Nothing compiles: the jitted step takes the params as an argument of pinned shardings.
+        """
+        if self._sleeping:
+            raise RuntimeError("The engine is asleep; call wake_up() before update_weights().")
+        if isinstance(params, (str, os.PathLike)):
+            params = load_params(params, self.model, self.sharding.mesh)
+        new = place_like(params, self.runner.params)  # raises before anything changes
+        outputs = []
+        while self.has_unfinished():
+            outputs += self.step()
+        self.runner.params = self.model.params = new
+        self.weights_version += 1
+        self.scheduler.reset_prefix_cache(self._prefix_cache_key())
+        self._refresh_gauges()
+        return outputs
+
+    def _prefix_cache_key(self) -> str:
+        """What the page hash is salted with besides tokens and adapters: the model and the
+        version of its weights (Decision 9)."""
+        return f"{self.model.source}:{self.model.dtype}:weights-v{self.weights_version}"
+
+    def sleep(self, level: int = 1) -> int:
+        """Frees device memory while a trainer uses it: level 1 the KV pool (and the prefix
+        cache it held), level 2 the weights too (kept in host memory). Returns the bytes of
+        device arrays freed. Only while no request is unfinished; `wake_up` undoes it."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep(level={level}) must be 1 (the KV pool) or 2 (and weights).")
+        if self._sleeping:
+            raise RuntimeError("The engine is asleep already.")
+        if self.has_unfinished():
+            raise RuntimeError(
+                f"Cannot sleep with {len(self.outputs.tracked)} unfinished requests; finish "
+                "or abort them first."
+            )
+        freed = 0
+        self.scheduler.reset_prefix_cache(self._prefix_cache_key())  # their pages go now
+        for leaf in jax.tree.leaves(self.runner.kv):
+            freed += leaf.nbytes
+            leaf.delete()
+        self.runner.kv = None
+        self._sleep_shardings = None
+        if level == 2:
+            params = self.runner.params
+            self._sleep_shardings = jax.tree.map(lambda a: a.sharding, params)
+            self._host_params = jax.device_get(params)
+            for leaf in jax.tree.leaves(params):
+                freed += leaf.nbytes
+                leaf.delete()
+            self.runner.params = self.model.params = None
+        self._sleeping = level
+        return freed
+
+    def wake_up(self) -> None:
+        """Allocates again what `sleep` freed, the same shapes on the same shardings, and
+        serves as before (the prefix cache starts empty). Nothing compiles."""
+        if not self._sleeping:
+            raise RuntimeError("The engine is not asleep.")
+        if self._sleeping == 2:
+            params = jax.device_put(self._host_params, self._sleep_shardings)
+            self.runner.params = self.model.params = params
+            self._host_params = None
+        self.runner.kv = self.runner.new_kv_pool()
+        self._sleeping = 0
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._sleeping)
 
     # ---- the loop -------------------------------------------------------------------------
 

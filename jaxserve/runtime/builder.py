@@ -134,3 +134,10 @@ def step_reserved_bytes(model: LoadedModel, runner_config, sharding, cap: int) -
             f"{sharding.platform} for sizing the KV pool: {report.error}"
         )
     return report.reserved_bytes
+
+
+def load_params(source, model: LoadedModel, mesh) -> dict:
+    """The params of a checkpoint folder (Hugging Face safetensors or orbax) for a model being
+    served, in that model's dtype, on `mesh`: for Engine.update_weights given a path."""
+    loaded = load_model(source, dtype=model.dtype, mesh=mesh, layer_loop=layer_loop_of(model.params))
+    return loaded.params

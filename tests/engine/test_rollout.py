@@ -1,0 +1,147 @@
+"""The rollout API on the embedded model: weights swapped into a running engine, sleep and wake,
+teacher-forced scores, and a toy RL loop whose reward rises (docs/rl.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve.engine.core import Engine
+from jaxserve.engine.llm import LLM
+from jaxserve.engine_config import EngineConfig
+from jaxserve.integrations.rollout import forward_logprobs, reinforce
+from jaxserve.runtime import compiles
+from jaxserve.sampling_params import SamplingParams
+from tests.engine.conftest import SMALL
+
+PROMPT = list(range(1, 40))  # two full pages of 16 and a partial one: cached pages to reuse
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(engine=Engine(EngineConfig(**SMALL)))
+
+
+def perturbed(params, scale: float = 0.5, seed: int = 1):
+    """Every weight moved by relative noise: any weight not swapped in would show."""
+    leaves, treedef = jax.tree.flatten(jax.device_get(params))
+    rng = np.random.default_rng(seed)
+    moved = [np.asarray(a) * (1 + scale * rng.standard_normal(a.shape)).astype(a.dtype) for a in leaves]
+    return jax.tree.unflatten(treedef, moved)
+
+
+def greedy(llm: LLM, prompt=PROMPT) -> list[int]:
+    return llm.generate([prompt], GREEDY)[0].token_ids
+
+
+def test_update_weights_serves_the_new_weights_without_compiling_or_old_pages(llm):
+    engine = llm.engine
+    old = jax.device_get(engine.runner.params)
+    before = greedy(llm)  # publishes the prompt's pages under the old weights
+    assert greedy(llm) == before
+    hits = engine.scheduler.kv.stats.hits
+    assert hits > 0  # the second run reused the first's pages: the cache is on
+    new = perturbed(old)
+    mark = compiles.serving()
+    llm.update_weights(new)
+    after = greedy(llm)
+    assert compiles.serving() - mark == 0, compiles.recent()
+    assert engine.scheduler.kv.stats.hits == hits  # the old pages were not reused
+    assert after != before  # the perturbation matters, so the comparison below means something
+    fresh = LLM(engine=Engine(EngineConfig(**SMALL), model=dataclasses.replace(engine.model, params=new)))
+    assert greedy(fresh) == after
+    # Back to the old weights: the old outputs again, still no compile.
+    llm.update_weights(old)
+    assert greedy(llm) == before
+    assert compiles.serving() - mark == 0
+
+
+def test_requests_in_flight_finish_on_the_old_weights(llm):
+    engine = llm.engine
+    old = jax.device_get(engine.runner.params)
+    reference = greedy(llm, PROMPT[:20])
+    rid = engine.add_request(PROMPT[:20], GREEDY)
+    outputs = []
+    for _ in range(3):
+        outputs += engine.step()
+    outputs += engine.update_weights(perturbed(old, seed=2))
+    tokens = [t for o in outputs if o.request_id == rid for t in o.new_token_ids]
+    assert tokens == reference
+    assert any(o.finished for o in outputs if o.request_id == rid)
+    assert greedy(llm, PROMPT[:20]) != reference  # the new weights serve the next request
+    llm.update_weights(old)
+
+
+def test_mismatched_weights_are_refused_with_the_path(llm):
+    engine = llm.engine
+    good = jax.device_get(engine.runner.params)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(good)
+    path, leaf = leaves[0]
+    bad = jax.tree.unflatten(jax.tree.structure(good), [np.zeros((3, 3), np.float32)] + [x for _, x in leaves[1:]])
+    with pytest.raises(ValueError, match=r"is float32\[3, 3\]; the model's is"):
+        engine.update_weights(bad)
+    wrong_dtype = jax.tree.map(lambda a: np.asarray(a, np.float16), good)
+    with pytest.raises(ValueError, match="float16"):
+        engine.update_weights(wrong_dtype)
+    missing = dict(good)
+    missing.pop(next(iter(good)))
+    with pytest.raises(ValueError, match="missing"):
+        engine.update_weights(missing)
+    assert greedy(llm) == greedy(llm)  # still serving
+
+
+def test_sleep_frees_the_pool_and_weights_and_wake_up_serves_the_same(llm):
+    engine = llm.engine
+    before = greedy(llm)
+    pool_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.kv))
+    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(engine.runner.params))
+    live = sum(a.nbytes for a in jax.live_arrays())
+    mark = compiles.serving()
+    freed = llm.sleep(level=2)
+    assert freed == pool_bytes + weight_bytes
+    assert live - sum(a.nbytes for a in jax.live_arrays()) >= pool_bytes + weight_bytes
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.update_weights(jax.device_get(engine._host_params))
+    llm.wake_up()
+    assert greedy(llm) == before
+    assert compiles.serving() - mark == 0
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert greedy(llm) == before
+    assert compiles.serving() - mark == 0
+
+
+def test_score_and_sampled_logprobs_equal_a_teacher_forced_forward(llm):
+    engine = llm.engine
+    prompts = [PROMPT[:7], PROMPT[:23]]
+    completions = [[5, 9, 2, 77, 3], list(range(100, 130))]
+    scores = llm.score(prompts, completions)
+    params = jax.device_get(engine.runner.params)
+    for p, c, s in zip(prompts, completions, scores, strict=True):
+        ref = np.asarray(forward_logprobs(engine.model.config, engine.model.dtype, params, [p + c])(params))
+        assert len(s) == len(c)
+        np.testing.assert_allclose(s, ref[len(p) - 1 :], atol=1e-5, rtol=0)
+    # Sampled tokens' logprobs (raw: before the temperature) against the same forward.
+    done = llm.generate([prompts[0]], SamplingParams(max_tokens=10, temperature=1.3, seed=3, logprobs=0, ignore_eos=True))[0]
+    seq = prompts[0] + done.token_ids
+    ref = np.asarray(forward_logprobs(engine.model.config, engine.model.dtype, params, [seq])(params))
+    got = [e.logprob for e in done.logprobs]
+    np.testing.assert_allclose(got, ref[len(prompts[0]) - 1 :], atol=1e-5, rtol=0)
+
+
+def test_a_toy_reinforce_loop_raises_its_reward(llm):
+    engine = llm.engine
+    old = jax.device_get(engine.runner.params)
+    target = 13  # reward: the share of completion tokens that are this id
+
+    def reward(tokens):
+        return sum(t == target for t in tokens) / max(len(tokens), 1)
+
+    # (The trainer's eager forward compiles its own small programs: no compile count here.)
+    rewards = reinforce(llm, PROMPT[:5], reward, steps=10, samples=8, max_tokens=8, learning_rate=3e-2)
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.1, rewards
+    llm.update_weights(old)
