@@ -42,8 +42,8 @@ from jaxserve.runtime.buckets import pick_bucket
 from jaxserve.runtime.builder import build_runner, load_params
 from jaxserve.runtime.input_batch import InputBatch
 from jaxserve.runtime.model_runner import ModelRunner
-from jaxserve.runtime.weight_swap import place_like
 from jaxserve.runtime.sampling import SamplingBatch
+from jaxserve.runtime.weight_swap import place_like
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduling.cost_model import work_of
 from jaxserve.scheduling.offload import SwapPricer, prefill_seconds_by

@@ -174,9 +174,7 @@ class LLM:
         if any(not c for c in completions) or any(not p for p in prompts):
             raise ValueError("Every prompt and every completion needs at least one token.")
         seqs = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
-        done = self.generate(
-            seqs, SamplingParams(max_tokens=1, temperature=0.0), prompt_logprobs=0
-        )
+        done = self.generate(seqs, SamplingParams(max_tokens=1, temperature=0.0), prompt_logprobs=0)
         return [
             [e.logprob for e in d.prompt_logprobs[len(p) :]]
             for d, p in zip(done, prompts, strict=True)

@@ -45,7 +45,8 @@ def forward_logprobs(config: ModelConfig, dtype, params: dict, seqs: Sequence[Se
         num_pages=num_pages,
     )
     # Token t's logits score token t + 1 of the same sequence; the last token of each scores none.
-    rows = np.concatenate([np.arange(len(s) - 1) + o for s, o in zip(seqs, _offsets(seqs))])
+    starts = _offsets(seqs)
+    rows = np.concatenate([np.arange(len(s) - 1) + o for s, o in zip(seqs, starts, strict=True)])
     targets = np.concatenate([np.asarray(s[1:], np.int32) for s in seqs])
     shape = (config.num_layers, num_pages, PAGE, kv_lanes(config))
 
@@ -113,7 +114,7 @@ def reinforce(
             ]
         ).astype(np.float32)
 
-        def loss(p):
+        def loss(p, lp_of=lp_of, weights=weights):
             return -(lp_of(p) * weights).sum() / samples
 
         grads = jax.grad(loss)(params)

@@ -139,5 +139,7 @@ def step_reserved_bytes(model: LoadedModel, runner_config, sharding, cap: int) -
 def load_params(source, model: LoadedModel, mesh) -> dict:
     """The params of a checkpoint folder (Hugging Face safetensors or orbax) for a model being
     served, in that model's dtype, on `mesh`: for Engine.update_weights given a path."""
-    loaded = load_model(source, dtype=model.dtype, mesh=mesh, layer_loop=layer_loop_of(model.params))
+    loaded = load_model(
+        source, dtype=model.dtype, mesh=mesh, layer_loop=layer_loop_of(model.params)
+    )
     return loaded.params
