@@ -63,3 +63,19 @@ def test_check_invariants_detects_a_page_owned_twice():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="num_pages=0"):
         KVCacheManager(num_pages=0, page_size=4, max_pages_per_seq=1)
+
+
+def test_drop_published_frees_cached_pages_and_forgets_every_hash():
+    """Engine.update_weights: pages of the old weights must never match again."""
+    kv = KVCacheManager(num_pages=4, page_size=2, max_pages_per_seq=4)
+    hashes = [b"a", b"b"]
+    assert kv.allocate("s", 4)
+    kv.publish("s", hashes, 4)
+    with pytest.raises(RuntimeError, match="1 sequences hold pages"):
+        kv.drop_published()  # a live table: refused
+    kv.free("s")
+    assert kv.num_cached_pages == 2 and len(kv.match(hashes, 5)) == 2
+    assert kv.drop_published() == 2
+    assert kv.num_cached_pages == 0 and kv.num_free_pages == 4
+    assert kv.match(hashes, 5) == []
+    kv.check_invariants()
