@@ -408,7 +408,8 @@ class Engine:
     def sleep(self, level: int = 1) -> int:
         """Frees device memory while a trainer uses it: level 1 the KV pool (and the prefix
         cache it held), level 2 the weights too (kept in host memory). Returns the bytes of
-        device arrays freed. Only while no request is unfinished; `wake_up` undoes it."""
+        device arrays freed (jax.live_arrays before and after). Only while no request is
+        unfinished; `wake_up` undoes it."""
         if level not in (1, 2):
             raise ValueError(f"sleep(level={level}) must be 1 (the KV pool) or 2 (and weights).")
         if self._sleeping:
@@ -418,10 +419,9 @@ class Engine:
                 f"Cannot sleep with {len(self.outputs.tracked)} unfinished requests; finish "
                 "or abort them first."
             )
-        freed = 0
+        live = _live_bytes()
         self.scheduler.reset_prefix_cache(self._prefix_cache_key())  # their pages go now
-        for leaf in jax.tree.leaves(self.runner.kv):
-            freed += leaf.nbytes
+        for leaf in jax.tree.leaves(self.runner.kv):  # the engine's own: deleted at once
             leaf.delete()
         self.runner.kv = None
         self._sleep_shardings = None
@@ -429,12 +429,11 @@ class Engine:
             params = self.runner.params
             self._sleep_shardings = jax.tree.map(lambda a: a.sharding, params)
             self._host_params = jax.device_get(params)
-            for leaf in jax.tree.leaves(params):
-                freed += leaf.nbytes
-                leaf.delete()
-            self.runner.params = self.model.params = None
+            # Dropped, not deleted: a trainer that handed them to update_weights may hold the
+            # same arrays (device_put onto their own sharding is a no-op), and keeps them alive.
+            self.runner.params = self.model.params = params = None
         self._sleeping = level
-        return freed
+        return live - _live_bytes()
 
     def wake_up(self) -> None:
         """Allocates again what `sleep` freed, the same shapes on the same shardings, and
@@ -752,6 +751,11 @@ class Engine:
         )
         # Every compile of the process, and those outside any warm-up since this one's.
         self.metrics.on_compiles(compiles.total(), compiles.serving() - self._warm_compiles)
+
+
+def _live_bytes() -> int:
+    """Bytes of every device array alive in the process (what sleep() frees is their drop)."""
+    return sum(a.nbytes for a in jax.live_arrays())
 
 
 def freeze_heap() -> None:

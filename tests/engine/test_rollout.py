@@ -48,8 +48,11 @@ def test_update_weights_serves_the_new_weights_without_compiling_or_old_pages(ll
     hits = engine.scheduler.kv.stats.hits
     assert hits > 0  # the second run reused the first's pages: the cache is on
     new = perturbed(old)
+    root = engine.scheduler.prefix.hasher.root()
     mark = compiles.serving()
     llm.update_weights(new)
+    # Hashes made after the update can never equal one made before (Decision 9).
+    assert engine.scheduler.prefix.hasher.root() != root
     after = greedy(llm)
     assert compiles.serving() - mark == 0, compiles.recent()
     assert engine.scheduler.kv.stats.hits == hits  # the old pages were not reused
@@ -108,14 +111,14 @@ def test_sleep_frees_the_pool_and_weights_and_wake_up_serves_the_same(llm):
     live = sum(a.nbytes for a in jax.live_arrays())
     mark = compiles.serving()
     freed = llm.sleep(level=2)
-    assert freed == pool_bytes + weight_bytes
+    assert freed >= pool_bytes + weight_bytes
     assert live - sum(a.nbytes for a in jax.live_arrays()) >= pool_bytes + weight_bytes
     with pytest.raises(RuntimeError, match="asleep"):
         engine.update_weights(jax.device_get(engine._host_params))
     llm.wake_up()
     assert greedy(llm) == before
     assert compiles.serving() - mark == 0
-    llm.sleep(level=1)
+    assert llm.sleep(level=1) >= pool_bytes
     llm.wake_up()
     assert greedy(llm) == before
     assert compiles.serving() - mark == 0
