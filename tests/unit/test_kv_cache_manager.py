@@ -79,3 +79,17 @@ def test_drop_published_frees_cached_pages_and_forgets_every_hash():
     assert kv.num_cached_pages == 0 and kv.num_free_pages == 4
     assert kv.match(hashes, 5) == []
     kv.check_invariants()
+
+
+def test_the_host_tier_drops_its_cached_pages_and_keeps_swapped_ones():
+    """Engine.update_weights: the host tier's pages came from the old weights too."""
+    from jaxserve.scheduling.host_pool import HostPagePool
+
+    host = HostPagePool(4)
+    assert host.hold("r", 1) is not None  # a swapped request's page stays
+    pages = [host.offer(h) for h in (b"a", b"b")]
+    assert None not in pages and host.match([b"a", b"b"]) == pages
+    assert host.drop_cached() == 2
+    assert host.match([b"a", b"b"]) == []
+    assert host.num_swapped_pages == 1 and host.num_available == 3
+    host.check_invariants()
