@@ -389,7 +389,7 @@ class Engine:
         if self._sleeping:
             raise RuntimeError("The engine is asleep; call wake_up() before update_weights().")
         if isinstance(params, (str, os.PathLike)):
-            params = load_params(params, self.model, self.sharding.mesh)
+            params = load_params(params, self.model, self.config)
         new = place_like(params, self.runner.params)  # raises before anything changes
         outputs = []
         while self.has_unfinished():

@@ -136,10 +136,10 @@ def step_reserved_bytes(model: LoadedModel, runner_config, sharding, cap: int) -
     return report.reserved_bytes
 
 
-def load_params(source, model: LoadedModel, mesh) -> dict:
+def load_params(source, model: LoadedModel, config: EngineConfig) -> dict:
     """The params of a checkpoint folder (Hugging Face safetensors or orbax) for a model being
-    served, in that model's dtype, on `mesh`: for Engine.update_weights given a path."""
-    loaded = load_model(
-        source, dtype=model.dtype, mesh=mesh, layer_loop=layer_loop_of(model.params)
-    )
-    return loaded.params
+    served, in that model's dtype and layout, on the mesh `build_runner` made for `config`: for
+    Engine.update_weights given a path."""
+    mesh = make_mesh(config.tensor_parallel, config.mesh_shape)
+    layer_loop = layer_loop_of(model.params)
+    return load_model(source, dtype=model.dtype, mesh=mesh, layer_loop=layer_loop).params

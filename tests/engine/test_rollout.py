@@ -172,3 +172,19 @@ def test_a_toy_reinforce_loop_raises_its_reward(llm):
     )
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.1, rewards
     llm.update_weights(old)
+
+
+def test_update_weights_from_an_orbax_folder(llm, tmp_path):
+    from checkpoints import save_orbax
+
+    engine = llm.engine
+    old = jax.device_get(engine.runner.params)
+    new = perturbed(old, seed=4)
+    save_orbax(dataclasses.replace(engine.model, params=new), tmp_path / "ckpt")
+    llm.update_weights(new)
+    expected = greedy(llm)
+    llm.update_weights(old)
+    assert greedy(llm) != expected
+    llm.update_weights(str(tmp_path / "ckpt"))
+    assert greedy(llm) == expected
+    llm.update_weights(old)
