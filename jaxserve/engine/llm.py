@@ -41,8 +41,21 @@ class Completion:
 class LLM:
     """Runs batches of prompts to completion, with continuous batching underneath."""
 
-    def __init__(self, config: EngineConfig | None = None, *, engine: Engine | None = None):
-        self.engine = engine or build_engine(config)
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        engine: Engine | None = None,
+        model=None,
+        devices=None,
+        mesh=None,
+    ):
+        """An engine for `config` (or the `engine` given), of `model` (a LoadedModel; default:
+        the config's), on the config's mesh, or on `devices` (a list of jax.Device) or `mesh`
+        (a jax.sharding.Mesh): a trainer's chips, for colocation (docs/rl.md)."""
+        if engine is not None and (model is not None or devices is not None or mesh is not None):
+            raise ValueError("Give LLM an engine, or what to build one from, not both.")
+        self.engine = engine or build_engine(config, model, devices=devices, mesh=mesh)
 
     def generate(
         self,

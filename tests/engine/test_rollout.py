@@ -4,6 +4,7 @@ teacher-forced scores, and a toy RL loop whose reward rises (docs/rl.md)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -188,3 +189,77 @@ def test_update_weights_from_an_orbax_folder(llm, tmp_path):
     llm.update_weights(str(tmp_path / "ckpt"))
     assert greedy(llm) == expected
     llm.update_weights(old)
+
+
+def hf_perturbed(seed: int) -> dict[str, np.ndarray]:
+    """The embedded model's tensors under their Hugging Face names (its own safetensors file,
+    as checkpoints reads it), each moved by relative noise."""
+    from safetensors.numpy import load_file
+
+    from checkpoints import DEFAULT_MODEL_DIR
+
+    rng = np.random.default_rng(seed)
+    return {
+        name: (a * (1 + 0.5 * rng.standard_normal(a.shape))).astype(a.dtype)
+        for name, a in load_file(DEFAULT_MODEL_DIR / "model.safetensors").items()
+    }
+
+
+def test_update_weights_from_a_safetensors_folder_and_hf_named_arrays(llm, tmp_path):
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    from checkpoints import DEFAULT_MODEL_DIR, load_model
+
+    engine = llm.engine
+    old = jax.device_get(engine.runner.params)
+    before = greedy(llm)
+    named = hf_perturbed(seed=5)
+    folder = tmp_path / "hf"
+    shutil.copytree(DEFAULT_MODEL_DIR, folder)
+    save_file(named, folder / "model.safetensors")
+    fresh = LLM(engine=Engine(EngineConfig(**SMALL), model=load_model(folder)))
+    expected = greedy(fresh)
+    assert expected != before
+    mark = compiles.serving()
+    llm.update_weights(str(folder))
+    assert greedy(llm) == expected
+    llm.update_weights(old)
+    assert greedy(llm) == before
+    llm.update_weights(named)  # a trainer's state dict under HF names, nothing on disk
+    assert greedy(llm) == expected
+    assert compiles.serving() - mark == 0, compiles.recent()
+    # Arrays that do not fill the model are refused, naming what is missing.
+    partial = {k: v for k, v in named.items() if k != "model.norm.weight"}
+    with pytest.raises(ValueError, match=r"lacks weights for \['model.norm.weight'\]"):
+        llm.update_weights(partial)
+    with pytest.raises(ValueError, match=re.escape("model.layers.0.mlp.up_proj.weight' has shape")):
+        llm.update_weights({**named, "model.layers.0.mlp.up_proj.weight": np.zeros((2, 2))})
+    llm.update_weights(old)
+
+
+def test_sampled_logprobs_are_the_same_bits_whatever_batch_they_share():
+    """The batch-invariant mode (one token bucket: min_token_bucket = max_num_batched_tokens):
+    a seeded request's tokens and raw logprobs alone, beside 7 others and beside 15 others of
+    other lengths are the same bits. With several token buckets the tokens are the same but
+    the logprobs differ by up to ~6e-6 (other matmul shapes); the price of the mode is that
+    every step pads to the whole token budget."""
+    llm = LLM(engine=Engine(EngineConfig(**{**SMALL, "min_token_bucket": 64})))
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=11, logprobs=0, ignore_eos=True)
+    target = PROMPT[:9]
+
+    def run(others: int):
+        prompts = [target] + [PROMPT[: 3 + (5 * i) % 30] for i in range(others)]
+        extra = [
+            SamplingParams(max_tokens=4 + i, temperature=0.7, seed=i, ignore_eos=True)
+            for i in range(others)
+        ]
+        out = llm.generate(prompts, [params, *extra])[0]
+        return out.token_ids, np.asarray([e.logprob for e in out.logprobs], np.float32)
+
+    alone_ids, alone_lp = run(0)
+    for others in (7, 15):
+        ids, lp = run(others)
+        assert ids == alone_ids
+        np.testing.assert_array_equal(lp, alone_lp)
