@@ -87,7 +87,7 @@ class AdminRoutes:
             raise InvalidRequest(
                 f"level={raw!r} must be 1 (free the KV pool) or 2 (the weights too).", "level"
             )
-        fields.update(level=int(raw))
+        fields.update(sleep_level=int(raw))
         engine = self.serving.engine
         if engine.is_sleeping:
             raise InvalidRequest("The engine is asleep already; POST /wake_up first.", "level")

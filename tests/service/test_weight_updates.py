@@ -199,7 +199,7 @@ def test_requests_before_an_update_finish_on_the_old_weights_those_after_on_the_
         async def text(prompt=PROMPT, params=GREEDY) -> str:
             out = ""
             async for o in async_engine.generate(prompt, params):
-                out += o.text
+                out += o.text_delta
             return out
 
         def swap_queued() -> bool:  # the folder is read; the drain has begun
