@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import jax
@@ -128,6 +129,21 @@ def index_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings:
     the loaders rely on: every tensor is known, every param filled, every shape as the config
     says. `abstract_params` is the model's `jax.eval_shape` param tree (stacked or unstacked).
     """
+    tensors = (pair for file in weight_files(model_dir) for pair in iter_tensors(file))
+    return index_hf_tensors(
+        tensors, abstract_params, tied_embeddings=tied_embeddings, where=model_dir
+    )
+
+
+def index_hf_tensors(
+    tensors: Iterable[tuple[str, np.ndarray]],
+    abstract_params: dict,
+    *,
+    tied_embeddings: bool,
+    where: object = "the Hugging Face-named arrays",
+) -> Layout:
+    """`index_hf_weights` over (HF name, array) pairs from anywhere: a folder's files, or a
+    trainer's state dict in memory (`hf_arrays_to_params`). `where` names them in errors."""
     from checkpoints.config_json import stack_layers
 
     stacked = stack_layers(abstract_params)
@@ -136,41 +152,53 @@ def index_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings:
     found: Layout = {}
     seen: set[str] = set()
     unexpected: list[str] = []
-    for file in weight_files(model_dir):
-        for name, tensor in iter_tensors(file):
-            try:
-                mapped = map_name(name)
-            except KeyError:
-                unexpected.append(name)
-                continue
-            if mapped is None or (tied_embeddings and name == "lm_head.weight"):
-                continue
-            target, layer = mapped
-            if target.path not in shapes:
-                unexpected.append(name)
-                continue
-            shape = shapes[target.path] if layer is None else shapes[target.path][1:]
-            parts = found.setdefault(target.path, {}).setdefault(layer, Parts(shape))
-            value = tensor.T if target.transpose else tensor
-            span = None if target.piece is None else range(shape[-2])[target.piece]
-            expected = shape if span is None else (*shape[:-2], len(span), shape[-1])
-            # A fused piece splits the tensor's last axis (heads, or gate|up), nothing else.
-            flat = (*expected[: value.ndim - 1], int(np.prod(expected[value.ndim - 1 :])))
-            if value.shape != flat:
-                raise ValueError(
-                    f"Tensor {name!r} has shape {tuple(tensor.shape)}; expected {flat} "
-                    f"(after transpose={target.transpose}) from the model config."
-                )
-            parts.pieces[None if span is None else (span.start, span.stop)] = value.reshape(
-                expected
+    for name, tensor in tensors:
+        try:
+            mapped = map_name(name)
+        except KeyError:
+            unexpected.append(name)
+            continue
+        if mapped is None or (tied_embeddings and name == "lm_head.weight"):
+            continue
+        target, layer = mapped
+        if target.path not in shapes:
+            unexpected.append(name)
+            continue
+        shape = shapes[target.path] if layer is None else shapes[target.path][1:]
+        parts = found.setdefault(target.path, {}).setdefault(layer, Parts(shape))
+        value = tensor.T if target.transpose else tensor
+        span = None if target.piece is None else range(shape[-2])[target.piece]
+        expected = shape if span is None else (*shape[:-2], len(span), shape[-1])
+        # A fused piece splits the tensor's last axis (heads, or gate|up), nothing else.
+        flat = (*expected[: value.ndim - 1], int(np.prod(expected[value.ndim - 1 :])))
+        if value.shape != flat:
+            raise ValueError(
+                f"Tensor {name!r} has shape {tuple(tensor.shape)}; expected {flat} "
+                f"(after transpose={target.transpose}) from the model config."
             )
-            seen.add(name)
+        parts.pieces[None if span is None else (span.start, span.stop)] = value.reshape(expected)
+        seen.add(name)
     if unexpected:
-        raise ValueError(f"{model_dir} holds tensors jaxserve does not know: {unexpected[:8]}.")
+        raise ValueError(f"{where} holds tensors jaxserve does not know: {unexpected[:8]}.")
     missing = sorted(expected_names(shapes.keys(), num_layers) - seen)
     if missing:
-        raise ValueError(f"{model_dir} lacks weights for {missing[:8]}.")
+        raise ValueError(f"{where} lacks weights for {missing[:8]}.")
     return found
+
+
+def hf_arrays_to_params(
+    named: Mapping[str, np.ndarray], abstract_params: dict, *, tied_embeddings: bool
+) -> dict:
+    """Arrays under their Hugging Face names (a trainer's state dict: `model.layers.0.mlp.
+    up_proj.weight` [out, in], ...) as numpy arrays in jaxserve's tree like `abstract_params`
+    (fused, transposed, stacked or per layer): what Engine.update_weights serves. The checks
+    of the folder loader: every name known, every param filled, every shape as configured."""
+    pairs = ((name, np.asarray(value)) for name, value in named.items())
+    layout = index_hf_tensors(pairs, abstract_params, tied_embeddings=tied_embeddings)
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, leaf: read_slice(layout, _path(kp), leaf.dtype, (slice(None),) * leaf.ndim),
+        abstract_params,
+    )
 
 
 def load_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings: bool) -> dict:

@@ -100,6 +100,10 @@ class ServerOptions:
     clients_may_raise_priority: bool = False
     # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter on the HTTP API.
     allow_runtime_lora: bool = False
+    # The operator's routes on the HTTP API (service/http/admin.py): new weights from a folder,
+    # sleep and wake-up, for an RL trainer in another process. Needs auth_token unless the
+    # server listens on the loopback only.
+    allow_weight_updates: bool = False
     # A Jinja chat template the HTTP API renders chat with, in place of the model's own (the
     # embedded model has none); None: the model's.
     chat_template: str | None = None
@@ -123,6 +127,14 @@ class ServerOptions:
             raise ValueError(f"served_model_names={names!r} must be a tuple of non-empty names.")
         if len(set(names)) != len(names):
             raise ValueError(f"served_model_names={names!r} names a model twice.")
+        if self.allow_weight_updates and not self.auth_token and self.host not in _LOOPBACK:
+            raise ValueError(
+                f"allow_weight_updates on host {self.host!r} needs an auth token: anyone who "
+                "reaches the port could replace the served weights. Set one (--auth-token-file "
+                "or $JAXSERVE_AUTH_TOKEN) or listen on 127.0.0.1."
+            )
+        if self.allow_weight_updates and self.http_port is None:
+            raise ValueError("allow_weight_updates needs an http_port: its routes are HTTP.")
         if self.grace_s < 0:
             raise ValueError(f"grace_s={self.grace_s} must be >= 0.")
         if not 1024 <= self.max_message_bytes <= _MAX_MESSAGE_BYTES:
@@ -288,6 +300,7 @@ class JaxServeServer:
             max_body_bytes=opts.max_message_bytes,
             clients_may_raise_priority=opts.clients_may_raise_priority,
             allow_runtime_lora=opts.allow_runtime_lora,
+            allow_weight_updates=opts.allow_weight_updates,
             chat_template=opts.chat_template,
             served_model_names=opts.served_model_names,
         )

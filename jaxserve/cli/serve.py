@@ -72,6 +72,13 @@ def register(sub) -> None:
         "(vLLM's): adapters added and removed while serving, into --max-loras slots",
     )
     srv.add_argument(
+        "--allow-weight-updates",
+        action="store_true",
+        help="serve the operator's routes on the HTTP API, for an RL trainer (docs/rl.md): POST "
+        "/update_weights_from_disk {model_path} (sglang's), POST /sleep?level=1|2, POST /wake_up, "
+        "GET /is_sleeping (vLLM's); needs a bearer token unless --host is the loopback",
+    )
+    srv.add_argument(
         "--stay-up-on-engine-failure",
         action="store_true",
         help="after the engine fails, keep answering INTERNAL until signalled (debugging) "
@@ -144,6 +151,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         clients_may_raise_priority=args.clients_may_raise_priority,
         allow_runtime_lora=args.allow_runtime_lora,
+        allow_weight_updates=args.allow_weight_updates,
         stay_up_on_engine_failure=args.stay_up_on_engine_failure,
         chat_template=_chat_template(args.chat_template),
         served_model_names=_served_model_names(args.served_model_name),

@@ -96,6 +96,10 @@ class AsyncEngine:
         self.engine = engine or build_engine(config)
         self._lock = threading.Condition()
         self._commands: list[tuple] = []
+        # Calls that wait for the engine to drain (update_weights, sleep), and the adds sent
+        # after them, held back until they have run (engine thread only).
+        self._barriers: list[tuple] = []
+        self._held: list[tuple] = []
         self._streams: dict[str, _Stream] = {}  # by internal id
         # Caller id -> internal id, from generate() until the engine has finished with it.
         self._reserved: dict[str, str] = {}
@@ -196,6 +200,44 @@ class AsyncEngine:
         """(name, source) of every registered adapter (any thread: a copy of the registry)."""
         return [(name, adapter.source) for name, adapter in self.engine.adapters.items()]
 
+    # ---- the rollout API over the engine thread (docs/rl.md) -------------------------------
+
+    async def update_weights(self, source) -> int:
+        """Serves the weights of `source` (a checkpoint folder, Hugging Face-named arrays, or a
+        param tree: Engine.update_weights) from the next step on; returns the new weights'
+        version. The folder is read and placed off the engine thread while it serves; then the
+        engine drains: requests added before the call finish on the old weights, those added
+        after it wait and run on the new ones. Raises ValueError (from the read, nothing
+        changed) naming what is wrong."""
+        new = await asyncio.to_thread(self.engine.read_weights, source)
+        await self._when_drained(self.engine.swap_weights, new)
+        return self.engine.weights_version
+
+    async def sleep(self, level: int = 1) -> int:
+        """Drains (as update_weights does), then frees the KV pool (level 2: the weights too):
+        Engine.sleep; returns the bytes freed. Requests sent while asleep are refused with
+        EngineAsleep until `wake_up`."""
+        return await self._when_drained(self.engine.sleep, level)
+
+    async def wake_up(self) -> None:
+        """Allocates what `sleep` freed again; serving resumes with no compile."""
+        await self._on_engine_thread(self.engine.wake_up)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    async def _when_drained(self, fn, *args):
+        """Runs fn(*args) on the engine thread once every request added before this call has
+        finished (no work left); requests added meanwhile wait, in order, until it has run."""
+        future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError(self._dead_message())
+            self._commands.append(("drained", fn, args, future))
+            self._lock.notify()
+        return await asyncio.wrap_future(future)
+
     async def _on_engine_thread(self, fn, *args):
         """Runs fn(*args) on the engine thread between iterations; returns or raises its result."""
         future = concurrent.futures.Future()
@@ -250,7 +292,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._commands and not self.engine.has_work():
+                while not self._commands and not self.engine.has_work() and not self._barriers:
                     if self._stopping:
                         return
                     self._lock.wait()
@@ -258,7 +300,14 @@ class AsyncEngine:
                     break
                 commands, self._commands = self._commands, []
             for command in commands:
-                self._apply(command)
+                if command[0] == "drained":
+                    self._barriers.append(command)
+                elif command[0] == "add" and self._barriers:  # after the barrier's call
+                    self._held.append(command)
+                else:
+                    self._apply(command)
+            if self._barriers and not self.engine.has_work():
+                self._run_barriers()
             if self.engine.has_work():
                 self._step()
         # Stopping with requests left: abort them so the engine is idle and its pages free
@@ -274,6 +323,19 @@ class AsyncEngine:
             if not self.engine.has_work():
                 break
             self._step()
+
+    def _run_barriers(self) -> None:
+        """The engine has drained: runs the calls that waited for it, then the adds held back
+        behind them (before any command that came later)."""
+        while self._barriers:
+            _, fn, args, future = self._barriers.pop(0)
+            try:
+                future.set_result(fn(*args))
+            except Exception as e:  # the caller's error (a bad tree, asleep), not the engine's
+                future.set_exception(e)
+        for command in self._held:
+            self._apply(command)
+        self._held = []
 
     def _release_followers(self) -> None:
         try:
@@ -329,8 +391,11 @@ class AsyncEngine:
         with self._lock:
             self._closed = True
             streams = list(self._streams.values())
-            calls = [c[3] for c in self._commands if c[0] == "call"]
+            calls = [c[3] for c in self._commands + self._barriers if c[0] in ("call", "drained")]
             self._commands = []
+            held, self._held, self._barriers = self._held, [], []
+        for command in held:  # their streams are closed below with the rest
+            self._release(command[2])
         for future in calls:  # adapter loads never applied: their callers must not hang
             if not future.done():
                 future.set_exception(EngineDeadError(self._dead_message()))

@@ -9,7 +9,7 @@ is this module's `Engine`: what a library user (or ../shared/peers) constructs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from jaxserve.engine import calibration, core
 from jaxserve.engine_config import EngineConfig
@@ -27,9 +27,16 @@ class Engine(core.Engine):
         *,
         runner: ModelRunner | None = None,
         budget_policy: Callable[[core.Engine], object | None] | None = None,
+        devices: Sequence | None = None,
+        mesh=None,
     ):
         super().__init__(
-            config, model, runner=runner, budget_policy=budget_policy or calibration.slo_policy_for
+            config,
+            model,
+            runner=runner,
+            budget_policy=budget_policy or calibration.slo_policy_for,
+            devices=devices,
+            mesh=mesh,
         )
 
 
@@ -38,6 +45,9 @@ def build_engine(
     model: LoadedModel | None = None,
     *,
     runner: ModelRunner | None = None,
+    devices: Sequence | None = None,
+    mesh=None,
 ) -> Engine:
-    """An `Engine` for `config` (the default config when None), with the SLO policy it asks for."""
-    return Engine(config, model, runner=runner)
+    """An `Engine` for `config` (the default config when None), with the SLO policy it asks for,
+    on the config's mesh or on `devices` / `mesh` (core.Engine)."""
+    return Engine(config, model, runner=runner, devices=devices, mesh=mesh)

@@ -22,13 +22,15 @@ import dataclasses
 import gc
 import logging
 import math
+import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
+from checkpoints import ModelLoadError
 from jaxserve.engine.adapters import Adapters
 from jaxserve.engine.grammar import GrammarCompiler, RequestGrammar
 from jaxserve.engine.metrics import EngineMetrics, PhaseClock
@@ -38,10 +40,11 @@ from jaxserve.models.loaded import LoadedModel
 from jaxserve.outputs import RequestOutput, TokenLogprob
 from jaxserve.runtime import compiles, kv_transfer
 from jaxserve.runtime.buckets import pick_bucket
-from jaxserve.runtime.builder import build_runner
+from jaxserve.runtime.builder import build_runner, load_params
 from jaxserve.runtime.input_batch import InputBatch
 from jaxserve.runtime.model_runner import ModelRunner
 from jaxserve.runtime.sampling import SamplingBatch
+from jaxserve.runtime.weight_swap import place_like
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduling.cost_model import work_of
 from jaxserve.scheduling.offload import SwapPricer, prefill_seconds_by
@@ -76,8 +79,12 @@ class Engine:
         *,
         runner: ModelRunner | None = None,
         budget_policy: Callable[[Engine], object | None] | None = None,
+        devices: Sequence | None = None,
+        mesh=None,
     ):
-        """Builds the runner (builder.py) unless one built from this config is given.
+        """Builds the runner (builder.py) unless one built from this config is given: on the
+        config's mesh, or on `devices` (a list of jax.Device) or a jax.sharding.Mesh `mesh` (a
+        trainer's chips: builder.engine_mesh, docs/rl.md).
 
         `budget_policy(engine)`, called once the buckets are compiled, returns the policy the
         scheduler sizes steps by (the SLO policy, attached to the scheduler) or None. The core
@@ -99,18 +106,22 @@ class Engine:
         # are expected, those after it break the contract of Decision 3 (docs/architecture.md).
         compiles.install()
         with compiles.warming_up():
-            self._build(config, model, runner, budget_policy)
+            if runner is None:  # the model on its mesh, the KV pool sized
+                runner = build_runner(config, model, devices=devices, mesh=mesh)
+            self._build(config, runner, budget_policy)
         self._warm_compiles = compiles.serving()
         self._refresh_gauges()
         _freeze_heap_once()
 
-    def _build(self, config: EngineConfig, model, runner, budget_policy) -> None:
+    def _build(self, config: EngineConfig, runner: ModelRunner, budget_policy) -> None:
         """Everything `__init__` makes, all of it start-up: compiles here are expected."""
-        # The model on its mesh, the KV pool sized.
-        self.runner = runner or build_runner(config, model)
+        self.runner = runner
         self.model, self.sharding = self.runner.model, self.runner.sharding
         self.tokenizer = self.model.tokenizer
         self.max_model_len = self.runner.config.max_model_len
+        self.weights_version = 0  # bumped by update_weights; salts the page hashes
+        self._sleeping = 0  # the level of the last sleep(), 0 while awake
+        self._host_params = None  # the weights while asleep at level 2
         num_pages = self.runner.config.num_pages
         # The host KV pool (swapped requests, the prefix cache's host tier): its copies compiled
         # and the host copy rate measured now, at start-up.
@@ -136,7 +147,7 @@ class Engine:
                 num_host_pages=num_host_pages,
                 # Caches of different weights must never match (one engine, one model; the key
                 # matters where pages could outlive a model swap).
-                prefix_cache_key=f"{self.model.source}:{self.model.dtype}",
+                prefix_cache_key=self._prefix_cache_key(),
             )
         )
         rc = self.runner.config
@@ -256,6 +267,11 @@ class Engine:
 
         `lora` names a registered adapter (`add_lora`) the request runs with; None: the base
         model."""
+        if self._sleeping:
+            raise EngineAsleep(
+                f"The engine is asleep (sleep(level={self._sleeping})); wake_up() before "
+                "adding requests."
+            )
         params = sampling_params or SamplingParams()
         self.adapters.check_name(lora)
         if params.beam_width > 1:
@@ -366,6 +382,111 @@ class Engine:
         processor off the engine thread), freeing its slot and pages; a no-op once it ended."""
         self.scheduler.finish_request(request_id, reason)
         self._request_grammars.pop(request_id, None)
+
+    # ---- the rollout API (docs/rl.md; docs/architecture.md, "The rollout API") ------------
+
+    def update_weights(self, params) -> list[RequestOutput]:
+        """Serves `params` from now on: a param tree in the model's structure, arrays under
+        their Hugging Face names (a mapping of `model.layers.0.mlp.up_proj.weight` to arrays),
+        or a checkpoint folder (Hugging Face safetensors or orbax) read by the checkpoints
+        loaders.
+
+        Requests in flight are drained first: every request added before this call finishes
+        on the old weights, so a rollout is sampled from one policy; their outputs from the
+        drain are returned. Then the new weights are checked against the old (structure,
+        shapes, dtypes: a ValueError names the offending path), placed on the old ones'
+        shardings, and swapped in; the prefix cache, device and host tier, is dropped and its
+        hashes salted with the new weights' version, so no page of the old weights is reused.
+        Nothing compiles: the jitted step takes the params as an argument of pinned shardings.
+        """
+        new = self.read_weights(params)  # raises before anything changes
+        outputs = []
+        while self.has_unfinished():
+            outputs += self.step()
+        self.swap_weights(new)
+        return outputs
+
+    def read_weights(self, params) -> dict:
+        """`params` (as `update_weights` takes them) as the served tree, checked and on the
+        served params' shardings, nothing swapped: any thread may call it while the engine
+        serves (AsyncEngine reads a folder so, off the engine thread). Raises ValueError
+        naming the mismatch, or the folder it cannot read and why."""
+        if self._sleeping == 2:  # its weights are on the host: nothing to place them like
+            raise EngineAsleep("The engine is asleep; call wake_up() before update_weights().")
+        if isinstance(params, (str, os.PathLike)) or _is_hf_named(params):
+            try:
+                params = load_params(params, self.model, self.sharding)
+            except ModelLoadError as e:  # the caller's folder: a ValueError like the rest
+                raise ValueError(str(e)) from e
+        return place_like(params, self.runner.params)
+
+    def swap_weights(self, new: dict) -> None:
+        """Serves `new` (from `read_weights`) from the next step on: only between steps with
+        no work left (update_weights drains first; AsyncEngine holds new requests back until
+        then), and while asleep at level 1 (the weights are on the device; the pool is not).
+        Drops the prefix cache and salts its hashes with the new weights' version."""
+        if self._sleeping == 2:
+            raise EngineAsleep("The engine is asleep; call wake_up() before update_weights().")
+        if self.has_work():
+            raise RuntimeError(
+                f"Cannot swap weights with {self.scheduler.num_running} running and "
+                f"{self.scheduler.num_waiting} waiting requests; drain them first."
+            )
+        self.runner.params = self.model.params = new
+        self.weights_version += 1
+        self.scheduler.reset_prefix_cache(self._prefix_cache_key())
+        self._refresh_gauges()
+
+    def _prefix_cache_key(self) -> str:
+        """What the page hash is salted with besides tokens and adapters: the model and the
+        version of its weights (Decision 9)."""
+        return f"{self.model.source}:{self.model.dtype}:weights-v{self.weights_version}"
+
+    def sleep(self, level: int = 1) -> int:
+        """Frees device memory while a trainer uses it: level 1 the KV pool (and the prefix
+        cache it held), level 2 the weights too (kept in host memory). Returns the bytes of
+        device arrays freed (jax.live_arrays before and after). Only while no request is
+        unfinished; `wake_up` undoes it."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep(level={level}) must be 1 (the KV pool) or 2 (and weights).")
+        if self._sleeping:
+            raise EngineAsleep("The engine is asleep already.")
+        if self.has_work():  # (outputs still being made need no device memory)
+            raise RuntimeError(
+                f"Cannot sleep with {self.scheduler.num_running} running and "
+                f"{self.scheduler.num_waiting} waiting requests; finish or abort them first."
+            )
+        live = _live_bytes()
+        self.scheduler.reset_prefix_cache(self._prefix_cache_key())  # their pages go now
+        for leaf in jax.tree.leaves(self.runner.kv):  # the engine's own: deleted at once
+            leaf.delete()
+        self.runner.kv = None
+        self._sleep_shardings = None
+        if level == 2:
+            params = self.runner.params
+            self._sleep_shardings = jax.tree.map(lambda a: a.sharding, params)
+            self._host_params = jax.device_get(params)
+            # Dropped, not deleted: a trainer that handed them to update_weights may hold the
+            # same arrays (device_put onto their own sharding is a no-op), and keeps them alive.
+            self.runner.params = self.model.params = params = None
+        self._sleeping = level
+        return live - _live_bytes()
+
+    def wake_up(self) -> None:
+        """Allocates again what `sleep` freed, the same shapes on the same shardings, and
+        serves as before (the prefix cache starts empty). Nothing compiles."""
+        if not self._sleeping:
+            raise RuntimeError("The engine is not asleep.")
+        if self._sleeping == 2:
+            params = jax.device_put(self._host_params, self._sleep_shardings)
+            self.runner.params = self.model.params = params
+            self._host_params = None
+        self.runner.kv = self.runner.new_kv_pool()
+        self._sleeping = 0
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._sleeping)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -667,6 +788,22 @@ class Engine:
         )
         # Every compile of the process, and those outside any warm-up since this one's.
         self.metrics.on_compiles(compiles.total(), compiles.serving() - self._warm_compiles)
+
+
+class EngineAsleep(RuntimeError):
+    """The engine sleeps (Engine.sleep): it runs no request and takes no weights until
+    `wake_up()`. A server answers it as unavailable (HTTP 503, gRPC UNAVAILABLE)."""
+
+
+def _is_hf_named(params) -> bool:
+    """Whether `params` holds arrays under Hugging Face names ("model.norm.weight", ...) rather
+    than the model's own tree (whose keys, "layers_0" or "embed_tokens", have no dots)."""
+    return isinstance(params, Mapping) and bool(params) and all("." in str(k) for k in params)
+
+
+def _live_bytes() -> int:
+    """Bytes of every device array alive in the process (what sleep() frees is their drop)."""
+    return sum(a.nbytes for a in jax.live_arrays())
 
 
 def freeze_heap() -> None:

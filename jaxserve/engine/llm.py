@@ -41,8 +41,21 @@ class Completion:
 class LLM:
     """Runs batches of prompts to completion, with continuous batching underneath."""
 
-    def __init__(self, config: EngineConfig | None = None, *, engine: Engine | None = None):
-        self.engine = engine or build_engine(config)
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        engine: Engine | None = None,
+        model=None,
+        devices=None,
+        mesh=None,
+    ):
+        """An engine for `config` (or the `engine` given), of `model` (a LoadedModel; default:
+        the config's), on the config's mesh, or on `devices` (a list of jax.Device) or `mesh`
+        (a jax.sharding.Mesh): a trainer's chips, for colocation (docs/rl.md)."""
+        if engine is not None and (model is not None or devices is not None or mesh is not None):
+            raise ValueError("Give LLM an engine, or what to build one from, not both.")
+        self.engine = engine or build_engine(config, model, devices=devices, mesh=mesh)
 
     def generate(
         self,
@@ -143,3 +156,39 @@ class LLM:
             for p in prompts
         ]
         return beam_search.run(engine, searches)
+
+    # ---- the rollout API (docs/rl.md) -----------------------------------------------------
+
+    def update_weights(self, params) -> None:
+        """Serves `params` (a param tree in the model's structure, or a checkpoint folder)
+        from now on, with no compile and an emptied prefix cache (Engine.update_weights)."""
+        self.engine.update_weights(params)
+
+    def sleep(self, level: int = 1) -> int:
+        """Frees the KV pool (level 2: the weights too, kept on the host); returns the bytes
+        freed (Engine.sleep)."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Allocates what `sleep` freed again; serving resumes with no compile."""
+        self.engine.wake_up()
+
+    def score(
+        self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        """Teacher-forced logprobs of each completion's tokens after its prompt: for a trainer's
+        importance ratios, nothing sampled. One list per pair, one float per completion token:
+        log p(completion[j] | prompt + completion[:j]) of the raw model (no temperature).
+
+        Runs each pair as one request with prompt logprobs; its one sampled token is dropped.
+        """
+        if len(prompts) != len(completions):
+            raise ValueError(f"Got {len(completions)} completions for {len(prompts)} prompts.")
+        if any(not c for c in completions) or any(not p for p in prompts):
+            raise ValueError("Every prompt and every completion needs at least one token.")
+        seqs = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
+        done = self.generate(seqs, SamplingParams(max_tokens=1, temperature=0.0), prompt_logprobs=0)
+        return [
+            [e.logprob for e in d.prompt_logprobs[len(p) :]]
+            for d, p in zip(done, prompts, strict=True)
+        ]

@@ -10,17 +10,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from checkpoints import LoadedModel, load_model
+from checkpoints.weights import hf_arrays_to_params
 from jaxserve import target
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import free_device_bytes, pages_that_fit
 from jaxserve.models.loaded import layer_loop_of, model_for
-from jaxserve.models.sharding import ShardingPlan, make_mesh
+from jaxserve.models.sharding import MESH_AXES, ShardingPlan, make_mesh
 from jaxserve.runtime import aot
 from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.runtime.model_runner import ModelRunner, RunnerConfig, enable_compilation_cache
@@ -58,21 +61,57 @@ def check_cpu_dtype(dtype: str | None, platform: str) -> None:
         )
 
 
+def engine_mesh(
+    config: EngineConfig, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None
+) -> Mesh:
+    """The ("data", "model") mesh an engine runs on: the config's over the first devices JAX
+    sees; or, for colocation with a trainer (docs/rl.md), all of `devices` or all of `mesh`'s.
+
+    Given devices are served tensor parallel over all of them, in their order. A `mesh` of
+    jaxserve's axes is used as it is; one of other axes (a trainer's, e.g. ("fsdp",) or
+    ("data", "tensor")) is served tensor parallel over all its devices, in its order: the
+    engine's layout is its own, the chips are the trainer's. The config's tensor_parallel and
+    mesh_shape must then be unset or agree."""
+    if mesh is not None and devices is not None:
+        raise ValueError("Give an engine either devices or a mesh, not both.")
+    if mesh is None and devices is None:
+        return make_mesh(config.tensor_parallel, config.mesh_shape)
+    if mesh is not None:
+        shape = mesh.devices.shape if tuple(mesh.axis_names) == MESH_AXES else (1, mesh.size)
+        devices = list(mesh.devices.flat)
+    else:
+        devices = list(devices)
+        shape = (1, len(devices))
+    asked = tuple(config.mesh_shape or (1, config.tensor_parallel))
+    if asked not in ((1, 1), tuple(shape)):  # the defaults, or the same mesh
+        raise ValueError(
+            f"The engine was given {len(devices)} devices (mesh {tuple(shape)}) but its "
+            f"config asks for tensor_parallel={config.tensor_parallel}, "
+            f"mesh_shape={config.mesh_shape}; leave those unset or make them agree."
+        )
+    return make_mesh(mesh_shape=shape, devices=devices)
+
+
 def build_runner(
     config: EngineConfig,
     model: LoadedModel | None = None,
     runner_class: Callable[..., ModelRunner] = ModelRunner,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    mesh: Mesh | None = None,
 ) -> ModelRunner:
-    """Loads the model (unless given) onto the config's mesh and sizes the KV pool: the config's
-    `num_pages`, else what fits `kv_cache_memory_fraction` of the devices' free memory, never more
-    than `max_num_seqs` full-length sequences need. Every host of a multi-host mesh gets the same
-    pool shape (the smallest fit among them). `runner_class` builds the runner from (model,
-    RunnerConfig, ShardingPlan): the host benchmark's runner whose device call costs nothing."""
+    """Loads the model (unless given) onto the config's mesh (or `devices` / `mesh`:
+    `engine_mesh`) and sizes the KV pool: the config's `num_pages`, else what fits
+    `kv_cache_memory_fraction` of the devices' free memory (`kv_cache_memory_gb` per device
+    where JAX reports none, the CPU), never more than `max_num_seqs` full-length sequences need.
+    Every host of a multi-host mesh gets the same pool shape (the smallest fit among them).
+    `runner_class` builds the runner from (model, RunnerConfig, ShardingPlan): the host
+    benchmark's runner whose device call costs nothing."""
     if config.compilation_cache_dir:
         enable_compilation_cache(config.compilation_cache_dir)
     if model is None:
         check_cpu_dtype(config.dtype, target.current().platform)
-    mesh = make_mesh(config.tensor_parallel, config.mesh_shape)
+    mesh = engine_mesh(config, devices, mesh)
     model = model or load_model(config.model, dtype=config.dtype, seed=config.seed, mesh=mesh)
     sharding = ShardingPlan.create(mesh, model.config)
     # Params into their shardings (a no-op when loaded there) before free memory is measured.
@@ -134,3 +173,36 @@ def step_reserved_bytes(model: LoadedModel, runner_config, sharding, cap: int) -
             f"{sharding.platform} for sizing the KV pool: {report.error}"
         )
     return report.reserved_bytes
+
+
+def load_params(source, model: LoadedModel, sharding: ShardingPlan) -> dict:
+    """The params of `source` for a model being served, in that model's dtype and layout: for
+    Engine.update_weights. `source` is a checkpoint folder (Hugging Face safetensors or orbax,
+    read by `checkpoints`, each device's shard straight onto the engine's mesh) or a mapping of
+    Hugging Face tensor names to arrays (a trainer's state dict; numpy arrays, placed later).
+
+    Raises checkpoints.ModelLoadError naming a folder that cannot be read, and ValueError for
+    a folder of another model (a config field differs) or arrays that do not fill the model."""
+    if isinstance(source, Mapping):
+        return hf_arrays_to_params(
+            source,
+            jax.eval_shape(lambda: model.params),
+            tied_embeddings=model.config.tie_word_embeddings,
+        )
+    # The loader's ("data", "model") mesh over the plan's devices: the same devices in the same
+    # order, so each shard is read onto the device that serves it.
+    devices = sharding.mesh.devices
+    mesh = Mesh(devices.reshape(devices.shape[0], -1), MESH_AXES)
+    layer_loop = layer_loop_of(model.params)
+    loaded = load_model(source, dtype=model.dtype, mesh=mesh, layer_loop=layer_loop)
+    if loaded.config != model.config:
+        differ = {
+            f.name: (getattr(loaded.config, f.name), getattr(model.config, f.name))
+            for f in dataclasses.fields(model.config)
+            if getattr(loaded.config, f.name) != getattr(model.config, f.name)
+        }
+        raise ValueError(
+            f"The checkpoint {str(source)!r} is of another model than the one served: "
+            f"(its value, the served one's) differ for {differ}."
+        )
+    return loaded.params

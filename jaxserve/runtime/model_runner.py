@@ -179,14 +179,7 @@ class ModelRunner:
             layer_loop=layer_loop_of(model.params),  # the loop the params were laid out for
         )
         self.params = self.sharding.place(model.params)  # a no-op when loaded so
-        self.kv: KVPages = init_kv_pages(
-            model.config,
-            num_pages=config.num_pages,
-            page_size=config.page_size,
-            dtype=model.dtype,
-            sharding=self.sharding.kv_pages,
-            lanes=self.sharding.kv_lanes,  # padded to whole 128-lane tiles on TPU
-        )
+        self.kv: KVPages = self.new_kv_pool()
         # Token counts of the penalties, one row per batch slot (sampling.PenaltyState).
         self.penalties = jax.device_put(
             PenaltyState.zeros(config.seq_buckets[-1], model.config.vocab_size),
@@ -242,6 +235,18 @@ class ModelRunner:
                 max_tokens=config.token_buckets[-1],
                 max_seqs=config.seq_buckets[-1],
             )
+
+    def new_kv_pool(self) -> KVPages:
+        """A zeroed pool of the configured shape on its sharding: at start-up, and again when a
+        sleeping engine wakes (Engine.wake_up), the same shape, so the step does not recompile."""
+        return init_kv_pages(
+            self.model.config,
+            num_pages=self.config.num_pages,
+            page_size=self.config.page_size,
+            dtype=self.model.dtype,
+            sharding=self.sharding.kv_pages,
+            lanes=self.sharding.kv_lanes,  # padded to whole 128-lane tiles on TPU
+        )
 
     def _step_words(self, params, kv: KVPages, words: jax.Array, pen, last, mask, layout, lora):
         """The step over the words `batch.to_words` packed (words: i32[N]; mask: i32[S, W];

@@ -81,6 +81,15 @@ class HostPagePool:
         """Pages a save may take: free, never used, or cached (evicted for it)."""
         return self.num_pages - self._fresh + len(self._free) + len(self._cached)
 
+    def drop_cached(self) -> int:
+        """Frees every host-tier page (their keys and values came from weights no longer
+        served, Engine.update_weights); swapped pages stay. Returns the pages dropped."""
+        dropped = len(self._cached)
+        self._free.extend(self._cached)
+        self._cached.clear()
+        self._page_of.clear()
+        return dropped
+
     # ---- swapped requests -----------------------------------------------------------------
 
     def is_swapped(self, request_id: str) -> bool:

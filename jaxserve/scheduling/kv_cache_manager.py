@@ -124,6 +124,23 @@ class KVCacheManager:
     def num_used_pages(self) -> int:
         return self.num_pages - len(self._free) - len(self._cached)
 
+    def drop_published(self) -> int:
+        """Forgets every published page, for pages computed with weights no longer served
+        (Engine.update_weights): cached pages become free and no hash matches again. Only with
+        no table alive (the engine drains its requests first); returns the pages dropped."""
+        if self._tables:
+            raise RuntimeError(
+                f"Cannot drop the prefix cache while {len(self._tables)} sequences hold pages; "
+                "finish or abort them first."
+            )
+        dropped = len(self._page_of)
+        self._free.extend(reversed(self._cached))  # LRU ones last: freed pages go first
+        self._cached.clear()
+        self._hash_of = [None] * self.num_pages
+        self._page_of.clear()
+        self._published.clear()
+        return dropped
+
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` cache slots."""
         return -(-num_tokens // self.page_size)

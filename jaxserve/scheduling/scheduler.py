@@ -48,7 +48,7 @@ from jaxserve.scheduling.admission import Admission, check_fits
 from jaxserve.scheduling.batching import batching_of
 from jaxserve.scheduling.bucket_landing import land_on_bucket
 from jaxserve.scheduling.host_pool import HostPagePool
-from jaxserve.scheduling.kv_cache_manager import KVCacheManager
+from jaxserve.scheduling.kv_cache_manager import KVCacheManager, PageHasher
 from jaxserve.scheduling.lora_slots import LoraSlots
 from jaxserve.scheduling.offload import Offload
 from jaxserve.scheduling.preemption import Preemption
@@ -188,6 +188,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """True while a request is unfinished or a finish is still to be reported by update()."""
         return bool(self._requests or self._reports)
+
+    def reset_prefix_cache(self, model_key: str) -> int:
+        """Drops every cached page, device and host tier, and hashes pages under `model_key`
+        from now on, so no page computed with the old weights ever matches (Decision 9;
+        Engine.update_weights). Only when no request is unfinished; returns the pages dropped."""
+        if self.has_unfinished():
+            raise RuntimeError(
+                f"Cannot reset the prefix cache with {len(self._requests)} unfinished requests."
+            )
+        dropped = self.kv.drop_published() + self.offload.host.drop_cached()
+        if self.prefix is not None:
+            self.prefix.hasher = PageHasher(self.config.page_size, model_key)
+            self.prefix.computing.clear()
+            self.prefix.claims.clear()
+        return dropped
 
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request of that id, or None."""

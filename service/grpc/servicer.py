@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from jaxserve.engine import beam_search
 from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.engine.core import EngineAsleep
 from jaxserve.scheduling.scheduler import QueueFull
 from service import validation
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
@@ -168,6 +169,8 @@ class JaxServeServicer:
     async def _status_of(self, e: Exception) -> tuple[grpc.StatusCode, str]:
         if isinstance(e, Refused):
             return e.code, str(e)
+        if isinstance(e, EngineAsleep):  # POST /sleep on the HTTP API, until /wake_up
+            return grpc.StatusCode.UNAVAILABLE, str(e)
         if isinstance(e, QueueFull):
             return (
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

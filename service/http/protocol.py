@@ -305,3 +305,12 @@ def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> dict:
             }
         )
     return {"content": content}
+
+
+class UpdateWeightsFromDiskRequest(_Body):
+    """POST /update_weights_from_disk (sglang's route and body, which RL trainers already send):
+    a checkpoint folder to serve from the next step on (--allow-weight-updates)."""
+
+    model_path: str
+    # sglang's; the format is read from the folder (safetensors or orbax), so only "auto".
+    load_format: str | None = None

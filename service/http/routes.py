@@ -2,7 +2,9 @@
 
 Routes: POST /v1/completions (completions.py), POST /v1/chat/completions (chat.py), GET
 /v1/models and /v1/models/{id}, GET /health, GET /metrics, POST /tokenize, POST /detokenize; with
---allow-runtime-lora, vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
+--allow-runtime-lora, vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter; with
+--allow-weight-updates, the operator's routes of admin.py (new weights from a folder, sleep and
+wake-up: POST /update_weights_from_disk, POST /sleep, POST /wake_up, GET /is_sleeping).
 
 It only translates: a body is parsed (pydantic, types only), checked by service/validation.py
 (the checks gRPC runs, so an error names the field and value alike), tokenized on the server's
@@ -19,10 +21,10 @@ the bearer token when one is configured (/health is exempt with --health-without
 an unknown route or model, 405 for a wrong method, 413 for a body beyond --max-message-bytes,
 429 (with Retry-After) when the waiting queue is full or the engine refused the request under
 load (--shed-late), 503 while warming up or draining (and for calls still waiting when the
-drain's grace period ends), 500 once the engine failed, 499 (logged only) for a client that
-left, while sending its body too. Every error body is OpenAI's error object. Nothing a client
-sends may answer 500: a 500 other than the engine's failure is a server bug, logged with its
-traceback.
+drain's grace period ends) and while the engine sleeps (POST /sleep), 500 once the engine
+failed, 499 (logged only) for a client that left, while sending its body too. Every error body
+is OpenAI's error object. Nothing a client sends may answer 500: a 500 other than the engine's
+failure is a server bug, logged with its traceback.
 
 Concurrency: every handler runs on the server's event loop; pumps.py says how a call's engine
 streams run and end.
@@ -44,9 +46,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.engine.core import EngineAsleep
 from jaxserve.scheduling.types import QueueFull
 from service import validation
 from service.http import protocol, streaming
+from service.http.admin import AdminRoutes
 from service.http.chat import OpenAIServingChat
 from service.http.completions import OpenAIServingCompletion
 from service.http.serving import DEFAULT_MAX_BODY_BYTES, ClientGone, HttpError, OpenAIServing
@@ -80,6 +84,7 @@ class OpenAIFrontEnd:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         clients_may_raise_priority: bool = False,
         allow_runtime_lora: bool = False,
+        allow_weight_updates: bool = False,
         chat_template: str | None = None,
         served_model_names: Sequence[str] = (),
     ):
@@ -113,6 +118,14 @@ class OpenAIFrontEnd:
             load, unload = self._load_lora, self._unload_lora
             app.post("/v1/load_lora_adapter")(self._route("load_lora", load, admit=False))
             app.post("/v1/unload_lora_adapter")(self._route("unload_lora", unload, admit=False))
+        if allow_weight_updates:  # otherwise 404: the routes do not exist
+            admin = AdminRoutes(lifecycle, self.serving, logger)
+            app.post("/update_weights_from_disk")(
+                self._route("update_weights", admin.update_weights)
+            )
+            app.post("/sleep")(self._route("sleep", admin.sleep))
+            app.post("/wake_up")(self._route("wake_up", admin.wake_up, admit=False))
+            app.get("/is_sleeping")(self._route("is_sleeping", admin.is_sleeping, admit=False))
         app.post("/tokenize")(self._route("tokenize", self._tokenize))
         app.post("/detokenize")(self._route("detokenize", self._detokenize))
         app.get("/health")(self._health)
@@ -239,7 +252,7 @@ class OpenAIFrontEnd:
     async def _error_of(self, e: Exception) -> HttpError:
         if isinstance(e, HttpError):
             return e
-        if isinstance(e, Refused):
+        if isinstance(e, (Refused, EngineAsleep)):  # (asleep: POST /sleep, until /wake_up)
             return HttpError(503, str(e), "service_unavailable")
         if isinstance(e, QueueFull):
             return HttpError(429, f"The waiting queue is full: {e} Retry later.", "rate_limit")

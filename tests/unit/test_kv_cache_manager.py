@@ -63,3 +63,33 @@ def test_check_invariants_detects_a_page_owned_twice():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="num_pages=0"):
         KVCacheManager(num_pages=0, page_size=4, max_pages_per_seq=1)
+
+
+def test_drop_published_frees_cached_pages_and_forgets_every_hash():
+    """Engine.update_weights: pages of the old weights must never match again."""
+    kv = KVCacheManager(num_pages=4, page_size=2, max_pages_per_seq=4)
+    hashes = [b"a", b"b"]
+    assert kv.allocate("s", 4)
+    kv.publish("s", hashes, 4)
+    with pytest.raises(RuntimeError, match="1 sequences hold pages"):
+        kv.drop_published()  # a live table: refused
+    kv.free("s")
+    assert kv.num_cached_pages == 2 and len(kv.match(hashes, 5)) == 2
+    assert kv.drop_published() == 2
+    assert kv.num_cached_pages == 0 and kv.num_free_pages == 4
+    assert kv.match(hashes, 5) == []
+    kv.check_invariants()
+
+
+def test_the_host_tier_drops_its_cached_pages_and_keeps_swapped_ones():
+    """Engine.update_weights: the host tier's pages came from the old weights too."""
+    from jaxserve.scheduling.host_pool import HostPagePool
+
+    host = HostPagePool(4)
+    assert host.hold("r", 1) is not None  # a swapped request's page stays
+    pages = [host.offer(h) for h in (b"a", b"b")]
+    assert None not in pages and host.match([b"a", b"b"]) == pages
+    assert host.drop_cached() == 2
+    assert host.match([b"a", b"b"]) == []
+    assert host.num_swapped_pages == 1 and host.num_available == 3
+    host.check_invariants()
