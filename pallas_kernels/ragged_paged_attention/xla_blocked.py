@@ -54,7 +54,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention import common
+from pallas_kernels.ragged_paged_attention import common, cpu_ffi
 
 # Query rows per prefill tile: big enough for a real matmul against each key block, small enough
 # that a short chunk or the causal diagonal wastes little (module docstring: measured). A step of
@@ -213,7 +213,40 @@ def _online_softmax_step(carry, scores, mask, v, spec: str):
 
 
 def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window):
-    """Every decoding sequence's one query, batched over sequence slots: f32[S, H, d]."""
+    """Every decoding sequence's one query, batched over sequence slots: f32[S, H, d].
+
+    On the CPU, with a float32 pool, the native call (cpu_ffi) when it is built; the jnp loop
+    (`_decode_loop`) elsewhere, and on other platforms whatever this process runs on.
+    """
+    native = (
+        q.dtype == jnp.float32
+        and pool.kv.dtype == jnp.float32
+        and jax.default_backend() == "cpu"
+        and cpu_ffi.available()
+    )
+    if not native:
+        return _decode_loop(q, pool, plan, sm_scale, sliding_window)
+
+    def on_cpu(q):
+        num_slots, num_kv_heads = pool.page_tables.shape[0], pool.num_kv_heads
+        is_decode = plan.decode_rows < q.shape[0]
+        kv_len = jnp.where(is_decode, pool.kv_lens, 0)
+        lowest = jnp.zeros_like(kv_len) if sliding_window is None else kv_len - sliding_window
+        qd = q[jnp.minimum(plan.decode_rows, q.shape[0] - 1)]
+        qd = qd.reshape(num_slots, num_kv_heads, -1, pool.head_dim)
+        out = cpu_ffi.decode_attention(
+            qd, pool.kv, pool.layer, pool.page_tables, kv_len, lowest, sm_scale
+        )
+        return out.reshape(num_slots, -1, pool.head_dim)
+
+    # Chosen when the step is lowered: a step compiled for an accelerator gets the loop.
+    return jax.lax.platform_dependent(
+        q, cpu=on_cpu, default=lambda q: _decode_loop(q, pool, plan, sm_scale, sliding_window)
+    )
+
+
+def _decode_loop(q, pool, plan: StepPlan, sm_scale, sliding_window):
+    """The jnp decode: one batched loop over key blocks of every slot, f32[S, H, d]."""
     page_tables, kv_lens = pool.page_tables, pool.kv_lens
     page_size, num_kv_heads, head_dim = pool.page_size, pool.num_kv_heads, pool.head_dim
     num_slots = page_tables.shape[0]

@@ -47,6 +47,17 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(xla_blocked, "_DECODE_KEYS_ONE_SEQ", 12)
 
 
+@pytest.fixture(params=["native", "loop"])
+def decode_path(request, monkeypatch):
+    """Decode rows through the CPU's native call (cpu_ffi, where it builds) or the jnp loop
+    (accelerators, and the CPU without a compiler): both must match the reference."""
+    if request.param == "loop":
+        monkeypatch.setattr(xla_blocked.cpu_ffi, "available", lambda: False)
+    elif not xla_blocked.cpu_ffi.available():
+        pytest.skip("the native CPU attention could not be built (no g++?)")
+    return request.param
+
+
 def _check(case: Case, got: np.ndarray) -> None:
     args = make_inputs(case)
     kwargs = dict(sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window)
@@ -58,7 +69,7 @@ def _check(case: Case, got: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("name", list(RAGGED), ids=str)
-def test_tiled_matches_reference(name: str, small_tiles):
+def test_tiled_matches_reference(name: str, small_tiles, decode_path):
     case = RAGGED[name]
     fn = functools.partial(
         xla_blocked.ragged_paged_attention,
@@ -101,6 +112,7 @@ ONE_SLOT = {
 @pytest.mark.parametrize("name", list(ONE_SLOT), ids=str)
 def test_one_slot_decode_blocks_match_reference(name: str, monkeypatch):
     case = ONE_SLOT[name]
+    monkeypatch.setattr(xla_blocked.cpu_ffi, "available", lambda: False)  # the loop's blocks
     if name != "production":  # 12 keys: three pages of 4 a block, four blocks for 41 keys
         monkeypatch.setattr(xla_blocked, "_DECODE_KEYS_ONE_SEQ", 12)
     fn = functools.partial(
@@ -155,6 +167,7 @@ def test_prefill_tiles_read_each_key_block_once_per_tile(small_tiles, monkeypatc
         return real_loop(lower, upper, recorded, init)
 
     monkeypatch.setattr(xla_blocked.jax.lax, "fori_loop", recording_loop)
+    monkeypatch.setattr(xla_blocked.cpu_ffi, "available", lambda: False)  # the jnp decode loop
     fn = functools.partial(
         xla_blocked.ragged_paged_attention, sm_scale=case.head_dim**-0.5, sliding_window=6
     )

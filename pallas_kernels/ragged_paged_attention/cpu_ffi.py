@@ -1,0 +1,111 @@
+"""The CPU's native decode attention (cpu_decode.cc) as an XLA FFI call: built once, then cached.
+
+XLA:CPU has no Pallas compiler, and the jnp decode loop (xla_blocked._decode) spends most of its
+time gathering each key block out of the pool and transposing it for the matmuls. The C++ call
+reads each decoding row's keys and values once, in place. It is built on first use with the
+machine's g++ against jaxlib's FFI headers into $JAXSERVE_CACHE_DIR (default
+~/.cache/jaxserve)/ffi, keyed by the source, the jaxlib version, the compiler flags and the
+CPU's features, so a second process loads the same library without building (about 4 s
+once). Where there is no compiler, or $JAXSERVE_CPU_FFI=0, `available()` is False and the jnp
+path runs instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SOURCE = pathlib.Path(__file__).with_name("cpu_decode.cc")
+_TARGET = "jaxserve_decode_attention"
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-fPIC")
+log = logging.getLogger(__name__)
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("JAXSERVE_CACHE_DIR") or os.path.expanduser("~/.cache/jaxserve")
+    return pathlib.Path(root) / "ffi"
+
+
+def _cpu_flags() -> str:
+    """The CPU's architecture and feature flags (Linux's /proc/cpuinfo), for the cache key."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {flags.strip()}"
+
+
+def _build() -> pathlib.Path:
+    """The shared library's path, compiling it first if this source and jaxlib have none."""
+    import jaxlib
+
+    # -march=native: a cache shared between machines (a network home) must not hand one CPU's
+    # instructions to another, so the CPU's feature flags are part of the key.
+    parts = (_SOURCE.read_bytes(), jaxlib.__version__, " ".join(_FLAGS), _cpu_flags())
+    key = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_decode-{key}.so"
+    if out.exists():
+        return out
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        part = pathlib.Path(tmp) / out.name
+        cmd = [compiler, *_FLAGS, "-shared", f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o"]
+        done = subprocess.run([*cmd, str(part)], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
+        os.replace(part, out)  # atomic: a concurrent process sees the whole library or none
+    return out
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the native decode attention is registered for the CPU (built and loaded)."""
+    if os.environ.get("JAXSERVE_CPU_FFI", "1") == "0":
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build()))
+        jax.ffi.register_ffi_target(
+            _TARGET, jax.ffi.pycapsule(lib.JaxserveDecodeAttention), platform="cpu"
+        )
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("CPU decode attention falls back to the jnp loop: %s", e)
+        return False
+    return True
+
+
+def decode_attention(
+    q: jax.Array,  # f32[S, num_kv_heads, group, head_dim], unscaled
+    kv_pool: jax.Array,  # f32[num_layers, num_pages, page_size, lanes] (common.fuse_kv)
+    layer: jax.Array,  # i32[]
+    page_tables: jax.Array,  # i32[S, P]
+    kv_len: jax.Array,  # i32[S] context of each decoding slot; 0 for every other slot
+    lowest: jax.Array,  # i32[S] first visible position (sliding window; 0 without one)
+    sm_scale: float,
+) -> jax.Array:  # f32[S, num_kv_heads, group, head_dim]; slots with kv_len 0 are 0
+    """Softmax(q k^T * sm_scale) v over each slot's keys [lowest, kv_len), read from its pages."""
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(
+        q.astype(jnp.float32),
+        kv_pool,
+        jnp.asarray(layer, jnp.int32),
+        page_tables.astype(jnp.int32),
+        kv_len.astype(jnp.int32),
+        lowest.astype(jnp.int32),
+        sm_scale=np.float32(sm_scale),
+    )

@@ -1,0 +1,110 @@
+"""The CPU's native decode attention (cpu_decode.cc through cpu_ffi) against the dense reference.
+
+Decode rows at contexts that cross pages, GQA ratios 1-4, a sliding window, padding slots, and
+head sizes both of the vectorised path (64, 128, 256) and of the scalar one (16, 80). Pools are
+NaN wherever no query may look (make_inputs), so a read past a row's context or outside its
+window shows. Each case also checks that the step really lowered to the native call: a silent
+fall back to the jnp loop would pass the numbers and fail here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import cpu_ffi, reference, xla_blocked
+from tests.kernels.test_ragged_paged_attention import Case, make_inputs
+
+F32 = jnp.float32
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ffi.available(), reason="the native CPU attention could not be built (no g++?)"
+)
+
+CASES = {
+    # head_dim 64 (4 vectors), GQA 3 as in smollm2-135m, pages of 16; decodes of 1..40 keys.
+    "d64_gqa3": Case(((1, 1), (1, 17), (1, 40), (1, 16), (1, 33)), 16, 9, 3, 64, F32, 8, 7),
+    # head_dim 128, GQA 4, pages of 4: many page boundaries per row, a padding slot.
+    "d128_gqa4": Case(((1, 9), (1, 23), (1, 2)), 4, 8, 2, 128, F32, 4, 4),
+    # head_dim 256 (Gemma's), no GQA.
+    "d256_mha": Case(((1, 5), (1, 12)), 4, 2, 2, 256, F32, 2, 2),
+    # A window of 7 over decodes longer and shorter than it (d64, GQA 2).
+    "window": Case(((1, 30), (1, 3), (1, 8), (1, 7)), 4, 4, 2, 64, F32, 4, 4, 7),
+    # The scalar path: head_dim 16 and 80 (the vectorised one takes 64, 128 and 256); a window.
+    "d16_scalar": Case(((1, 10), (1, 3)), 4, 4, 2, 16, F32, 2, 3),
+    "d80_scalar": Case(((1, 21), (1, 6)), 8, 2, 1, 80, F32, 2, 2, 11),
+    # Decodes beside a prefill chunk: the native call runs the decode rows, the tiles the rest.
+    "beside_prefill": Case(((6, 14), (1, 9), (1, 20)), 4, 4, 2, 64, F32, 12, 4),
+    # Enough keys for two workers on the intra-op pool (8 rows x 2 KV heads x ~300 keys).
+    "two_workers": Case(tuple((1, 280 + 7 * i) for i in range(8)), 16, 4, 2, 64, F32, 8, 8),
+}
+
+
+def _attention(case: Case):
+    return jax.jit(
+        functools.partial(
+            xla_blocked.ragged_paged_attention,
+            sm_scale=case.head_dim**-0.5,
+            sliding_window=case.sliding_window,
+        )
+    )
+
+
+@pytest.mark.parametrize("name", list(CASES), ids=str)
+def test_native_decode_matches_reference(name: str):
+    case = CASES[name]
+    args = make_inputs(case)
+    fn = _attention(case)
+    assert "jaxserve_decode_attention" in fn.lower(*args).as_text(), "fell back to the jnp loop"
+    got = np.asarray(fn(*args))
+    kwargs = dict(sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window)
+    want = np.asarray(reference.ragged_paged_attention(*args, **kwargs))
+    assert not np.isnan(got).any(), "NaN in the output: a read outside a row's keys"
+    total = sum(q for q, _ in case.chunks)
+    np.testing.assert_array_equal(got[total:], 0.0)  # padding tokens
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
+
+
+def test_native_call_matches_the_jnp_loop_it_replaces():
+    """The same decode rows through both: they differ by float summation order only."""
+    case = CASES["d64_gqa3"]
+    q, kv_pool, layer, query_start, kv_lens, page_tables, num_seqs = make_inputs(case, seed=3)
+    kv_pool = jnp.nan_to_num(kv_pool)  # the loop masks V, not K: keep its scores finite
+    plan = xla_blocked.plan_step(q.shape[0], query_start, kv_lens, num_seqs)
+    pool = xla_blocked._Pool(kv_pool, layer, page_tables, kv_lens, 3, case.head_dim)
+    native = jax.jit(lambda q: xla_blocked._decode(q, pool, plan, 0.125, None))(q)
+    loop = jax.jit(lambda q: xla_blocked._decode_loop(q, pool, plan, 0.125, None))(q)
+    np.testing.assert_allclose(np.asarray(native), np.asarray(loop), atol=1e-6, rtol=1e-6)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    """JAXSERVE_CPU_FFI=0 runs the jnp loop: the lowered step has no native call."""
+    monkeypatch.setenv("JAXSERVE_CPU_FFI", "0")
+    cpu_ffi.available.cache_clear()
+    try:
+        case = CASES["d64_gqa3"]
+        assert not cpu_ffi.available()
+        text = _attention(case).lower(*make_inputs(case)).as_text()
+        assert "jaxserve_decode_attention" not in text
+    finally:
+        monkeypatch.delenv("JAXSERVE_CPU_FFI")
+        cpu_ffi.available.cache_clear()
+        assert cpu_ffi.available()
+
+
+def test_build_without_a_compiler_says_so(monkeypatch, tmp_path):
+    """No compiler: the build raises a sentence naming what is missing (available() logs it and
+    falls back); a library already in the cache is reused without one."""
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-jaxserve")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        cpu_ffi._build()
+    monkeypatch.delenv("CXX")
+    built = cpu_ffi._build()
+    assert built.parent == tmp_path / "ffi" and built.stat().st_size > 0
+    monkeypatch.setenv("CXX", "no-such-compiler-jaxserve")
+    assert cpu_ffi._build() == built  # cached: no compiler needed
