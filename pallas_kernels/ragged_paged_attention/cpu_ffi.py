@@ -63,6 +63,7 @@ def _build() -> pathlib.Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("Building the CPU decode attention into %s (once per machine, a few seconds).", out)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = pathlib.Path(tmp) / out.name
         cmd = [compiler, *_FLAGS, "-shared", f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o"]
