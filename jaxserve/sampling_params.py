@@ -40,6 +40,15 @@ SEED_LIMIT = 2**32  # seeds become uint32 PRNG key data on the device
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 
 
+# logprobs_mode's accepted spellings (jaxserve's and vLLM's) -> the one stored.
+_LOGPROBS_MODES = {
+    "raw": "raw",
+    "processed": "processed",
+    "raw_logprobs": "raw",
+    "processed_logprobs": "processed",
+}
+
+
 def _is_int(value: object) -> bool:
     # bool is an int subclass, but `top_k=True` is a mistake, not a number.
     return isinstance(value, int) and not isinstance(value, bool)
@@ -63,6 +72,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # stop even when ignore_eos is set
     ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n
+    # Which distribution those logprobs are of: "raw", the model's after logit_bias, penalties
+    # and a grammar's mask, before the temperature and filters (OpenAI's meaning); "processed",
+    # the one the token is drawn from: tempered, top-k/top-p/min-p applied, filtered tokens
+    # excluded (vLLM's processed_logprobs). vLLM's names "raw_logprobs" and
+    # "processed_logprobs" are accepted too.
+    logprobs_mode: str = "raw"
     # The same for every prompt token after the first (the first has none): the model's
     # log-probability of it given the tokens before, and the top n. Such a request computes its
     # whole prompt (no prefix-cache hit), since a cached token's logits are never made.
@@ -96,6 +111,15 @@ class SamplingParams:
         if isinstance(bias, dict):  # OpenAI's shape; stored sorted so that params stay hashable
             bias = sorted(bias.items())
         object.__setattr__(self, "logit_bias", tuple((t, v) for t, v in bias))
+        mode = (
+            _LOGPROBS_MODES.get(self.logprobs_mode) if isinstance(self.logprobs_mode, str) else None
+        )
+        if mode is None:
+            raise ValueError(
+                f"logprobs_mode={self.logprobs_mode!r} must be one of "
+                f"{sorted(set(_LOGPROBS_MODES))}."
+            )
+        object.__setattr__(self, "logprobs_mode", mode)
         self._check_numbers()
         self._check_stops()
         self._check_beam()

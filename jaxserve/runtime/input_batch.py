@@ -67,6 +67,7 @@ class InputBatch:
         self.min_p = np.zeros(max_seqs, np.float32)
         self.seeds = np.zeros(max_seqs, np.uint32)
         self.logprobs = np.full(max_seqs, -1, np.int32)  # top-n asked; -1: no logprobs at all
+        self.processed = np.zeros(max_seqs, np.bool_)  # logprobs_mode "processed"
         # Prompt logprobs asked, and the prompt's length: a chunk before the prompt's last
         # token then makes the step compute them (sampling.prompt_logprobs).
         self.prompt_logprobs = np.zeros(max_seqs, np.bool_)
@@ -97,6 +98,7 @@ class InputBatch:
         self.min_p[slot] = p.min_p
         self.seeds[slot] = p.seed
         self.logprobs[slot] = -1 if p.logprobs is None else p.logprobs
+        self.processed[slot] = p.logprobs_mode == "processed"
         self.special[slot] = bool(p.logit_bias or p.min_tokens or p.has_penalties)
         self.constrained[slot] = p.structured_output is not None
         self.prompt_logprobs[slot] = p.prompt_logprobs is not None
@@ -194,6 +196,7 @@ class InputBatch:
         sb.top_p[:n] = self.top_p[slots]
         sb.min_p[:n] = self.min_p[slots]
         sb.seeds[:n] = self.seeds[slots]
+        sb.processed_logprobs[:n] = self.processed[slots]
         sb.positions[:n] = kv_lens
         sb.slots[:n] = slots
         if any(proposals):  # speculative verification rows: rare, so a loop over them
@@ -244,6 +247,7 @@ class InputBatch:
             sb.top_p[rows] = self.top_p[slot]
             sb.min_p[rows] = self.min_p[slot]
             sb.seeds[rows] = self.seeds[slot]
+            sb.processed_logprobs[rows] = self.processed[slot]
             sb.positions[rows] = starts[row] + 1 + ks  # the position each one samples for
             sb.slots[rows] = slot
             m += k

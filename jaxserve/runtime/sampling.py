@@ -27,6 +27,11 @@ row per sequence: the LM head over all T tokens, a log-softmax, the next prompt 
 and the top 20, all under one `lax.cond` on the batch, so a step where no row asks pays nothing.
 They are of the raw model (no bias, penalty or temperature), as vLLM and OpenAI report them.
 
+A sampled token's logprobs are of the logits after the mask, bias and penalties, before the
+temperature and filters (`logprobs_mode="raw"`, OpenAI's meaning), or, for a row that asks for
+`"processed"` (vLLM's processed_logprobs), of the distribution the token is drawn from: tempered,
+with the filtered tokens at -inf (`processed_logits`).
+
 Logit bias and min-tokens are one mechanism: each row has BIAS_SLOTS (token id, value) pairs
 added to its logits before anything else (a scatter of S x BIAS_SLOTS values, nothing per
 vocabulary entry). A request's `logit_bias` fills them; a request short of `min_tokens` also
@@ -95,6 +100,9 @@ class SamplingBatch:
     # Some row is constrained by a grammar: only then is the step's token mask applied (a batch
     # without one pays a scalar branch; see apply_token_mask).
     constrained: jax.Array = None  # bool[]
+    # Rows whose logprobs are of the processed distribution (`logprobs_mode="processed"`: after
+    # the temperature and the top-k/top-p/min-p filters, the one the token is drawn from).
+    processed_logprobs: jax.Array = None  # bool[S]
 
     @staticmethod
     def empty(num_seqs: int) -> SamplingBatch:
@@ -118,6 +126,7 @@ class SamplingBatch:
             want_prompt_logprobs=np.bool_(False),
             next_prompt_token=np.full(num_seqs, -1, np.int32),
             constrained=np.bool_(False),
+            processed_logprobs=np.zeros(num_seqs, np.bool_),
         )
 
 
@@ -285,14 +294,22 @@ def sample(
         shape = (num_seqs, width)
         return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
 
-    def top_n(lse):
-        # top_k of the logits, not of a materialised log_softmax: the same order, one pass less.
-        values, ids = jax.lax.top_k(logits, width)
-        return ids.astype(jnp.int32), values - lse[:, None]
-
     def with_logprobs():
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - lse
+        view = logits
+        if params.processed_logprobs is not None:  # static: a batch built without the field
+            view = jax.lax.cond(
+                jnp.any(params.processed_logprobs),
+                lambda: processed_logits(logits, params),
+                lambda: logits,
+            )
+        lse = jax.nn.logsumexp(view, axis=-1)
+
+        def top_n(lse):
+            # top_k of the logits, not of a materialised log_softmax: the same order, one pass less.
+            values, ids = jax.lax.top_k(view, width)
+            return ids.astype(jnp.int32), values - lse[:, None]
+
+        chosen = jnp.take_along_axis(view, token_ids[:, None], axis=-1)[:, 0] - lse
         return (chosen, *jax.lax.cond(params.want_top_logprobs, top_n, no_top, lse))
 
     chosen, top_ids, top_lp = jax.lax.cond(
@@ -365,6 +382,33 @@ def prompt_logprobs(
     if params.want_prompt_logprobs is None:  # static: a batch built without the fields
         return skip()
     return jax.lax.cond(params.want_prompt_logprobs, compute, skip)
+
+
+def processed_logits(logits: jax.Array, params: SamplingBatch) -> jax.Array:
+    """f32[S, V]: the logits whose log-softmax is each processed row's sampling distribution.
+
+    logits: f32[S, V] after the mask, bias and penalties. Rows with `processed_logprobs` set are
+    divided by their temperature (1 for a greedy row) and every token the top-k, top-p and
+    min-p filters drop is -inf, exactly the set `_draw` draws from (`full_vocab_threshold` is
+    the oracle the sampler's candidate filter is tested against); the other rows are returned as
+    they are. Only logprobs read this: the slow exact path is paid by processed rows' steps.
+    """
+    on = params.processed_logprobs
+    sampling = on & (params.temperature > 0)
+    inv_temp = jnp.where(sampling, 1.0 / jnp.where(sampling, params.temperature, 1.0), 1.0)
+    scaled = logits * inv_temp[:, None]
+    filtered = on & ((params.top_k > 0) | (params.top_p < 1))
+    num_seqs = logits.shape[0]
+    cut = jax.lax.cond(
+        jnp.any(filtered),
+        lambda: jnp.where(
+            filtered, full_vocab_threshold(scaled, params.top_k, params.top_p), -jnp.inf
+        ),
+        lambda: jnp.full(num_seqs, -jnp.inf),
+    )
+    min_p_cut = jnp.max(scaled, axis=-1) + jnp.log(params.min_p)  # -inf when min-p is off
+    cut = jnp.where(on, jnp.maximum(cut, min_p_cut), -jnp.inf)
+    return jnp.where(scaled >= cut[:, None], scaled, -jnp.inf)
 
 
 def _draw(logits: jax.Array, params: SamplingBatch) -> jax.Array:

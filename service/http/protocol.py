@@ -95,6 +95,9 @@ class _Sampling(_Body):
     # vLLM's: the prompt's token ids and the generated ones beside the text (`prompt_token_ids`
     # and `token_ids`; streamed, the prompt's in a choice's first chunk, each chunk's own).
     return_token_ids: bool = False
+    # jaxserve's: which distribution `logprobs` are of, "raw" (the default, OpenAI's meaning) or
+    # "processed" (after the temperature and top-k/top-p/min-p: vLLM's processed_logprobs).
+    logprobs_mode: str | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -59,6 +59,7 @@ _SUPPORTED_EXTRAS: tuple[str, ...] = (
     "repetition_penalty",
     "logit_bias",
     "min_tokens",
+    "logprobs_mode",
 )
 
 

@@ -158,6 +158,26 @@ def test_score_and_sampled_logprobs_equal_a_teacher_forced_forward(llm):
     np.testing.assert_allclose(got, ref[len(prompts[0]) - 1 :], atol=1e-5, rtol=0)
 
 
+def test_processed_logprobs_are_of_the_tempered_top_k_distribution(llm):
+    # The same seeded request raw and processed draws the same tokens; the processed logprob of
+    # each is the raw one re-normalised over the top k after the temperature:
+    # (l_c - lse) / T - logsumexp((l_i - lse) / T over the top k) = l_c / T - logsumexp(l_i / T).
+    temperature, k = 0.8, 5
+    params = dict(max_tokens=10, temperature=temperature, top_k=k, seed=11, logprobs=k)
+    raw, processed = (
+        llm.generate([PROMPT[:9]], SamplingParams(**params, ignore_eos=True, logprobs_mode=mode))[0]
+        for mode in ("raw", "processed_logprobs")
+    )
+    assert raw.token_ids == processed.token_ids
+    for r, p in zip(raw.logprobs, processed.logprobs, strict=True):
+        top = np.array([lp for _, lp in r.top], np.float64) / temperature
+        norm = np.logaddexp.reduce(top)
+        assert [t for t, _ in p.top] == [t for t, _ in r.top]  # the same k, nothing filtered in
+        np.testing.assert_allclose(p.logprob, r.logprob / temperature - norm, atol=2e-5)
+        np.testing.assert_allclose([lp for _, lp in p.top], top - norm, atol=2e-5)
+        np.testing.assert_allclose(np.exp([lp for _, lp in p.top]).sum(), 1.0, rtol=1e-5)
+
+
 def test_a_toy_reinforce_loop_raises_its_reward(llm):
     engine = llm.engine
     old = jax.device_get(engine.runner.params)

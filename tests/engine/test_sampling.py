@@ -228,3 +228,47 @@ def test_a_rows_draw_depends_only_on_its_seed_and_position():
     np.testing.assert_array_equal(out[1:], together[1:])
     other_position = dataclasses.replace(base, positions=np.arange(8) * 3 + 1)
     assert (np.asarray(sample_jit(logits, other_position).token_ids) != together).any()
+
+
+def test_processed_rows_report_the_distribution_they_draw_from():
+    # Rows 0-3 ask for processed logprobs (tempered, filtered), rows 4-7 the same settings raw.
+    logits = jax.random.normal(jax.random.key(3), (8, VOCAB)) * 3
+    temperature = [0.7, 0.5, 1.3, 0.0] * 2
+    top_k = [5, 0, 0, 3] * 2
+    top_p = [1.0, 0.6, 1.0, 1.0] * 2
+    min_p = [0.0, 0.0, 0.05, 0.0] * 2
+    params = rows(
+        8,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seeds=np.arange(8) + 1,
+        processed_logprobs=[True] * 4 + [False] * 4,
+        want_logprobs=True,
+        want_top_logprobs=True,
+    )
+    out = sample_jit(logits, params)
+    raw = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
+    tokens = np.asarray(out.token_ids)
+    for r in range(4):
+        scaled = np.asarray(logits[r], np.float64) / (temperature[r] or 1.0)
+        keep = reference_keep(scaled, top_k[r], top_p[r], min_p[r])
+        masked = np.where(keep, scaled, -np.inf)
+        want = masked - np.log(np.exp(masked - masked.max()).sum()) - masked.max()
+        assert keep[tokens[r]], f"row {r} drew token {tokens[r]} outside its kept set"
+        np.testing.assert_allclose(out.logprobs[r], want[tokens[r]], rtol=1e-4, atol=1e-5)
+        n_kept = int(keep.sum())
+        top = np.asarray(out.top_logprobs[r])[: min(n_kept, 20)]
+        np.testing.assert_allclose(top, np.sort(want[keep])[::-1][:20], rtol=1e-4, atol=1e-5)
+        assert np.isneginf(np.asarray(out.top_logprobs[r])[n_kept:]).all()
+        if n_kept <= 20:  # the whole kept set is listed: its probabilities sum to one
+            np.testing.assert_allclose(np.exp(top).sum(), 1.0, rtol=1e-4)
+    for r in range(4, 8):  # the raw rows beside them are the model's untempered log-softmax
+        np.testing.assert_allclose(out.logprobs[r], raw[r, tokens[r]], rtol=1e-5)
+        np.testing.assert_allclose(
+            out.top_logprobs[r], np.sort(raw[r])[::-1][:20], rtol=1e-5, atol=1e-6
+        )
+    # The draws themselves do not depend on the mode.
+    as_raw = sample_jit(logits, dataclasses.replace(params, processed_logprobs=np.zeros(8, bool)))
+    np.testing.assert_array_equal(as_raw.token_ids, tokens)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import math
 import threading
 import urllib.error
 import urllib.request
@@ -150,6 +151,22 @@ def test_list_prompts_echo_and_logprobs(served, client):
     ):
         assert chosen == pytest.approx(max(top.values()), abs=1e-5) and chosen <= 0
         assert top[token] == pytest.approx(chosen, abs=1e-5)
+
+
+def test_processed_logprobs_are_over_the_top_k_after_the_temperature(served, client):
+    # top_k=3 with logprobs=3: the processed top three are the whole distribution drawn from.
+    asked = dict(model="any", prompt=PROMPT, max_tokens=4, temperature=0.7, seed=5, logprobs=3)
+    raw, processed = (
+        client.completions.create(**asked, extra_body={"top_k": 3, **extra}).choices[0].logprobs
+        for extra in ({}, {"logprobs_mode": "processed"})
+    )
+    assert raw.tokens == processed.tokens
+    for r, p in zip(raw.top_logprobs, processed.top_logprobs, strict=True):
+        assert set(r) == set(p)
+        assert sum(math.exp(v) for v in p.values()) == pytest.approx(1.0, abs=1e-4)
+        norm = math.log(sum(math.exp(v / 0.7) for v in r.values()))  # raw: untempered, of all
+        for token, value in r.items():
+            assert p[token] == pytest.approx(value / 0.7 - norm, abs=1e-4)
 
 
 def test_n_samples_each_equal_their_single_runs_with_seed_plus_i(served, client):
@@ -293,6 +310,7 @@ BAD = [
     (dict(logit_bias={"300": 500}), "logit_bias", ["logit_bias[300]=500"]),
     (dict(logit_bias={"9999": 1}), "logit_bias", ["9999", "vocabulary"]),
     (dict(min_tokens=30), "min_tokens", ["min_tokens=30", "max_tokens=16"]),
+    (dict(logprobs_mode="logits"), "logprobs_mode", ["logprobs_mode='logits'", "processed"]),
     (dict(suffix="The end."), "suffix", ["suffix"]),
     (dict(temperature="hot"), "temperature", ["temperature='hot'"]),
     (dict(prompt=None), "prompt", ["prompt=None"]),

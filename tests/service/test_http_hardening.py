@@ -358,7 +358,7 @@ _FIELDS = [
     "frequency_penalty", "logit_bias", "user", "top_k", "min_p", "repetition_penalty",
     "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens", "priority",
     "use_beam_search", "best_of", "length_penalty", "early_stopping", "echo", "logprobs",
-    "suffix", "model", "stream_options",
+    "suffix", "model", "stream_options", "logprobs_mode",
 ]  # fmt: skip
 _EDGES = [0, -1, 1, 2**31 - 1, 2**31, -(2**31) - 1, 2**32, 2**63, 10**30, -(10**30)]
 _values = st.recursive(

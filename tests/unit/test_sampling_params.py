@@ -65,6 +65,15 @@ def test_bad_numbers_are_refused_with_field_and_value(field, value):
     assert str(info.value).endswith(".")
 
 
+def test_logprobs_mode_takes_either_spelling_and_refuses_others():
+    assert SamplingParams().logprobs_mode == "raw"
+    assert SamplingParams(logprobs_mode="processed_logprobs").logprobs_mode == "processed"
+    assert SamplingParams(logprobs_mode="raw_logprobs").logprobs_mode == "raw"
+    for bad in ("processed_logits", "RAW", None):
+        with pytest.raises(ValueError, match=re.escape(f"logprobs_mode={bad!r} must be one of")):
+            SamplingParams(logprobs_mode=bad)
+
+
 def test_edges_are_accepted():
     SamplingParams(temperature=0, top_p=1e-6, min_p=1.0, seed=2**32 - 1, logprobs=20)
     SamplingParams(top_k=1, min_p=0.0, logprobs=0, seed=0, max_tokens=1)
