@@ -1,5 +1,6 @@
 """jaxserve as the rollout engine of an RL loop: a differentiable teacher-forced forward of the
-same flax model the engine serves, and a toy REINFORCE loop (docs/rl.md).
+same flax model the engine serves, a toy REINFORCE loop on `LLM`, and a toy GRPO loop through
+Tunix's rollout interface (integrations/tunix.py; docs/rl.md).
 
 The trainer's forward runs `jaxserve.models` directly (no scheduler, no sampling, a fresh KV
 pool per call), so the engine's logprobs can be checked against it and its gradients taken.
@@ -121,4 +122,68 @@ def reinforce(
         updates, state = opt.update(grads, state, params)
         params = optax.apply_updates(params, updates)
         llm.update_weights(params)
+    return rewards
+
+
+def grpo(
+    rollout,
+    prompt: str,
+    reward_fn,
+    *,
+    steps: int = 8,
+    group: int = 8,
+    max_tokens: int = 8,
+    learning_rate: float = 1e-2,
+    seed: int = 0,
+) -> list[float]:
+    """A toy GRPO loop through Tunix's rollout interface (`rollout`: a JaxserveRollout, or any
+    object with Tunix's BaseRollout methods over a jaxserve model): each step samples a group
+    of `group` completions of `prompt` (`generate`), scores them with `reward_fn(token_ids)`,
+    normalises the rewards within the group (GRPO's advantages), takes the old policy's
+    logprobs from `get_per_token_logps`, one Adam step on the ratio-weighted loss of the
+    trainer's own forward, and hands the weights back with `update_params`. Returns each
+    step's mean reward."""
+    import optax
+
+    from jaxserve.integrations.tunix import RolloutConfig
+
+    model = rollout.model()
+    params = jax.device_get(rollout.llm.engine.runner.params)
+    opt = optax.adam(learning_rate)
+    state = opt.init(params)
+    pad, rewards = rollout.pad_id(), []
+    for step in range(steps):
+        config = RolloutConfig(
+            max_tokens_to_generate=max_tokens, temperature=1.0, top_p=1.0, seed=seed + step * 1000
+        )
+        out = rollout.generate([prompt] * group, config)
+        r = np.array([reward_fn(t.tolist()) for t in out.tokens], np.float32)
+        rewards.append(float(r.mean()))
+        adv = (r - r.mean()) / (r.std() + 1e-6)
+        prompt_ids = out.left_padded_prompt_tokens
+        width = max(max(len(t) for t in out.tokens), 1)
+        completions = np.full((group, width), pad, np.int32)
+        for row, t in enumerate(out.tokens):
+            completions[row, : len(t)] = t
+        old = rollout.get_per_token_logps(prompt_ids, completions)  # f32[group, width]
+        prompt = prompt_ids[0, np.flatnonzero(prompt_ids[0] != pad)[0] :].tolist()  # unpadded
+        prompt_len = len(prompt)
+        seqs = [prompt + t.tolist() for t in out.tokens]
+        lp_of = forward_logprobs(model.config, model.dtype, params, seqs)
+        starts = np.cumsum([0] + [len(s) - 1 for s in seqs])
+        rows = [np.arange(len(t)) + starts[i] + prompt_len - 1 for i, t in enumerate(out.tokens)]
+        index = np.concatenate(rows).astype(np.int32)
+        old_flat = np.concatenate([old[i, : len(t)] for i, t in enumerate(out.tokens)])
+        weights = np.concatenate(
+            [np.full(len(t), a / max(len(t), 1)) for t, a in zip(out.tokens, adv, strict=True)]
+        ).astype(np.float32)
+
+        def loss(p, lp_of=lp_of, index=index, old_flat=old_flat, weights=weights):
+            ratio = jnp.exp(lp_of(p)[index] - old_flat)  # 1 at the rollout's weights
+            return -(ratio * weights).sum() / group
+
+        grads = jax.grad(loss)(params)
+        updates, state = opt.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        rollout.update_params(params)
     return rewards
