@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 import checkpoints
 from jaxserve.runtime import compiles
+from service.lifecycle import State
 from service.server import ServerOptions
 from tests.service.conftest import serving
 from tests.service.test_weight_updates import (
@@ -200,3 +201,31 @@ def test_sleep_refuses_generation_until_wake_up_serves_the_same(admin, engine):
     assert reply.level == 1 and client.is_sleeping() is True
     client.wake_up(timeout=60)
     assert complete(client) == before
+
+
+async def _set_state(lifecycle, state: State) -> None:
+    lifecycle.state = state  # on the server's loop, where every handler reads it
+
+
+def test_wake_up_and_is_sleeping_answer_while_draining_as_over_http(engine):
+    """A draining server refuses new work (generation, Sleep, weights) with UNAVAILABLE but
+    still answers IsSleeping and WakeUp, as the HTTP routes do (they are not admitted)."""
+    with (
+        serving(engine, http_port=0, auth_token=TOKEN, allow_weight_updates=True) as server,
+        server.client(token=TOKEN) as client,
+    ):
+        client.sleep(1, timeout=60)
+        lifecycle = server.server.lifecycle
+        server.call(_set_state(lifecycle, State.DRAINING))
+        try:
+            for fn in (lambda: complete(client), lambda: client.sleep(2)):
+                code, message = code_of(fn)
+                assert code == grpc.StatusCode.UNAVAILABLE and "draining" in message, message
+            assert call(server, "GET", "/is_sleeping") == (200, {"is_sleeping": True})
+            assert client.is_sleeping() is True
+            client.wake_up(timeout=60)
+            assert client.is_sleeping() is False
+            assert call(server, "POST", "/wake_up") == (200, {"is_sleeping": False})
+        finally:
+            server.call(_set_state(lifecycle, State.SERVING))
+            client.wake_up(timeout=60)
