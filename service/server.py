@@ -1,4 +1,5 @@
-"""The gRPC server: jaxserve.v1.JaxServe over an AsyncEngine, with health, reflection, metrics;
+"""The gRPC server: jaxserve.v1.JaxServe over an AsyncEngine, with health, reflection, metrics
+(and jaxserve.v1.Admin, the operator's calls, with `allow_weight_updates`);
 with `http_port`, the OpenAI-compatible HTTP API (service/http/) beside it on the same loop, the
 same engine and the same lifecycle (its /health answers 503 unless SERVING; `grpc=False` serves
 HTTP alone).
@@ -55,7 +56,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from jaxserve.engine.async_engine import AsyncEngine
 from service import validation
 from service.auth import BearerTokenInterceptor
-from service.grpc.servicer import SERVICE_NAME, JaxServeServicer
+from service.grpc.servicer import ADMIN_SERVICE_NAME, SERVICE_NAME, JaxServeServicer
 from service.lifecycle import Lifecycle, State
 from service.logs import configure_logging, log
 
@@ -100,9 +101,10 @@ class ServerOptions:
     clients_may_raise_priority: bool = False
     # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter on the HTTP API.
     allow_runtime_lora: bool = False
-    # The operator's routes on the HTTP API (service/http/admin.py): new weights from a folder,
-    # sleep and wake-up, for an RL trainer in another process. Needs auth_token unless the
-    # server listens on the loopback only.
+    # The operator's calls (service/admin.py): new weights from a folder, sleep and wake-up,
+    # for an RL trainer in another process; on gRPC as jaxserve.v1.Admin, on the HTTP API (with
+    # http_port) as sglang's and vLLM's routes. Needs auth_token unless the server listens on
+    # the loopback only.
     allow_weight_updates: bool = False
     # A Jinja chat template the HTTP API renders chat with, in place of the model's own (the
     # embedded model has none); None: the model's.
@@ -133,8 +135,6 @@ class ServerOptions:
                 "reaches the port could replace the served weights. Set one (--auth-token-file "
                 "or $JAXSERVE_AUTH_TOKEN) or listen on 127.0.0.1."
             )
-        if self.allow_weight_updates and self.http_port is None:
-            raise ValueError("allow_weight_updates needs an http_port: its routes are HTTP.")
         if self.grace_s < 0:
             raise ValueError(f"grace_s={self.grace_s} must be >= 0.")
         if not 1024 <= self.max_message_bytes <= _MAX_MESSAGE_BYTES:
@@ -234,9 +234,13 @@ class JaxServeServer:
             ],
         )
         server.add_generic_rpc_handlers((self.servicer.generic_handler(),))
+        services = [SERVICE_NAME]
+        if opts.allow_weight_updates:  # otherwise its calls are UNIMPLEMENTED: it is not there
+            server.add_generic_rpc_handlers((self.servicer.admin_handler(),))
+            services.append(ADMIN_SERVICE_NAME)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            (*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
         address = f"{opts.host}:{opts.port}"
         if opts.grpc:

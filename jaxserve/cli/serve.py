@@ -74,9 +74,10 @@ def register(sub) -> None:
     srv.add_argument(
         "--allow-weight-updates",
         action="store_true",
-        help="serve the operator's routes on the HTTP API, for an RL trainer (docs/rl.md): POST "
-        "/update_weights_from_disk {model_path} (sglang's), POST /sleep?level=1|2, POST /wake_up, "
-        "GET /is_sleeping (vLLM's); needs a bearer token unless --host is the loopback",
+        help="serve the operator's calls, for an RL trainer (docs/rl.md): on gRPC the "
+        "jaxserve.v1.Admin service; on the HTTP API POST /update_weights_from_disk {model_path} "
+        "(sglang's), POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping (vLLM's); needs a "
+        "bearer token unless --host is the loopback",
     )
     srv.add_argument(
         "--stay-up-on-engine-failure",

@@ -6,6 +6,8 @@
 
 `generate()` returns the gRPC call itself: iterate it for responses, `cancel()` it to abort the
 request on the server. Errors raise `grpc.RpcError` with the server's status code and message.
+`update_weights_from_disk()`, `sleep()`, `wake_up()` and `is_sleeping()` are jaxserve.v1.Admin's
+calls (a server with --allow-weight-updates; otherwise UNIMPLEMENTED), for an RL trainer.
 Needs grpcio and protobuf only (no JAX), so it runs anywhere.
 """
 
@@ -104,6 +106,7 @@ class JaxServeClient:
             self.channel = grpc.insecure_channel(target, options=list(options))
         self._metadata = metadata(token)
         self.stub = pb_grpc.JaxServeStub(self.channel)
+        self.admin = pb_grpc.AdminStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def generate(
@@ -126,6 +129,27 @@ class JaxServeClient:
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         request = pb.GetModelInfoRequest()
         return self.stub.GetModelInfo(request, timeout=timeout, metadata=self._metadata)
+
+    # ---- jaxserve.v1.Admin (docs/rl.md) ----------------------------------------------------
+
+    def update_weights_from_disk(
+        self, model_path: str, *, load_format: str = "", timeout: float | None = None
+    ) -> pb.UpdateWeightsFromDiskResponse:
+        """Serves the weights of a checkpoint folder on the server from the next step on."""
+        request = pb.UpdateWeightsFromDiskRequest(model_path=model_path, load_format=load_format)
+        return self.admin.UpdateWeightsFromDisk(request, timeout=timeout, metadata=self._metadata)
+
+    def sleep(self, level: int | None = None, *, timeout: float | None = None) -> pb.SleepResponse:
+        """Drains, then frees the KV pool (level 2: the weights too); None: the server's 1."""
+        request = pb.SleepRequest() if level is None else pb.SleepRequest(level=level)
+        return self.admin.Sleep(request, timeout=timeout, metadata=self._metadata)
+
+    def wake_up(self, *, timeout: float | None = None) -> None:
+        self.admin.WakeUp(pb.WakeUpRequest(), timeout=timeout, metadata=self._metadata)
+
+    def is_sleeping(self, *, timeout: float | None = None) -> bool:
+        request = pb.IsSleepingRequest()
+        return self.admin.IsSleeping(request, timeout=timeout, metadata=self._metadata).is_sleeping
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The health service's status name: SERVING, NOT_SERVING, ..."""

@@ -1,5 +1,6 @@
-"""The jaxserve.v1.JaxServe calls: status codes, call logs and metrics; admission by the server's
-state (service/lifecycle.py).
+"""The jaxserve.v1.JaxServe calls, and jaxserve.v1.Admin's (the operator's: service/admin.py,
+only with --allow-weight-updates): status codes, call logs and metrics; admission by the
+server's state (service/lifecycle.py).
 
 Runs on the server's event loop (see service/server.py for the concurrency). Each call is
 checked here, its text tokenized on a small thread pool (never on the loop), then it streams
@@ -10,7 +11,8 @@ Status codes: INVALID_ARGUMENT for a request that cannot run as sent (convert.In
 the engine's RequestRejected, a message beyond --max-message-bytes, a text longer than the
 context can hold); RESOURCE_EXHAUSTED when the waiting queue is full, or when the engine refused
 the request under load (--shed-late: its predicted TTFT, shown, misses the target); UNAVAILABLE
-while warming up or draining; INTERNAL once the engine has failed. Every message names the
+while warming up or draining, and for a generation while the engine sleeps (Admin.Sleep, until
+Admin.WakeUp); INTERNAL once the engine has failed. Every message names the
 field and the value at fault; a negative priority is refused unless the server lets clients
 raise theirs (--clients-may-raise-priority). A request the engine fails alone (finish reason
 `error`: its output could not be processed) is not a failed call: its last response says
@@ -34,7 +36,7 @@ from jaxserve.engine import beam_search
 from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.engine.core import EngineAsleep
 from jaxserve.scheduling.scheduler import QueueFull
-from service import validation
+from service import admin, validation
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
 from service.grpc import convert
 from service.lifecycle import Lifecycle, Refused
@@ -43,6 +45,8 @@ from service.logs import log
 logger = logging.getLogger("jaxserve.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["JaxServe"].full_name
+# The operator's calls (service/admin.py), served only with --allow-weight-updates.
+ADMIN_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
 @dataclasses.dataclass
@@ -125,13 +129,51 @@ class JaxServeServicer:
             },
         )
 
-    def _rpc(self, method: str, body):
+    def admin_handler(self) -> grpc.GenericRpcHandler:
+        """jaxserve.v1.Admin (the server adds it only with --allow-weight-updates): each call
+        one function of service/admin.py, as the HTTP API's routes (http/admin.py). WakeUp and
+        IsSleeping are not admitted by the state, as over HTTP: a draining server still
+        answers them."""
+        max_bytes = self.max_message_bytes
+
+        def unary(name, body, request_cls, response_cls, admit=True):
+            return grpc.unary_unary_rpc_method_handler(
+                self._rpc(name, body, admit=admit),
+                convert.lenient(request_cls, max_bytes),
+                response_cls.SerializeToString,
+            )
+
+        return grpc.method_handlers_generic_handler(
+            ADMIN_SERVICE_NAME,
+            {
+                "UpdateWeightsFromDisk": unary(
+                    "UpdateWeightsFromDisk",
+                    self._update_weights,
+                    pb.UpdateWeightsFromDiskRequest,
+                    pb.UpdateWeightsFromDiskResponse,
+                ),
+                "Sleep": unary("Sleep", self._sleep, pb.SleepRequest, pb.SleepResponse),
+                "WakeUp": unary(
+                    "WakeUp", self._wake_up, pb.WakeUpRequest, pb.WakeUpResponse, admit=False
+                ),
+                "IsSleeping": unary(
+                    "IsSleeping",
+                    self._is_sleeping,
+                    pb.IsSleepingRequest,
+                    pb.IsSleepingResponse,
+                    admit=False,
+                ),
+            },
+        )
+
+    def _rpc(self, method: str, body, admit: bool = True):
         """Wraps a call's body: admission, in-flight count, status code, log line, metrics."""
 
         async def handler(request, context: grpc.aio.ServicerContext):
             call = _Call(method, context.peer())
             try:
-                self.lifecycle.admit()
+                if admit:
+                    self.lifecycle.admit()
                 if isinstance(request, convert.MalformedRequest):
                     raise convert.InvalidRequest(request.message)
                 with self.lifecycle.in_flight():
@@ -169,7 +211,7 @@ class JaxServeServicer:
     async def _status_of(self, e: Exception) -> tuple[grpc.StatusCode, str]:
         if isinstance(e, Refused):
             return e.code, str(e)
-        if isinstance(e, EngineAsleep):  # POST /sleep on the HTTP API, until /wake_up
+        if isinstance(e, EngineAsleep):  # Admin.Sleep (HTTP POST /sleep), until WakeUp
             return grpc.StatusCode.UNAVAILABLE, str(e)
         if isinstance(e, QueueFull):
             return (
@@ -246,6 +288,32 @@ class JaxServeServicer:
     async def _model_info(self, request, context, call: _Call) -> pb.ModelInfo:
         info = self.lifecycle.engine.info
         return convert.model_info(info, self.model_names(info))
+
+    # ---- the operator's calls (jaxserve.v1.Admin) -----------------------------------------
+
+    async def _update_weights(self, request, context, call: _Call):
+        done = await admin.update_weights_from_disk(
+            self.lifecycle, request.model_path, request.load_format, call.fields
+        )
+        return pb.UpdateWeightsFromDiskResponse(
+            success=True,
+            message=done.message,
+            weights_version=done.weights_version,
+            seconds=done.seconds,
+        )
+
+    async def _sleep(self, request, context, call: _Call) -> pb.SleepResponse:
+        level = admin.check_sleep_level(request.level if request.HasField("level") else 1)
+        call.fields.update(sleep_level=level)
+        freed = await admin.sleep(self.lifecycle, level)
+        return pb.SleepResponse(is_sleeping=True, level=level, freed_bytes=freed)
+
+    async def _wake_up(self, request, context, call: _Call) -> pb.WakeUpResponse:
+        await admin.wake_up(self.lifecycle)
+        return pb.WakeUpResponse(is_sleeping=False)
+
+    async def _is_sleeping(self, request, context, call: _Call) -> pb.IsSleepingResponse:
+        return pb.IsSleepingResponse(is_sleeping=admin.is_sleeping(self.lifecycle))
 
 
 def _raise_if_refused(out) -> None:

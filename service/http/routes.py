@@ -119,7 +119,7 @@ class OpenAIFrontEnd:
             app.post("/v1/load_lora_adapter")(self._route("load_lora", load, admit=False))
             app.post("/v1/unload_lora_adapter")(self._route("unload_lora", unload, admit=False))
         if allow_weight_updates:  # otherwise 404: the routes do not exist
-            admin = AdminRoutes(lifecycle, self.serving, logger)
+            admin = AdminRoutes(lifecycle, self.serving)
             app.post("/update_weights_from_disk")(
                 self._route("update_weights", admin.update_weights)
             )

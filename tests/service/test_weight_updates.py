@@ -53,15 +53,20 @@ def new_folder(tmp_path_factory):
     return write_perturbed(tmp_path_factory.mktemp("weights") / "new", seed=1)
 
 
-@pytest.fixture(scope="module")
-def expected(new_folder) -> str:
-    """The greedy text of a fresh engine loaded from the new folder."""
+def fresh_greedy_text(folder) -> str:
+    """The greedy text of PROMPT from a fresh engine loaded from `folder`."""
     fresh = LLM(
         engine=Engine(
-            EngineConfig(**SMALL, show_progress=False), model=checkpoints.load_model(new_folder)
+            EngineConfig(**SMALL, show_progress=False), model=checkpoints.load_model(folder)
         )
     )
     return fresh.generate([PROMPT], GREEDY)[0].text
+
+
+@pytest.fixture(scope="module")
+def expected(new_folder) -> str:
+    """The greedy text of a fresh engine loaded from the new folder."""
+    return fresh_greedy_text(new_folder)
 
 
 def call(server, method: str, path: str, body: dict | None = None, token: str | None = TOKEN):

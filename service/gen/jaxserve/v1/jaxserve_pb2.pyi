@@ -240,3 +240,59 @@ class EngineLimits(_message.Message):
     max_logprobs: int
     policy: str
     def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., num_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_chars: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsFromDiskRequest(_message.Message):
+    __slots__ = ("model_path", "load_format")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    load_format: str
+    def __init__(self, model_path: _Optional[str] = ..., load_format: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsFromDiskResponse(_message.Message):
+    __slots__ = ("success", "message", "weights_version", "seconds")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    weights_version: int
+    seconds: float
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., weights_version: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level",)
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    def __init__(self, level: _Optional[int] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ("is_sleeping", "level", "freed_bytes")
+    IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    is_sleeping: bool
+    level: int
+    freed_bytes: int
+    def __init__(self, is_sleeping: _Optional[bool] = ..., level: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WakeUpResponse(_message.Message):
+    __slots__ = ("is_sleeping",)
+    IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    is_sleeping: bool
+    def __init__(self, is_sleeping: _Optional[bool] = ...) -> None: ...
+
+class IsSleepingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsSleepingResponse(_message.Message):
+    __slots__ = ("is_sleeping",)
+    IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    is_sleeping: bool
+    def __init__(self, is_sleeping: _Optional[bool] = ...) -> None: ...

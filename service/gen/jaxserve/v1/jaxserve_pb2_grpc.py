@@ -230,3 +230,230 @@ class JaxServe:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """The operator's calls, for an RL trainer in another process (docs/rl.md): the same as the HTTP
+    API's POST /update_weights_from_disk, /sleep, /wake_up and GET /is_sleeping, with the same
+    checks and messages. Served only with `jaxserve serve --allow-weight-updates` (otherwise every
+    call is UNIMPLEMENTED), and behind the bearer token like every call; the flag is refused
+    without a token unless the server listens on the loopback only. While the engine sleeps,
+    JaxServe's Generate and GenerateUnary answer UNAVAILABLE until WakeUp.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.UpdateWeightsFromDisk = channel.unary_unary(
+                '/jaxserve.v1.Admin/UpdateWeightsFromDisk',
+                request_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
+                response_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.UpdateWeightsFromDiskResponse.FromString,
+                _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/jaxserve.v1.Admin/Sleep',
+                request_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.SleepRequest.SerializeToString,
+                response_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/jaxserve.v1.Admin/WakeUp',
+                request_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/jaxserve.v1.Admin/IsSleeping',
+                request_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.IsSleepingRequest.SerializeToString,
+                response_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.IsSleepingResponse.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """The operator's calls, for an RL trainer in another process (docs/rl.md): the same as the HTTP
+    API's POST /update_weights_from_disk, /sleep, /wake_up and GET /is_sleeping, with the same
+    checks and messages. Served only with `jaxserve serve --allow-weight-updates` (otherwise every
+    call is UNIMPLEMENTED), and behind the bearer token like every call; the flag is refused
+    without a token unless the server listens on the loopback only. While the engine sleeps,
+    JaxServe's Generate and GenerateUnary answer UNAVAILABLE until WakeUp.
+    """
+
+    def UpdateWeightsFromDisk(self, request, context):
+        """Serves the weights of a checkpoint folder on the server (Hugging Face safetensors or orbax,
+        of the served model) from the next step on, with no compile. Requests sent before finish on
+        the old weights, those sent after wait for the new; the prefix cache is dropped. A folder
+        that is missing, unreadable, of another model or of other shapes is INVALID_ARGUMENT naming
+        the path and the reason, and nothing changes; UNAVAILABLE while asleep at level 2.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sleep(self, request, context):
+        """Drains, then frees the KV pool (level 2: the weights too, kept in host memory).
+        INVALID_ARGUMENT for another level, or when asleep already.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Allocates what Sleep freed again, with no compile; nothing to do when awake.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'UpdateWeightsFromDisk': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromDisk,
+                    request_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.UpdateWeightsFromDiskRequest.FromString,
+                    response_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.UpdateWeightsFromDiskResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.SleepRequest.FromString,
+                    response_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.WakeUpRequest.FromString,
+                    response_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=jaxserve_dot_v1_dot_jaxserve__pb2.IsSleepingRequest.FromString,
+                    response_serializer=jaxserve_dot_v1_dot_jaxserve__pb2.IsSleepingResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'jaxserve.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('jaxserve.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """The operator's calls, for an RL trainer in another process (docs/rl.md): the same as the HTTP
+    API's POST /update_weights_from_disk, /sleep, /wake_up and GET /is_sleeping, with the same
+    checks and messages. Served only with `jaxserve serve --allow-weight-updates` (otherwise every
+    call is UNIMPLEMENTED), and behind the bearer token like every call; the flag is refused
+    without a token unless the server listens on the loopback only. While the engine sleeps,
+    JaxServe's Generate and GenerateUnary answer UNAVAILABLE until WakeUp.
+    """
+
+    @staticmethod
+    def UpdateWeightsFromDisk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.Admin/UpdateWeightsFromDisk',
+            jaxserve_dot_v1_dot_jaxserve__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
+            jaxserve_dot_v1_dot_jaxserve__pb2.UpdateWeightsFromDiskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.Admin/Sleep',
+            jaxserve_dot_v1_dot_jaxserve__pb2.SleepRequest.SerializeToString,
+            jaxserve_dot_v1_dot_jaxserve__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.Admin/WakeUp',
+            jaxserve_dot_v1_dot_jaxserve__pb2.WakeUpRequest.SerializeToString,
+            jaxserve_dot_v1_dot_jaxserve__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.Admin/IsSleeping',
+            jaxserve_dot_v1_dot_jaxserve__pb2.IsSleepingRequest.SerializeToString,
+            jaxserve_dot_v1_dot_jaxserve__pb2.IsSleepingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
