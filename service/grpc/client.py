@@ -37,6 +37,7 @@ _SCALARS = (
     "min_tokens",
     "beam_width",
     "length_penalty",
+    "logprobs_mode",
 )
 
 

@@ -59,6 +59,7 @@ _SAMPLING_OPTIONALS = (
     "min_tokens",
     "beam_width",
     "length_penalty",
+    "logprobs_mode",
 )
 
 

@@ -169,6 +169,27 @@ def test_processed_logprobs_are_over_the_top_k_after_the_temperature(served, cli
             assert p[token] == pytest.approx(value / 0.7 - norm, abs=1e-4)
 
 
+def test_processed_logprobs_over_grpc_too(served):
+    server, _ = served
+    asked = dict(max_tokens=4, temperature=0.7, top_k=3, seed=5, logprobs=3)
+    with server.client() as grpc_client:
+        raw, processed = (
+            grpc_client.generate_unary(PROMPT, **asked, **extra).logprobs
+            for extra in ({}, {"logprobs_mode": "processed"})
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            grpc_client.generate_unary(PROMPT, logprobs_mode="logits")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "logprobs_mode='logits'" in err.value.details()
+    assert [e.token_id for e in raw] == [e.token_id for e in processed]
+    for r, p in zip(raw, processed, strict=True):
+        norm = math.log(sum(math.exp(t.logprob / 0.7) for t in r.top))
+        assert [t.token_id for t in p.top] == [t.token_id for t in r.top]
+        for rt, pt in zip(r.top, p.top, strict=True):
+            assert pt.logprob == pytest.approx(rt.logprob / 0.7 - norm, abs=1e-4)
+        assert p.logprob == pytest.approx(r.logprob / 0.7 - norm, abs=1e-4)
+
+
 def test_n_samples_each_equal_their_single_runs_with_seed_plus_i(served, client):
     _, expected = served
     got = client.completions.create(model="any", prompt=PROMPT, n=3, **SEEDED)
