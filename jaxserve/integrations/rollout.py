@@ -133,8 +133,9 @@ def grpo(
     steps: int = 8,
     group: int = 8,
     max_tokens: int = 8,
-    learning_rate: float = 1e-2,
+    learning_rate: float = 2e-2,
     seed: int = 0,
+    on_step=None,
 ) -> list[float]:
     """A toy GRPO loop through Tunix's rollout interface (`rollout`: a JaxserveRollout, or any
     object with Tunix's BaseRollout methods over a jaxserve model): each step samples a group
@@ -142,7 +143,7 @@ def grpo(
     normalises the rewards within the group (GRPO's advantages), takes the old policy's
     logprobs from `get_per_token_logps`, one Adam step on the ratio-weighted loss of the
     trainer's own forward, and hands the weights back with `update_params`. Returns each
-    step's mean reward."""
+    step's mean reward; `on_step(step, mean_reward)`, if given, hears of each as it is had."""
     import optax
 
     from jaxserve.integrations.tunix import RolloutConfig
@@ -159,6 +160,8 @@ def grpo(
         out = rollout.generate([prompt] * group, config)
         r = np.array([reward_fn(t.tolist()) for t in out.tokens], np.float32)
         rewards.append(float(r.mean()))
+        if on_step is not None:
+            on_step(step, rewards[-1])
         adv = (r - r.mean()) / (r.std() + 1e-6)
         prompt_ids = out.left_padded_prompt_tokens
         width = max(max(len(t) for t in out.tokens), 1)
@@ -187,3 +190,45 @@ def grpo(
         params = optax.apply_updates(params, updates)
         rollout.update_params(params)
     return rewards
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m jaxserve.integrations.rollout`: the toy GRPO loop on the embedded model, on
+    the CPU, through JaxserveRollout; prints each step's mean reward (the share of even token
+    ids in the rollouts) as it goes."""
+    import argparse
+    import time
+
+    from jaxserve.engine.llm import LLM
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.integrations.tunix import HAVE_TUNIX, JaxserveRollout
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--prompt", default="Once upon a time")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    config = EngineConfig(
+        max_num_seqs=16, max_num_batched_tokens=64, min_token_bucket=16, show_progress=False
+    )
+    rollout = JaxserveRollout(LLM(config))
+    print(f"engine ready in {time.monotonic() - start:.1f} s (tunix installed: {HAVE_TUNIX})")
+
+    def even_share(ids: list[int]) -> float:
+        return float(np.mean([t % 2 == 0 for t in ids])) if ids else 0.0
+
+    start = time.monotonic()
+    grpo(
+        rollout,
+        args.prompt,
+        even_share,
+        steps=args.steps,
+        group=args.group,
+        on_step=lambda step, reward: print(f"step {step}: mean reward {reward:.3f}", flush=True),
+    )
+    print(f"{args.steps} GRPO steps in {time.monotonic() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -135,6 +135,7 @@ def test_a_toy_grpo_loop_through_the_adapter_raises_its_reward(rollout):
     import jax
 
     before = jax.device_get(rollout.llm.engine.runner.params)
+    heard = []
     try:
         rewards = grpo(
             rollout,
@@ -144,10 +145,12 @@ def test_a_toy_grpo_loop_through_the_adapter_raises_its_reward(rollout):
             group=8,
             max_tokens=8,
             learning_rate=2e-2,
+            on_step=lambda step, reward: heard.append((step, reward)),
         )
     finally:
         rollout.update_params(before)
     assert np.mean(rewards[-2:]) > rewards[0] + 0.2, rewards
+    assert heard == list(enumerate(rewards))
 
 
 @pytest.mark.skipif(not adapter.HAVE_TUNIX, reason="Tunix (the `tunix` extra) is not installed")
