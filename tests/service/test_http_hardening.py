@@ -489,7 +489,16 @@ def _stream_lines(port: int, body: dict):
     return conn, response
 
 
-def test_calls_cut_by_the_end_of_a_drain_get_503_and_streams_an_error_event(engine):
+def test_calls_cut_by_the_end_of_a_drain_get_503_and_streams_an_error_event(engine, monkeypatch):
+    # Each step slowed by 10 ms, so the held streams' 240 tokens (>= 2.4 s) outlast the 0.3 s
+    # grace on any CPU: unslowed, a fast machine finished them first and nothing was cut.
+    real_step = engine.step_updates
+
+    def slow_step():
+        time.sleep(0.01)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step_updates", slow_step)
     with serving(engine, http_port=0) as server:
         port = server.server.http_port
         async_engine = server.server.engine
