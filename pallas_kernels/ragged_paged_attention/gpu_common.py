@@ -19,9 +19,8 @@ model reaches both kernels:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +149,74 @@ def cost_estimate(
     )
 
 
+class ScalarRefs(NamedTuple):
+    """The i32 refs every program reads (`Call.scalar_operands`), by name inside a kernel."""
+
+    layer: Any  # i32[1]
+    query_start: Any  # i32[S + 1]
+    kv_lens: Any  # i32[S]
+    page_tables: Any  # i32[S, P]
+    item_seq: Any  # i32[W] sequence of each work item
+    item_start: Any  # i32[W] first token of each work item; -1: an unused slot
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """The static shape one program of either kernel works to (from its LaunchShape)."""
+
+    sm_scale: float
+    sliding_window: int | None
+    group: int  # query heads per KV head
+    block_tokens: int  # query tokens per work item
+    rows: int  # query rows a program stores
+    pages_per_block: int  # pages per key block
+    page_size: int
+    num_splits: int  # key splits
+
+    @classmethod
+    def of(cls, call: Call, shape: LaunchShape) -> Program:
+        """The programs of `call` launched as `shape`."""
+        page_size = call.bucket.page_size
+        return cls(
+            sm_scale=call.sm_scale,
+            sliding_window=call.sliding_window,
+            group=call.bucket.group,
+            block_tokens=shape.block_tokens,
+            rows=shape.rows,
+            pages_per_block=shape.block_kv // page_size,
+            page_size=page_size,
+            num_splits=shape.splits,
+        )
+
+    @property
+    def block_kv(self) -> int:
+        """Keys per key block."""
+        return self.pages_per_block * self.page_size
+
+    def on_used_item(self, refs: ScalarRefs, item, split) -> Callable:
+        """Decorates a program's body, `body(s, t_lo, span)`, to run only for a used work item
+        (sequence `s`, first token `t_lo`, its key span for this `split`); unused slots exit."""
+        s, t_lo = refs.item_seq[item], refs.item_start[item]
+
+        def decorate(body: Callable) -> None:
+            pl.when(t_lo >= 0)(lambda: body(s, t_lo, self.span(refs, s, t_lo, split)))
+
+        return decorate
+
+    def span(self, refs: ScalarRefs, s, t_lo, split) -> common.ItemSpan:
+        """Work item (sequence `s`, first token `t_lo`)'s key range and this split's blocks."""
+        return common.item_span(
+            t_lo,
+            refs.query_start[s + 1],
+            refs.kv_lens[s],
+            split,
+            block_tokens=self.block_tokens,
+            block_kv=self.block_kv,
+            num_splits=self.num_splits,
+            sliding_window=self.sliding_window,
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One checked call of a GPU kernel: its arrays, its bucket and its static options."""
@@ -189,6 +256,17 @@ class Call:
         return common.real_rows(self.query_start, self.num_seqs, self.bucket.num_tokens)
 
 
+# The options each entry point takes as static (hashable) arguments.
+_STATIC_OPTIONS = (
+    "sm_scale",
+    "num_kv_heads",
+    "sliding_window",
+    "block_sizes",
+    "compute_capability",
+    "interpret",
+)
+
+
 def entry_point(launch: Callable[[Call], jax.Array]) -> Callable[..., jax.Array]:
     """`launch` (one kernel's launch of a checked Call) behind the reference's signature, jitted.
 
@@ -198,18 +276,6 @@ def entry_point(launch: Callable[[Call], jax.Array]) -> Callable[..., jax.Array]
     `interpret` (run on the CPU in the kernel's interpret mode, for tests).
     """
 
-    @functools.partial(
-        jax.jit,
-        static_argnames=(
-            "sm_scale",
-            "num_kv_heads",
-            "sliding_window",
-            "block_sizes",
-            "compute_capability",
-            "interpret",
-        ),
-    )
-    @functools.wraps(launch)
     def attention(
         q: jax.Array,  # [T, num_heads, head_dim]
         kv_pool: jax.Array,  # [num_layers, num_pages, page_size, lanes] (common.fuse_kv)
@@ -258,4 +324,7 @@ def entry_point(launch: Callable[[Call], jax.Array]) -> Callable[..., jax.Array]
         )
         return launch(call)
 
-    return attention
+    # The launch's docstring, not functools.wraps: jit would read the launch's signature.
+    attention.__doc__ = launch.__doc__
+    attention.__module__ = launch.__module__
+    return jax.jit(attention, static_argnames=_STATIC_OPTIONS)

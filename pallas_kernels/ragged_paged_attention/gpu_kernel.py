@@ -225,42 +225,22 @@ def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
 
 
 def _kernel(
-    layer_ref,  # i32[1]
-    query_start_ref,  # i32[S + 1]
-    kv_lens_ref,  # i32[S]
-    page_tables_ref,  # i32[S, P]
-    item_seq_ref,  # i32[W] sequence of each work item
-    item_start_ref,  # i32[W] first token of each work item; -1: an unused slot
-    q_ref,  # [num_kv_heads, padded_tokens * group, D] grouped queries
-    kv_ref,  # [num_layers, num_pages, page_size, lanes]: keys and values (common.fuse_kv)
-    o_ref,  # one split: [num_kv_heads, padded_tokens * group, D]; else f32[splits, ...same]
-    *stat_refs,  # splits > 1 only: max and sum, f32[splits, num_kv_heads, padded_tokens * group]
-    sm_scale: float,
-    sliding_window: int | None,
-    group: int,
-    block_tokens: int,
-    rows: int,
-    pages_per_block: int,
-    num_splits: int,
+    *refs,  # ScalarRefs, then q, kv, the output and (splits > 1) the max and sum outputs
+    program: gpu_common.Program,
 ):
+    # q: [num_kv_heads, padded_tokens * group, D] grouped queries; kv: [num_layers, num_pages,
+    # page_size, lanes] (common.fuse_kv); o: one split [num_kv_heads, padded_tokens * group, D],
+    # else f32[splits, ...same]; max and sum: f32[splits, num_kv_heads, padded_tokens * group].
+    scalars = gpu_common.ScalarRefs(*refs[:6])
+    q_ref, kv_ref, o_ref, *stat_refs = refs[6:]
+    sm_scale, sliding_window, group = program.sm_scale, program.sliding_window, program.group
+    rows, pages_per_block, num_splits = program.rows, program.pages_per_block, program.num_splits
     item, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    page_size, head_dim = kv_ref.shape[2], q_ref.shape[2]
-    pages_per_seq = page_tables_ref.shape[1]
-    block_kv = pages_per_block * page_size
-    s, t_lo = item_seq_ref[item], item_start_ref[item]
+    head_dim, pages_per_seq = q_ref.shape[2], scalars.page_tables.shape[1]
+    page_size, block_kv = program.page_size, program.block_kv
 
-    @pl.when(t_lo >= 0)
-    def _():
-        span = common.item_span(
-            t_lo,
-            query_start_ref[s + 1],
-            kv_lens_ref[s],
-            split,
-            block_tokens=block_tokens,
-            block_kv=block_kv,
-            num_splits=num_splits,
-            sliding_window=sliding_window,
-        )
+    @program.on_used_item(scalars, item, split)
+    def _(s, t_lo, span):
         t_hi, pos_offset, kv_start, kv_end = span.t_hi, span.pos_offset, span.kv_start, span.kv_end
         j_lo, j_hi = span.block_lo, span.block_hi
 
@@ -268,13 +248,13 @@ def _kernel(
         row_ok = r < (t_hi - t_lo) * group
         row_slice = pl.ds(t_lo * group, rows)
         q = plgpu.load(q_ref.at[h, row_slice, :], mask=row_ok[:, None], other=0)
-        layer = layer_ref[0]
+        layer = scalars.layer[0]
 
         def body(j, carry):
             acc, m_prev, l_prev = carry
             c = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # key positions
             slots = j * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
-            pages = page_tables_ref[s, jnp.minimum(slots, pages_per_seq - 1)]
+            pages = scalars.page_tables[s, jnp.minimum(slots, pages_per_seq - 1)]
             # Read only the keys some row may see: others may be unwritten (or NaN in tests).
             visible = ((c >= kv_start) & (c < kv_end)).reshape(pages_per_block, page_size, 1)
             # Whole index arrays rather than slices: interpret mode cannot mix the two in a load.
@@ -350,16 +330,8 @@ def _launch(call: gpu_common.Call) -> jax.Array:  # [T, num_heads, head_dim], q.
             jax.ShapeDtypeStruct((splits, *grouped_shape[:2]), jnp.float32),
             jax.ShapeDtypeStruct((splits, *grouped_shape[:2]), jnp.float32),
         ]
-    kernel = functools.partial(
-        _kernel,
-        sm_scale=call.sm_scale,
-        sliding_window=call.sliding_window,
-        group=group,
-        block_tokens=block_tokens,
-        rows=rows,
-        pages_per_block=shape.block_kv // bucket.page_size,
-        num_splits=splits,
-    )
+    program = gpu_common.Program.of(call, shape)
+    kernel = functools.partial(_kernel, program=program)
     outs = pl.pallas_call(
         kernel,
         grid=(shape.num_items, bucket.num_kv_heads, splits),

@@ -30,7 +30,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels import gpu_targets
-from pallas_kernels.ragged_paged_attention import gpu_kernel, mosaic_gpu_kernel, tuning
+from pallas_kernels.ragged_paged_attention import gpu_common, gpu_kernel, mosaic_gpu_kernel, tuning
 from pallas_kernels.ragged_paged_attention.kernel_choice import (
     MOSAIC_GPU,
     TRITON,
@@ -224,20 +224,22 @@ def test_triton_smem_model_bounds_what_triton_asks_for():
     sharding = NamedSharding(Mesh(np.array(topology.devices), ("x",)), PartitionSpec())
     for shape, sizes in SMEM_CALIBRATION:
         launch = gpu_kernel.launch_shape(
-            shape.num_tokens,
-            shape.num_slots,
-            NUM_KV_HEADS,
-            shape.group,
-            shape.pages_per_seq,
-            shape.page_size,
-            shape.head_dim,
-            shape.dtype,
+            gpu_common.Bucket(
+                shape.num_tokens,
+                shape.num_slots,
+                NUM_KV_HEADS,
+                shape.group,
+                shape.pages_per_seq,
+                shape.page_size,
+                shape.head_dim,
+                shape.dtype,
+            ),
             sizes,
             "9.0",
         )
         bound = gpu_kernel.smem_bound(
             launch.rows,
-            launch.pages_per_block * shape.page_size,
+            launch.block_kv,
             shape.head_dim,
             shape.dtype,
             launch.stages,
