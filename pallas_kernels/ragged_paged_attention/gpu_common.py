@@ -244,8 +244,8 @@ class Call:
         kv_lens, page_tables, item_seq, item_start."""
         return (
             jnp.reshape(self.layer, (1,)).astype(jnp.int32),
-            self.kv_lens.astype(jnp.int32),
             self.query_start.astype(jnp.int32),
+            self.kv_lens.astype(jnp.int32),
             self.page_tables.astype(jnp.int32),
             item_seq,
             item_start,

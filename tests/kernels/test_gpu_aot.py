@@ -270,6 +270,19 @@ def test_cost_estimate_rides_on_the_kernel_and_bounds_the_work(kernel):
     assert estimate.bytes_accessed >= kv_bytes
 
 
+def test_mosaic_gpu_estimate_counts_whole_wgmma_tiles():
+    """The Mosaic GPU kernel's dots run 64-row wgmma tiles whatever a decode item's real rows:
+    its estimate counts 64 rows per (program, key block), not the stored rows."""
+    shape = Shape(jnp.bfloat16, 64, 16, 1, 16, 16, 4)  # 16 decode tokens, group 1
+    bucket = gpu_common.Bucket(16, 16, NUM_KV_HEADS, 1, 4, 16, 64, jnp.dtype(jnp.bfloat16))
+    launch = mosaic_gpu_kernel.launch_shape(bucket, H100)
+    assert launch.rows < 64
+    estimate = _cost_estimates(jax.make_jaxpr(shape.kernel(MOSAIC_GPU))(*shape.args()).jaxpr)[0]
+    blocks = -(-4 * 16 // launch.block_kv)
+    block_steps = launch.num_items * NUM_KV_HEADS * blocks
+    assert estimate.flops == block_steps * 4 * 64 * launch.block_kv * 64
+
+
 def test_cost_estimate_with_a_window_counts_fewer_keys():
     """A sliding window bounds the keys each item reads: its estimate is smaller."""
     full = Shape(jnp.float32, 64, 16, 2, 64, 4, 128)
