@@ -43,7 +43,6 @@ runs the tests natively and times it on a GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -53,10 +52,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gpu_targets import parse_compute_capability
-from pallas_kernels.ragged_paged_attention import common, tuning
+from pallas_kernels.ragged_paged_attention import common, gpu_common, tuning
 
 # A finite "minus infinity", as in the reference (no inf - inf = NaN for rows with no keys).
-_MASKED = -1e30
+_MASKED = gpu_common.MASKED
 # The largest head_dim the tests compile (tests/kernels/test_gpu_aot.py).
 _MAX_HEAD_DIM = 256
 # Shared memory one block may opt into, by compute capability (CUDA's per-architecture limits):
@@ -71,65 +70,38 @@ _SMEM_SLACK = 1024
 _MIN_PIPELINED_BLOCK = 32
 
 
-def supports(
-    compute_capability: str | None,
-    dtype,
-    *,
-    head_dim: int,
-    page_size: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    block_sizes: tuning.GpuBlockSizes,
-    num_tokens: int | None = None,
-    num_slots: int | None = None,
-    pages_per_seq: int | None = None,
-) -> str | None:
-    """None if the kernel compiles for this shape on a GPU of `compute_capability`, else why not.
+def supports(query: gpu_common.Query) -> str | None:
+    """None if the kernel compiles for this shape on the query's GPU, else why not.
 
-    The kernel's limits in one place, for kernel_choice.py. `block_sizes` must be those the kernel
-    will be called with. With the bucket (num_tokens, num_slots, pages_per_seq) the answer is
+    The kernel's limits in one place, for kernel_choice.py. With the query's bucket the answer is
     exact; without it, it holds for every bucket (the largest query tile the row allows).
     """
-    bucket = (num_tokens, num_slots, pages_per_seq)
-    if any(x is None for x in bucket) and any(x is not None for x in bucket):
-        raise ValueError(
-            f"Give all of num_tokens, num_slots and pages_per_seq or none, got {bucket}."
-        )
+    compute_capability = query.compute_capability
     version = parse_compute_capability(compute_capability)
     if version is None or version < (8, 0):
         return (
             f"The Triton kernel needs compute capability 8.0 or later (what Pallas on Triton is "
             f"tested on), got {compute_capability!r}."
         )
-    dtype = jnp.dtype(dtype)
+    dtype = jnp.dtype(query.dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"The Triton kernel runs f32, bf16 and f16 pools, got {dtype.name}."
-    if reason := _shape_refusal(head_dim, page_size):
+    if reason := _shape_refusal(query.head_dim, query.page_size):
         return reason
-    group = num_q_heads // num_kv_heads
-    if num_tokens is not None:
+    if (bucket := query.bucket) is not None:
         try:
-            launch_shape(
-                num_tokens,
-                num_slots,
-                num_kv_heads,
-                group,
-                pages_per_seq,
-                page_size,
-                head_dim,
-                dtype,
-                block_sizes,
-                compute_capability,
-            )
+            launch_shape(bucket, query.block_sizes, compute_capability)
         except NotImplementedError as e:
             return str(e)
         return None
     # Any bucket: launch_shape shrinks to one page and one stage at worst; the query tile is at
     # most the row's q_rows (or the group, if larger).
-    rows = max(16, tuning.next_power_of_2(group), block_sizes.q_rows)
-    need = smem_bound(rows, page_size, head_dim, dtype, 1)
+    rows = max(16, tuning.next_power_of_2(query.group), query.block_sizes.q_rows)
+    need = smem_bound(rows, query.page_size, query.head_dim, dtype, 1)
     if need > (budget := smem_budget(compute_capability)):
-        return _smem_message(need, budget, rows, page_size, head_dim, dtype, compute_capability)
+        return _smem_message(
+            need, budget, rows, query.page_size, query.head_dim, dtype, compute_capability
+        )
     return None
 
 
@@ -187,30 +159,11 @@ def _target_capability() -> str:
         return "9.0"
 
 
-@dataclasses.dataclass(frozen=True)
-class LaunchShape:
-    """The static shape of one call: blocks, grid and pipeline depth, from the bucket's sizes."""
-
-    block_tokens: int  # query tokens per work item
-    rows: int  # query rows per program (block_tokens * group, a power of 2 >= 16)
-    num_items: int  # work-item slots: the grid's first axis
-    pages_per_block: int  # pages per key block
-    splits: int  # key splits ("flash decoding"): the grid's last axis
-    stages: int  # Triton's num_stages
-
-
 def launch_shape(
-    num_tokens: int,
-    num_slots: int,
-    num_kv_heads: int,
-    group: int,
-    pages_per_seq: int,
-    page_size: int,
-    head_dim: int,
-    dtype,
+    bucket: gpu_common.Bucket,
     sizes: tuning.GpuBlockSizes,
     compute_capability: str | None = None,
-) -> LaunchShape:
+) -> gpu_common.LaunchShape:
     """The launch for a bucket (all static), its SMEM within `compute_capability`'s limit.
 
     From the tuning row; where its blocks would not fit, key blocks halve (down to 32 keys), then
@@ -218,13 +171,16 @@ def launch_shape(
     that does not fit, or on shapes Triton cannot take. `compute_capability` None: the GPU Pallas
     compiles for (`_target_capability`).
     """
+    page_size, head_dim, dtype = bucket.page_size, bucket.head_dim, bucket.dtype
     if reason := _shape_refusal(head_dim, page_size):
         raise NotImplementedError(reason)
     capability = compute_capability or _target_capability()
     budget = smem_budget(capability)
-    block_tokens, rows = tuning.gpu_query_block(num_tokens, num_slots, group, sizes.q_rows)
+    block_tokens, rows = tuning.gpu_query_block(
+        bucket.num_tokens, bucket.num_slots, bucket.group, sizes.q_rows
+    )
     pages_per_block = max(1, sizes.kv_tokens // page_size)
-    pages_per_block = min(pages_per_block, tuning.next_power_of_2(pages_per_seq))
+    pages_per_block = min(pages_per_block, tuning.next_power_of_2(bucket.pages_per_seq))
     stages = sizes.num_stages
     while (need := smem_bound(rows, pages_per_block * page_size, head_dim, dtype, stages)) > budget:
         if pages_per_block > 1 and pages_per_block * page_size > _MIN_PIPELINED_BLOCK:
@@ -237,63 +193,16 @@ def launch_shape(
             raise NotImplementedError(
                 _smem_message(need, budget, rows, page_size, head_dim, dtype, capability)
             )
-    num_items = common.max_work_items(num_tokens, num_slots, block_tokens)
-    max_blocks = pl.cdiv(pages_per_seq, pages_per_block)
-    splits = common.num_kv_splits(num_items * num_kv_heads, max_blocks, sizes)
-    return LaunchShape(
+    num_items = common.max_work_items(bucket.num_tokens, bucket.num_slots, block_tokens)
+    max_blocks = pl.cdiv(bucket.pages_per_seq, pages_per_block)
+    splits = common.num_kv_splits(num_items * bucket.num_kv_heads, max_blocks, sizes)
+    return gpu_common.LaunchShape(
         block_tokens=block_tokens,
         rows=rows,
         num_items=num_items,
-        pages_per_block=pages_per_block,
+        block_kv=pages_per_block * page_size,
         splits=splits,
         stages=stages,
-    )
-
-
-def cost_estimate(
-    shape: LaunchShape,
-    *,
-    num_kv_heads: int,
-    num_slots: int,
-    pages_per_seq: int,
-    page_size: int,
-    head_dim: int,
-    dtype,
-    sliding_window: int | None,
-) -> pl.CostEstimate:
-    """An upper bound on what one call of the kernel does, from the static shapes alone.
-
-    The used work items and the key lengths are only known at run time, so every item slot counts
-    as used and as reading its sequence's whole page table of keys (or, with a sliding window,
-    the window plus the item's own tokens, one block of misalignment included). Dots count whole
-    [rows, block_kv] tiles, masked rows included; the exps count each score and each row's
-    rescale per key block; K and V count whole blocks (the masked loads read fewer). (JAX 0.10's
-    Triton lowering drops the estimate, so XLA does not see it yet; this function is also what
-    callers can read it from.)
-    """
-    size = jnp.dtype(dtype).itemsize
-    block_kv = shape.pages_per_block * page_size
-    blocks = pl.cdiv(pages_per_seq, shape.pages_per_block)  # per item, all its splits together
-    if sliding_window is not None:
-        blocks = min(blocks, pl.cdiv(sliding_window + shape.block_tokens - 1, block_kv) + 1)
-    programs = shape.num_items * num_kv_heads * shape.splits
-    block_steps = shape.num_items * num_kv_heads * blocks  # (program, key block) pairs
-    flops = block_steps * 2 * (2 * shape.rows * block_kv * head_dim)  # Q K^T and P V
-    transcendentals = block_steps * shape.rows * (block_kv + 1)
-    kv_bytes = block_steps * 2 * block_kv * head_dim * size
-    q_bytes = programs * shape.rows * head_dim * size
-    out_tile = shape.num_items * num_kv_heads * shape.rows
-    if shape.splits == 1:
-        out_bytes = out_tile * head_dim * size
-    else:  # f32 numerators, row maxes and row sums per split
-        out_bytes = shape.splits * out_tile * (head_dim + 2) * 4
-    # i32 metadata: the scalars each program reads, and the page ids of each key block.
-    meta_bytes = 4 * (2 * num_slots + 2 * shape.num_items + 2)
-    meta_bytes += 4 * block_steps * shape.pages_per_block
-    return pl.CostEstimate(
-        flops=flops,
-        transcendentals=transcendentals,
-        bytes_accessed=kv_bytes + q_bytes + out_bytes + meta_bytes,
     )
 
 
@@ -316,42 +225,22 @@ def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
 
 
 def _kernel(
-    layer_ref,  # i32[1]
-    query_start_ref,  # i32[S + 1]
-    kv_lens_ref,  # i32[S]
-    page_tables_ref,  # i32[S, P]
-    item_seq_ref,  # i32[W] sequence of each work item
-    item_start_ref,  # i32[W] first token of each work item; -1: an unused slot
-    q_ref,  # [num_kv_heads, padded_tokens * group, D] grouped queries
-    kv_ref,  # [num_layers, num_pages, page_size, lanes]: keys and values (common.fuse_kv)
-    o_ref,  # one split: [num_kv_heads, padded_tokens * group, D]; else f32[splits, ...same]
-    *stat_refs,  # splits > 1 only: max and sum, f32[splits, num_kv_heads, padded_tokens * group]
-    sm_scale: float,
-    sliding_window: int | None,
-    group: int,
-    block_tokens: int,
-    rows: int,
-    pages_per_block: int,
-    num_splits: int,
+    *refs,  # ScalarRefs, then q, kv, the output and (splits > 1) the max and sum outputs
+    program: gpu_common.Program,
 ):
+    # q: [num_kv_heads, padded_tokens * group, D] grouped queries; kv: [num_layers, num_pages,
+    # page_size, lanes] (common.fuse_kv); o: one split [num_kv_heads, padded_tokens * group, D],
+    # else f32[splits, ...same]; max and sum: f32[splits, num_kv_heads, padded_tokens * group].
+    scalars = gpu_common.ScalarRefs(*refs[:6])
+    q_ref, kv_ref, o_ref, *stat_refs = refs[6:]
+    sm_scale, sliding_window, group = program.sm_scale, program.sliding_window, program.group
+    rows, pages_per_block, num_splits = program.rows, program.pages_per_block, program.num_splits
     item, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    page_size, head_dim = kv_ref.shape[2], q_ref.shape[2]
-    pages_per_seq = page_tables_ref.shape[1]
-    block_kv = pages_per_block * page_size
-    s, t_lo = item_seq_ref[item], item_start_ref[item]
+    head_dim, pages_per_seq = q_ref.shape[2], scalars.page_tables.shape[1]
+    page_size, block_kv = program.page_size, program.block_kv
 
-    @pl.when(t_lo >= 0)
-    def _():
-        span = common.item_span(
-            t_lo,
-            query_start_ref[s + 1],
-            kv_lens_ref[s],
-            split,
-            block_tokens=block_tokens,
-            block_kv=block_kv,
-            num_splits=num_splits,
-            sliding_window=sliding_window,
-        )
+    @program.on_used_item(scalars, item, split)
+    def _(s, t_lo, span):
         t_hi, pos_offset, kv_start, kv_end = span.t_hi, span.pos_offset, span.kv_start, span.kv_end
         j_lo, j_hi = span.block_lo, span.block_hi
 
@@ -359,13 +248,13 @@ def _kernel(
         row_ok = r < (t_hi - t_lo) * group
         row_slice = pl.ds(t_lo * group, rows)
         q = plgpu.load(q_ref.at[h, row_slice, :], mask=row_ok[:, None], other=0)
-        layer = layer_ref[0]
+        layer = scalars.layer[0]
 
         def body(j, carry):
             acc, m_prev, l_prev = carry
             c = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # key positions
             slots = j * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
-            pages = page_tables_ref[s, jnp.minimum(slots, pages_per_seq - 1)]
+            pages = scalars.page_tables[s, jnp.minimum(slots, pages_per_seq - 1)]
             # Read only the keys some row may see: others may be unwritten (or NaN in tests).
             visible = ((c >= kv_start) & (c < kv_end)).reshape(pages_per_block, page_size, 1)
             # Whole index arrays rather than slices: interpret mode cannot mix the two in a load.
@@ -413,33 +302,7 @@ def _kernel(
             plgpu.store(l_ref.at[split, h, row_slice], row_sum, mask=row_ok)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "sm_scale",
-        "num_kv_heads",
-        "sliding_window",
-        "block_sizes",
-        "compute_capability",
-        "interpret",
-    ),
-)
-def ragged_paged_attention(
-    q: jax.Array,  # [T, num_heads, head_dim]
-    kv_pool: jax.Array,  # [num_layers, num_pages, page_size, lanes] (common.fuse_kv)
-    layer: jax.Array,  # i32[] which layer of the pool to read
-    query_start: jax.Array,  # i32[S + 1]
-    kv_lens: jax.Array,  # i32[S]
-    page_tables: jax.Array,  # i32[S, P]
-    num_seqs: jax.Array,  # i32[]
-    *,
-    sm_scale: float,
-    num_kv_heads: int | None = None,
-    sliding_window: int | None = None,
-    block_sizes: tuning.GpuBlockSizes | None = None,
-    compute_capability: str | None = None,
-    interpret: bool = False,
-) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
+def _launch(call: gpu_common.Call) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
     """The reference's attention as a Pallas Triton kernel (conventions in reference.py).
 
     `block_sizes` defaults to this device kind's row of `tuning.GPU_TABLE`. `compute_capability`
@@ -447,31 +310,16 @@ def ragged_paged_attention(
     kernel choice was made for (default: the GPU Pallas compiles for). `interpret=True` runs the
     kernel on the CPU, for tests.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = common.kv_heads_of(kv_pool, head_dim, num_kv_heads)
-    common.check_args(q, kv_pool, num_kv_heads, query_start, kv_lens, page_tables, sliding_window)
-    page_size = kv_pool.shape[2]
-    num_slots, pages_per_seq = page_tables.shape
-    group = num_heads // num_kv_heads
-    sizes = block_sizes or tuning.gpu_block_sizes()
-    shape = launch_shape(
-        num_tokens,
-        num_slots,
-        num_kv_heads,
-        group,
-        pages_per_seq,
-        page_size,
-        head_dim,
-        kv_pool.dtype,
-        sizes,
-        compute_capability,
-    )
-    block_tokens, rows, num_items = shape.block_tokens, shape.rows, shape.num_items
-    pages_per_block, splits = shape.pages_per_block, shape.splits
+    bucket, q = call.bucket, call.q
+    group = bucket.group
+    shape = launch_shape(bucket, call.block_sizes, call.compute_capability)
+    block_tokens, rows, splits = shape.block_tokens, shape.rows, shape.splits
     # Padded by a program's rows so the last item's [rows, D] tile stays in bounds.
-    padded_tokens = num_tokens + pl.cdiv(rows, group)
-    q_grouped = common.group_queries(q, num_kv_heads, padded_tokens)
-    item_seq, item_start = common.work_items(query_start, num_seqs, block_tokens, num_items)
+    padded_tokens = bucket.num_tokens + pl.cdiv(rows, group)
+    q_grouped = common.group_queries(q, bucket.num_kv_heads, padded_tokens)
+    item_seq, item_start = common.work_items(
+        call.query_start, call.num_seqs, block_tokens, shape.num_items
+    )
 
     grouped_shape = q_grouped.shape
     if splits == 1:
@@ -482,45 +330,22 @@ def ragged_paged_attention(
             jax.ShapeDtypeStruct((splits, *grouped_shape[:2]), jnp.float32),
             jax.ShapeDtypeStruct((splits, *grouped_shape[:2]), jnp.float32),
         ]
-    kernel = functools.partial(
-        _kernel,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        group=group,
-        block_tokens=block_tokens,
-        rows=rows,
-        pages_per_block=pages_per_block,
-        num_splits=splits,
-    )
+    program = gpu_common.Program.of(call, shape)
+    kernel = functools.partial(_kernel, program=program)
     outs = pl.pallas_call(
         kernel,
-        grid=(num_items, num_kv_heads, splits),
+        grid=(shape.num_items, bucket.num_kv_heads, splits),
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=shape.stages),
-        interpret=interpret,
-        cost_estimate=cost_estimate(
-            shape,
-            num_kv_heads=num_kv_heads,
-            num_slots=num_slots,
-            pages_per_seq=pages_per_seq,
-            page_size=page_size,
-            head_dim=head_dim,
-            dtype=kv_pool.dtype,
-            sliding_window=sliding_window,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=call.block_sizes.num_warps, num_stages=shape.stages
         ),
+        interpret=bool(call.interpret),
+        cost_estimate=gpu_common.cost_estimate(shape, bucket, call.sliding_window, rows),
         name="ragged_paged_attention_gpu",
-    )(
-        jnp.reshape(layer, (1,)).astype(jnp.int32),
-        query_start.astype(jnp.int32),
-        kv_lens.astype(jnp.int32),
-        page_tables.astype(jnp.int32),
-        item_seq,
-        item_start,
-        q_grouped,
-        kv_pool,
-    )
+    )(*call.scalar_operands(item_seq, item_start), q_grouped, call.kv_pool)
     out = outs[0] if splits == 1 else common.merge_splits(*outs).astype(q.dtype)
     # Rows of no work item (padding) were never written: zero them.
-    return common.ungroup_outputs(
-        out, num_tokens, group, common.real_rows(query_start, num_seqs, num_tokens)
-    )
+    return common.ungroup_outputs(out, bucket.num_tokens, group, call.real_rows())
+
+
+ragged_paged_attention = gpu_common.entry_point(_launch)

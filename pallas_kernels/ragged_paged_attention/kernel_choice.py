@@ -1,9 +1,10 @@
 """Which GPU attention kernel serves a shape: Mosaic GPU, Triton, or none (XLA's attention).
 
-Each kernel states its own limits in a `supports(...)` function (None, or the reason it refuses);
-this module only asks them, in order of preference, so a limit is written once, next to the code
-that has it. The choice is a pure function of the target and the shape: the compute capability
-is an argument, never read from a device, because a program compiled ahead of time for a GPU
+Each kernel states its own limits in a `supports(query)` function (None, or the reason it
+refuses; the query is a gpu_common.Query built here once); this module only asks them, in
+order of preference, so a limit is written once, next to the code that has it. The choice is a
+pure function of the target and the shape: the compute capability is an argument, never read
+from a device, because a program compiled ahead of time for a GPU
 (pallas_kernels.gpu_targets) is traced on a machine whose devices are not that GPU.
 
 Preference: Mosaic GPU where it runs (Hopper, 16-bit pools: TMA copies and wgmma), then Triton
@@ -13,7 +14,7 @@ every shape.
 
 from __future__ import annotations
 
-from pallas_kernels.ragged_paged_attention import tuning
+from pallas_kernels.ragged_paged_attention import gpu_common, tuning
 
 MOSAIC_GPU = "mosaic_gpu"
 TRITON = "triton"
@@ -37,12 +38,9 @@ def gpu_kernel_refusals(
     # Imported here: a CPU-only process that never asks loads neither Pallas GPU backend.
     from pallas_kernels.ragged_paged_attention import gpu_kernel, mosaic_gpu_kernel
 
-    if num_q_heads < 1 or num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"num_q_heads={num_q_heads} must be a positive multiple of "
-            f"num_kv_heads={num_kv_heads} (GQA groups)."
-        )
-    shape = dict(
+    query = gpu_common.Query(
+        compute_capability=compute_capability,
+        dtype=dtype,
         head_dim=head_dim,
         page_size=page_size,
         num_q_heads=num_q_heads,
@@ -53,8 +51,8 @@ def gpu_kernel_refusals(
         pages_per_seq=pages_per_seq,
     )
     return {
-        MOSAIC_GPU: mosaic_gpu_kernel.supports(compute_capability, dtype, **shape),
-        TRITON: gpu_kernel.supports(compute_capability, dtype, **shape),
+        MOSAIC_GPU: mosaic_gpu_kernel.supports(query),
+        TRITON: gpu_kernel.supports(query),
     }
 
 

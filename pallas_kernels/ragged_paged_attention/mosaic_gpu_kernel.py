@@ -53,7 +53,6 @@ there.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -63,10 +62,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu_targets import parse_compute_capability
-from pallas_kernels.ragged_paged_attention import common, tuning
+from pallas_kernels.ragged_paged_attention import common, gpu_common, tuning
 
 # A finite "minus infinity", as in the reference (no inf - inf = NaN for rows with no keys).
-_MASKED = -1e30
+_MASKED = gpu_common.MASKED
 # Rows of one wgmma (one warpgroup's M): a program's query tile.
 _ROWS = 64
 # SMEM for the buffers: Hopper's 227 KiB per block, less room for barriers and alignment.
@@ -107,64 +106,36 @@ def supports_dtype(dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def supports(
-    compute_capability: str | None,
-    dtype,
-    *,
-    head_dim: int,
-    page_size: int,
-    num_q_heads: int,
-    num_kv_heads: int,
-    block_sizes: tuning.GpuBlockSizes,
-    num_tokens: int | None = None,
-    num_slots: int | None = None,
-    pages_per_seq: int | None = None,
-) -> str | None:
-    """None if the kernel compiles for this shape on a GPU of `compute_capability`, else why not.
+def supports(query: gpu_common.Query) -> str | None:
+    """None if the kernel compiles for this shape on the query's GPU, else why not.
 
-    The kernel's limits in one place, for kernel_choice.py. `block_sizes` must be those the kernel
-    will be called with. With the bucket (num_tokens, num_slots, pages_per_seq) the answer is
+    The kernel's limits in one place, for kernel_choice.py. With the query's bucket the answer is
     exact, from the launch the kernel would make; without it, it holds for every bucket (the SMEM
     check then assumes key splits, the larger case).
     """
-    bucket = (num_tokens, num_slots, pages_per_seq)
-    if any(x is None for x in bucket) and any(x is not None for x in bucket):
-        raise ValueError(
-            f"Give all of num_tokens, num_slots and pages_per_seq or none, got {bucket}."
-        )
-    version = parse_compute_capability(compute_capability)
+    version = parse_compute_capability(query.compute_capability)
     if version is None or version[0] != 9:
         return (
             f"The Mosaic GPU kernel needs compute capability 9.x (wgmma exists on sm_90a only), "
-            f"got {compute_capability!r}."
+            f"got {query.compute_capability!r}."
         )
-    if not supports_dtype(dtype):
+    if not supports_dtype(query.dtype):
         return (
             f"The Mosaic GPU kernel runs 16-bit pools only (wgmma cannot take an f32 K^T), got "
-            f"{jnp.dtype(dtype).name}."
+            f"{jnp.dtype(query.dtype).name}."
         )
-    group = num_q_heads // num_kv_heads
-    if num_tokens is not None:
+    if (bucket := query.bucket) is not None:
         try:
-            launch_shape(
-                num_tokens,
-                num_slots,
-                num_kv_heads,
-                group,
-                pages_per_seq,
-                page_size,
-                head_dim,
-                dtype,
-                block_sizes,
-            )
+            launch_shape(bucket, query.block_sizes)
         except NotImplementedError as e:
             return str(e)
         return None
-    block_kv = _block_kv(page_size, dtype, block_sizes)
-    if reason := _shape_refusal(group, page_size, head_dim, dtype, block_kv):
+    block_kv = _block_kv(query.page_size, query.dtype, query.block_sizes)
+    shape = (query.group, query.page_size, query.head_dim, query.dtype, block_kv)
+    if reason := _shape_refusal(*shape):
         return reason
     # The fewest stages launch_shape falls back to, with the f32 split outputs if it may split.
-    return _smem_refusal(block_kv, head_dim, dtype, 2, block_sizes.max_kv_splits)
+    return _smem_refusal(block_kv, query.head_dim, query.dtype, 2, query.block_sizes.max_kv_splits)
 
 
 def _swizzle(minor: int, dtype) -> int:
@@ -192,23 +163,9 @@ def _smem_transforms(minor: int, dtype, swizzle: int | None = None) -> tuple:
 
 
 def _kernel(
-    layer_ref,  # i32[1]
-    query_start_ref,  # i32[S + 1]
-    kv_lens_ref,  # i32[S]
-    page_tables_ref,  # i32[S, P]
-    item_seq_ref,  # i32[W] sequence of each work item
-    item_start_ref,  # i32[W] first token of each work item; -1: an unused slot
-    q_ref,  # [num_kv_heads, W, rows, D] each work item's grouped queries
-    kv_ref,  # [num_layers, num_pages, page_size, lanes]: keys and values (common.fuse_kv)
-    *refs,  # outputs, then scratch (see `ragged_paged_attention`)
-    sm_scale: float,
-    sliding_window: int | None,
-    group: int,
-    block_tokens: int,
-    rows: int,
-    pages_per_block: int,
+    *refs,  # ScalarRefs, then q, kv, the outputs, then the scratch (see `_launch`)
+    program: gpu_common.Program,
     stages: int,
-    num_splits: int,
     interpreted: bool,
 ):
     """One program: work item `item`, KV head `h`, key split `split` (the grid's named axes).
@@ -216,31 +173,25 @@ def _kernel(
     Outputs: one split: o [W, num_kv_heads, rows, D]; else o f32[splits, W, num_kv_heads, rows, D]
     (unnormalised) with row max and row sum, f32[splits, W, num_kv_heads, rows].
     """
+    scalars = gpu_common.ScalarRefs(*refs[:6])
+    # q: [num_kv_heads, W, rows, D] each work item's grouped queries; kv: [num_layers, num_pages,
+    # page_size, lanes] (common.fuse_kv).
+    q_ref, kv_ref, *refs = refs[6:]
+    sm_scale, sliding_window, group = program.sm_scale, program.sliding_window, program.group
+    rows, pages_per_block, num_splits = program.rows, program.pages_per_block, program.num_splits
     if num_splits == 1:
         (o_ref, q_smem, k_smem, v_smem, p_smem, o_smem, k_bars, v_bars, q_bar) = refs
     else:
         (o_ref, m_ref, l_ref, q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem) = refs[:10]
         k_bars, v_bars, q_bar = refs[10:]
     item, h, split = lax.axis_index("item"), lax.axis_index("head"), lax.axis_index("split")
-    page_size, head_dim = kv_ref.shape[2], q_ref.shape[3]
-    pages_per_seq = page_tables_ref.shape[1]
-    block_kv = pages_per_block * page_size
-    s, t_lo = item_seq_ref[item], item_start_ref[item]
+    head_dim, pages_per_seq = q_ref.shape[3], scalars.page_tables.shape[1]
+    page_size, block_kv = program.page_size, program.block_kv
 
-    @pl.when(t_lo >= 0)
-    def _():
-        span = common.item_span(
-            t_lo,
-            query_start_ref[s + 1],
-            kv_lens_ref[s],
-            split,
-            block_tokens=block_tokens,
-            block_kv=block_kv,
-            num_splits=num_splits,
-            sliding_window=sliding_window,
-        )
+    @program.on_used_item(scalars, item, split)
+    def _(s, t_lo, span):
         j_lo, j_hi = span.block_lo, span.block_hi
-        layer = layer_ref[0]
+        layer = scalars.layer[0]
         num_rows = (span.t_hi - t_lo) * group  # real rows of this tile
 
         def copy_page(slot, p, page):
@@ -264,7 +215,7 @@ def _kernel(
             # All page ids first, outside the branches: independent loads that overlap, rather
             # than one global-memory round trip per page before its copy can start.
             pages = [
-                page_tables_ref[s, jnp.minimum(j * pages_per_block + p, pages_per_seq - 1)]
+                scalars.page_tables[s, jnp.minimum(j * pages_per_block + p, pages_per_seq - 1)]
                 for p in range(pages_per_block)
             ]
             for p, page in enumerate(pages):
@@ -386,44 +337,25 @@ def _kernel(
         plgpu.wait_smem_to_gmem(0)
 
 
-@dataclasses.dataclass(frozen=True)
-class LaunchShape:
-    """The static shape of one call: blocks, grid and pipeline depth, from the bucket's sizes."""
-
-    block_tokens: int  # query tokens per work item
-    rows: int  # of a program's 64-row tile, those stored (block_tokens * group, >= 16)
-    num_items: int  # work-item slots: the grid's first axis
-    block_kv: int  # keys per pipelined block (whole pages)
-    splits: int  # key splits ("flash decoding"): the grid's last axis
-    stages: int  # SMEM slots per K and V: stages - 1 blocks in flight while one is computed
-
-
-def launch_shape(
-    num_tokens: int,
-    num_slots: int,
-    num_kv_heads: int,
-    group: int,
-    pages_per_seq: int,
-    page_size: int,
-    head_dim: int,
-    dtype,
-    sizes: tuning.GpuBlockSizes,
-) -> LaunchShape:
+def launch_shape(bucket: gpu_common.Bucket, sizes: tuning.GpuBlockSizes) -> gpu_common.LaunchShape:
     """The launch for a bucket (all static); NotImplementedError on shapes wgmma cannot take."""
+    page_size, head_dim, dtype = bucket.page_size, bucket.head_dim, bucket.dtype
     block_kv = _block_kv(page_size, dtype, sizes)
-    if reason := _shape_refusal(group, page_size, head_dim, dtype, block_kv):
+    if reason := _shape_refusal(bucket.group, page_size, head_dim, dtype, block_kv):
         raise NotImplementedError(reason)
-    block_tokens, rows = tuning.gpu_query_block(num_tokens, num_slots, group, _ROWS)
-    num_items = common.max_work_items(num_tokens, num_slots, block_tokens)
-    max_blocks = -(-pages_per_seq * page_size // block_kv)
-    splits = common.num_kv_splits(num_items * num_kv_heads, max_blocks, sizes)
+    block_tokens, rows = tuning.gpu_query_block(
+        bucket.num_tokens, bucket.num_slots, bucket.group, _ROWS
+    )
+    num_items = common.max_work_items(bucket.num_tokens, bucket.num_slots, block_tokens)
+    max_blocks = pl.cdiv(bucket.pages_per_seq * page_size, block_kv)
+    splits = common.num_kv_splits(num_items * bucket.num_kv_heads, max_blocks, sizes)
     stages = max(2, min(sizes.num_stages, max_blocks))
     # Fewer stages where the SMEM buffers would not fit (big pages make big key blocks).
     while stages > 2 and _smem_bytes(block_kv, head_dim, dtype, stages, splits) > _SMEM_BYTES:
         stages -= 1
     if reason := _smem_refusal(block_kv, head_dim, dtype, stages, splits):
         raise NotImplementedError(reason)
-    return LaunchShape(
+    return gpu_common.LaunchShape(
         block_tokens=block_tokens,
         rows=rows,
         num_items=num_items,
@@ -491,52 +423,6 @@ def _smem_bytes(block_kv: int, head_dim: int, dtype, stages: int, splits: int) -
     )
 
 
-def cost_estimate(
-    shape: LaunchShape,
-    *,
-    num_kv_heads: int,
-    num_slots: int,
-    pages_per_seq: int,
-    page_size: int,
-    head_dim: int,
-    dtype,
-    sliding_window: int | None,
-) -> pl.CostEstimate:
-    """An upper bound on what one call of the kernel does, from the static shapes alone.
-
-    The used work items and the key lengths are only known at run time, so every item slot counts
-    as used and as reading its sequence's whole page table of keys (or, with a sliding window,
-    the window plus the item's own tokens, one block of misalignment included). MMAs count whole
-    64-row tiles, as the tensor cores run them whatever the real rows; the exps count each score
-    and each row's rescale per key block. (JAX 0.10's Mosaic GPU lowering drops the estimate, so
-    XLA does not see it yet; this function is also what callers can read it from.)
-    """
-    size = jnp.dtype(dtype).itemsize
-    block_kv = shape.block_kv
-    blocks = -(-pages_per_seq * page_size // block_kv)  # per item, all its key splits together
-    if sliding_window is not None:
-        blocks = min(blocks, -(-(sliding_window + shape.block_tokens - 1) // block_kv) + 1)
-    programs = shape.num_items * num_kv_heads * shape.splits
-    block_steps = shape.num_items * num_kv_heads * blocks  # (program, key block) pairs
-    flops = block_steps * 2 * (2 * _ROWS * block_kv * head_dim)  # Q K^T and P V
-    transcendentals = block_steps * _ROWS * (block_kv + 1)
-    kv_bytes = block_steps * 2 * block_kv * head_dim * size  # the K and V pages copied
-    q_bytes = programs * _ROWS * head_dim * size
-    out_tile = shape.num_items * num_kv_heads * shape.rows
-    if shape.splits == 1:
-        out_bytes = out_tile * head_dim * size
-    else:  # f32 numerators, row maxes and row sums per split
-        out_bytes = shape.splits * out_tile * (head_dim + 2) * 4
-    # i32 metadata: the scalars each program reads, and a page id per page copied.
-    meta_bytes = 4 * (2 * num_slots + 2 * shape.num_items + 2)
-    meta_bytes += 4 * block_steps * (block_kv // page_size)
-    return pl.CostEstimate(
-        flops=flops,
-        transcendentals=transcendentals,
-        bytes_accessed=kv_bytes + q_bytes + out_bytes + meta_bytes,
-    )
-
-
 def _gather_tokens(
     tiles: jax.Array,  # [num_items, num_kv_heads, rows, D] one tile per work item
     item_start: jax.Array,  # i32[num_items]; -1: unused
@@ -557,62 +443,34 @@ def _gather_tokens(
     return out.reshape(num_tokens, tiles.shape[1] * group, tiles.shape[3])
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "num_kv_heads", "sliding_window", "block_sizes", "interpret"),
-)
-def ragged_paged_attention(
-    q: jax.Array,  # [T, num_heads, head_dim]
-    kv_pool: jax.Array,  # [num_layers, num_pages, page_size, lanes] (common.fuse_kv)
-    layer: jax.Array,  # i32[] which layer of the pool to read
-    query_start: jax.Array,  # i32[S + 1]
-    kv_lens: jax.Array,  # i32[S]
-    page_tables: jax.Array,  # i32[S, P]
-    num_seqs: jax.Array,  # i32[]
-    *,
-    sm_scale: float,
-    num_kv_heads: int | None = None,
-    sliding_window: int | None = None,
-    block_sizes: tuning.GpuBlockSizes | None = None,
-    interpret=None,
-) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
+def _launch(call: gpu_common.Call) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
     """The reference's attention as a Pallas Mosaic GPU kernel (conventions in reference.py).
 
     `block_sizes` defaults to this device kind's row of `tuning.GPU_TABLE` (its q_rows is ignored:
-    a program's query tile is one wgmma's 64 rows). `interpret=interpret_params()` runs the kernel
-    on the CPU in Mosaic GPU interpret mode, for tests.
+    a program's query tile is one wgmma's 64 rows); `compute_capability` is not read (the kernel
+    targets 9.x only: kernel_choice.py asks `supports` first). `interpret=interpret_params()`
+    runs the kernel on the CPU in Mosaic GPU interpret mode, for tests.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = common.kv_heads_of(kv_pool, head_dim, num_kv_heads)
-    common.check_args(q, kv_pool, num_kv_heads, query_start, kv_lens, page_tables, sliding_window)
-    page_size = kv_pool.shape[2]
-    num_slots, pages_per_seq = page_tables.shape
-    group = num_heads // num_kv_heads
-    dtype = kv_pool.dtype
+    bucket, q = call.bucket, call.q
+    num_tokens, num_kv_heads, group = bucket.num_tokens, bucket.num_kv_heads, bucket.group
+    head_dim, dtype = bucket.head_dim, bucket.dtype
+    interpret = None if call.interpret in (None, False) else call.interpret
     if interpret is None and not supports_dtype(dtype):
         raise NotImplementedError(
             f"The Mosaic GPU kernel runs 16-bit pools only (wgmma cannot take an f32 K^T), got "
             f"{dtype.name}; gpu_kernel (Triton) serves f32 pools."
         )
-    shape = launch_shape(
-        num_tokens,
-        num_slots,
-        num_kv_heads,
-        group,
-        pages_per_seq,
-        page_size,
-        head_dim,
-        dtype,
-        block_sizes or tuning.gpu_block_sizes(),
-    )
+    shape = launch_shape(bucket, call.block_sizes)
     block_tokens, rows, num_items = shape.block_tokens, shape.rows, shape.num_items
     block_kv, splits, stages = shape.block_kv, shape.splits, shape.stages
-    pages_per_block = block_kv // page_size
+    pages_per_block = block_kv // bucket.page_size
     # Padded so the last item's rows stay in bounds (zeros past the last token).
     padded_tokens = num_tokens + block_tokens
     # wgmma takes one dtype for both operands: q in the pool's.
     q_grouped = common.group_queries(q.astype(dtype), num_kv_heads, padded_tokens)
-    item_seq, item_start = common.work_items(query_start, num_seqs, block_tokens, num_items)
+    item_seq, item_start = common.work_items(
+        call.query_start, call.num_seqs, block_tokens, num_items
+    )
     # Each item's `rows` rows in a tile of its own, [num_kv_heads, W, rows, D], so that its TMA
     # copy starts on a whole tile (see the module's docstring); unused items read rows 0.
     first_row = jnp.maximum(item_start, 0) * group
@@ -651,17 +509,9 @@ def ragged_paged_attention(
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
         plgpu.Barrier(num_barriers=1),
     ]
+    program = gpu_common.Program.of(call, shape)
     body = functools.partial(
-        _kernel,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        group=group,
-        block_tokens=block_tokens,
-        rows=rows,
-        pages_per_block=pages_per_block,
-        stages=stages,
-        num_splits=splits,
-        interpreted=interpret is not None,
+        _kernel, program=program, stages=stages, interpreted=interpret is not None
     )
 
     def kernel_body(*refs):  # inputs and outputs; the scratch is allocated here
@@ -676,30 +526,14 @@ def ragged_paged_attention(
             grid=(num_items, num_kv_heads, splits), grid_names=("item", "head", "split")
         ),
         interpret=interpret,
-        cost_estimate=cost_estimate(
-            shape,
-            num_kv_heads=num_kv_heads,
-            num_slots=num_slots,
-            pages_per_seq=pages_per_seq,
-            page_size=page_size,
-            head_dim=head_dim,
-            dtype=dtype,
-            sliding_window=sliding_window,
-        ),
+        cost_estimate=gpu_common.cost_estimate(shape, bucket, call.sliding_window, _ROWS),
         name="ragged_paged_attention_mosaic_gpu",
     )
-    outs = kernel(
-        jnp.reshape(layer, (1,)).astype(jnp.int32),
-        query_start.astype(jnp.int32),
-        kv_lens.astype(jnp.int32),
-        page_tables.astype(jnp.int32),
-        item_seq,
-        item_start,
-        q_tiles,
-        kv_pool,
-    )
+    outs = kernel(*call.scalar_operands(item_seq, item_start), q_tiles, call.kv_pool)
     tiles = outs[0] if splits == 1 else common.merge_splits(*outs)
     out = _gather_tokens(tiles, item_start, num_tokens, group).astype(q.dtype)
     # Rows of no work item (padding) hold another item's rows: zero them.
-    real = common.real_rows(query_start, num_seqs, num_tokens)
-    return jnp.where(real[:, None, None], out, jnp.zeros((), out.dtype))
+    return jnp.where(call.real_rows()[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+ragged_paged_attention = gpu_common.entry_point(_launch)

@@ -30,7 +30,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pallas_kernels import gpu_targets
-from pallas_kernels.ragged_paged_attention import gpu_kernel, mosaic_gpu_kernel, tuning
+from pallas_kernels.ragged_paged_attention import gpu_common, gpu_kernel, mosaic_gpu_kernel, tuning
 from pallas_kernels.ragged_paged_attention.kernel_choice import (
     MOSAIC_GPU,
     TRITON,
@@ -224,20 +224,22 @@ def test_triton_smem_model_bounds_what_triton_asks_for():
     sharding = NamedSharding(Mesh(np.array(topology.devices), ("x",)), PartitionSpec())
     for shape, sizes in SMEM_CALIBRATION:
         launch = gpu_kernel.launch_shape(
-            shape.num_tokens,
-            shape.num_slots,
-            NUM_KV_HEADS,
-            shape.group,
-            shape.pages_per_seq,
-            shape.page_size,
-            shape.head_dim,
-            shape.dtype,
+            gpu_common.Bucket(
+                shape.num_tokens,
+                shape.num_slots,
+                NUM_KV_HEADS,
+                shape.group,
+                shape.pages_per_seq,
+                shape.page_size,
+                shape.head_dim,
+                shape.dtype,
+            ),
             sizes,
             "9.0",
         )
         bound = gpu_kernel.smem_bound(
             launch.rows,
-            launch.pages_per_block * shape.page_size,
+            launch.block_kv,
             shape.head_dim,
             shape.dtype,
             launch.stages,
@@ -266,6 +268,19 @@ def test_cost_estimate_rides_on_the_kernel_and_bounds_the_work(kernel):
     assert estimate.transcendentals >= shape.num_tokens * num_heads * keys
     kv_bytes = 2 * shape.num_slots * NUM_KV_HEADS * keys * shape.head_dim * 2
     assert estimate.bytes_accessed >= kv_bytes
+
+
+def test_mosaic_gpu_estimate_counts_whole_wgmma_tiles():
+    """The Mosaic GPU kernel's dots run 64-row wgmma tiles whatever a decode item's real rows:
+    its estimate counts 64 rows per (program, key block), not the stored rows."""
+    shape = Shape(jnp.bfloat16, 64, 16, 1, 16, 16, 4)  # 16 decode tokens, group 1
+    bucket = gpu_common.Bucket(16, 16, NUM_KV_HEADS, 1, 4, 16, 64, jnp.dtype(jnp.bfloat16))
+    launch = mosaic_gpu_kernel.launch_shape(bucket, H100)
+    assert launch.rows < 64
+    estimate = _cost_estimates(jax.make_jaxpr(shape.kernel(MOSAIC_GPU))(*shape.args()).jaxpr)[0]
+    blocks = -(-4 * 16 // launch.block_kv)
+    block_steps = launch.num_items * NUM_KV_HEADS * blocks
+    assert estimate.flops == block_steps * 4 * 64 * launch.block_kv * 64
 
 
 def test_cost_estimate_with_a_window_counts_fewer_keys():

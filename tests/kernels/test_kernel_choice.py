@@ -17,7 +17,8 @@ import pytest
 
 from pallas_kernels import gpu_targets
 from pallas_kernels.gpu_targets import parse_compute_capability
-from pallas_kernels.ragged_paged_attention import gpu_kernel, mosaic_gpu_kernel, tuning
+from pallas_kernels.ragged_paged_attention import gpu_common, gpu_kernel, mosaic_gpu_kernel, tuning
+from pallas_kernels.ragged_paged_attention.gpu_common import Bucket
 from pallas_kernels.ragged_paged_attention.kernel_choice import (
     MOSAIC_GPU,
     TRITON,
@@ -59,13 +60,15 @@ def test_small_head_dims_in_16_bit_get_a_kernel_that_takes_them(head_dim):
     (P's tile follows V's swizzle); its `supports` says so, and the choice follows it."""
     assert (
         mosaic_gpu_kernel.supports(
-            "9.0",
-            jnp.bfloat16,
-            head_dim=head_dim,
-            page_size=16,
-            num_q_heads=8,
-            num_kv_heads=4,
-            block_sizes=H100,
+            gpu_common.Query(
+                "9.0",
+                jnp.bfloat16,
+                head_dim=head_dim,
+                page_size=16,
+                num_q_heads=8,
+                num_kv_heads=4,
+                block_sizes=H100,
+            )
         )
         is None
     )
@@ -122,21 +125,23 @@ def test_head_dim_256_on_mosaic_depends_on_the_bucket():
 def test_triton_shrinks_its_blocks_to_fit_smem_or_refuses():
     """bf16 head_dim 256 with 128-key pages asks Triton for ~288 KiB with the tuning row's
     launch: the launch drops to one stage and fits; f32 does not fit even then."""
-    shape = gpu_kernel.launch_shape(64, 4, 2, 4, 8, 128, 256, jnp.bfloat16, H100, "9.0")
-    assert (shape.pages_per_block, shape.stages) == (1, 1)
+    shape = gpu_kernel.launch_shape(Bucket(64, 4, 2, 4, 8, 128, 256, jnp.bfloat16), H100, "9.0")
+    assert (shape.block_kv // 128, shape.stages) == (1, 1)
     need = gpu_kernel.smem_bound(shape.rows, 128, 256, jnp.bfloat16, shape.stages)
     assert need <= gpu_kernel.smem_budget("9.0")
     # f32 head_dim 256, 16-key pages: the key block halves from 64 to 32 keys, 2 stages kept.
-    shape = gpu_kernel.launch_shape(64, 4, 2, 4, 64, 16, 256, jnp.float32, H100, "9.0")
-    assert (shape.pages_per_block * 16, shape.stages) == (32, 3)
+    shape = gpu_kernel.launch_shape(Bucket(64, 4, 2, 4, 64, 16, 256, jnp.float32), H100, "9.0")
+    assert (shape.block_kv, shape.stages) == (32, 3)
     reason = gpu_kernel.supports(
-        "9.0",
-        jnp.float32,
-        head_dim=256,
-        page_size=128,
-        num_q_heads=8,
-        num_kv_heads=2,
-        block_sizes=H100,
+        gpu_common.Query(
+            "9.0",
+            jnp.float32,
+            head_dim=256,
+            page_size=128,
+            num_q_heads=8,
+            num_kv_heads=2,
+            block_sizes=H100,
+        )
     )
     assert "SMEM" in reason and "float32" in reason
     assert choose("9.0", jnp.float32, 256, 128, group=4) is None
@@ -183,11 +188,10 @@ def _launch(name, capability, dtype, head_dim, page_size, group, bucket):
         page_size,
         head_dim,
         dtype,
-        H100,
     )
     if name == MOSAIC_GPU:
-        return mosaic_gpu_kernel.launch_shape(*args)
-    return gpu_kernel.launch_shape(*args, capability)
+        return mosaic_gpu_kernel.launch_shape(Bucket(*args), H100)
+    return gpu_kernel.launch_shape(Bucket(*args), H100, capability)
 
 
 def test_refusals_are_sentences_with_the_values():

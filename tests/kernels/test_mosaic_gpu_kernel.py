@@ -27,7 +27,13 @@ import numpy as np
 import pytest
 
 from jaxserve.models.attention import get_attention_fn
-from pallas_kernels.ragged_paged_attention import common, mosaic_gpu_kernel, reference, tuning
+from pallas_kernels.ragged_paged_attention import (
+    common,
+    gpu_common,
+    mosaic_gpu_kernel,
+    reference,
+    tuning,
+)
 from tests.kernels.test_ragged_paged_attention import Case, make_inputs
 
 GPU_NATIVE = os.environ.get("JAXSERVE_GPU_NATIVE") == "1"
@@ -109,7 +115,7 @@ def test_launch_shapes_of_the_cases():
         case, block_sizes = CASES[name]
         block_kv = 32 if case.dtype == jnp.float32 else 64  # wgmma's K tile: 128 bytes
         args = make_inputs(case)
-        shape = mosaic_gpu_kernel.launch_shape(
+        bucket = gpu_common.Bucket(
             case.num_tokens,
             case.num_slots,
             case.num_kv_heads,
@@ -118,8 +124,8 @@ def test_launch_shapes_of_the_cases():
             case.page_size,
             case.head_dim,
             case.dtype,
-            block_sizes,
         )
+        shape = mosaic_gpu_kernel.launch_shape(bucket, block_sizes)
         assert (shape.splits, shape.stages, shape.block_kv) == (splits, stages, block_kv), name
         assert max(kv for _, kv in case.chunks) > block_kv  # several blocks
 
