@@ -140,15 +140,22 @@ class Engine:
         if num_host_pages:
             self.kv_transfer = kv_transfer.KVTransfer(self.runner.kv, num_host_pages)
             self.runner.kv = self.kv_transfer.warm_up(self.runner.kv)
+        # Copies of forked partial pages (beams, n > 1): on one host only, since the followers
+        # of a multi-host mesh run nothing but the steps (multihost.py).
+        self.page_copies = None
+        if pool is not None and getattr(self.runner, "lockstep", None) is None:
+            self.page_copies = kv_transfer.PageCopies(self.runner.kv)
+            self.runner.kv = self.page_copies.warm_up(self.runner.kv)
+        scheduler_config = config.scheduler_config(
+            max_model_len=self.max_model_len,
+            num_pages=num_pages,
+            num_host_pages=num_host_pages,
+            # Caches of different weights must never match (one engine, one model; the key
+            # matters where pages could outlive a model swap).
+            prefix_cache_key=self._prefix_cache_key(),
+        )
         self.scheduler = Scheduler(
-            config.scheduler_config(
-                max_model_len=self.max_model_len,
-                num_pages=num_pages,
-                num_host_pages=num_host_pages,
-                # Caches of different weights must never match (one engine, one model; the key
-                # matters where pages could outlive a model swap).
-                prefix_cache_key=self._prefix_cache_key(),
-            )
+            dataclasses.replace(scheduler_config, fork_partial_pages=self.page_copies is not None)
         )
         rc = self.runner.config
         self.input_batch = InputBatch(
@@ -569,6 +576,8 @@ class Engine:
         if self._restores_ahead:
             self.runner.kv = self.kv_transfer.write(self.runner.kv, self._restores_ahead)
             self._restores_ahead = []
+        if plan.page_copies:  # forked partial pages, before anything of this plan reads them
+            self.runner.kv = self.page_copies.run(self.runner.kv, plan.page_copies)
         if plan.swap_out or plan.swap_in:
             self._restores_ahead = self.kv_transfer.copy(
                 self.runner.kv, plan.swap_out, plan.swap_in

@@ -162,6 +162,45 @@ class KVTransfer:
         return pool
 
 
+def copy_pages(pool, src: jax.Array, dst: jax.Array):
+    """The pool with every leaf's pages `src` (i32[GROUP]) copied into pages `dst` (i32[GROUP])
+    along axis 1; a destination past the pool's end (padding) writes nothing."""
+    return jax.tree.map(
+        lambda leaf: leaf.at[:, dst].set(jnp.take(leaf, src, axis=1), mode="drop"), pool
+    )
+
+
+class PageCopies:
+    """Copies of device pages into other device pages: the partial pages forked for beams and
+    n > 1 samples (SchedulerOutput.page_copies, copy on write in kv_cache_manager.py).
+
+    One jitted call of a fixed GROUP pairs, padded, compiled at warm-up and donating the pool,
+    so a fork costs a copy of its pages and nothing is compiled while serving. Dispatched in the
+    step's order on the device: the step after it reads the copies.
+    """
+
+    def __init__(self, pool, group: int = GROUP):
+        leaves, treedef = jax.tree.flatten(pool)
+        self.group = group
+        self.num_pages = leaves[0].shape[1]
+        shardings = jax.tree.unflatten(treedef, [leaf.sharding for leaf in leaves])
+        self._copy = jax.jit(copy_pages, donate_argnums=0, out_shardings=shardings)
+
+    def warm_up(self, pool):
+        """Compiles the copy (a call that copies nothing); returns the pool, unchanged."""
+        return self.run(pool, [(0, self.num_pages)])
+
+    def run(self, pool, pairs: Sequence[tuple[int, int]]):
+        """The pool with each (source, destination) page pair copied; returns the new pool (the
+        one given is donated)."""
+        for chunk in _chunks(pairs, self.group):
+            src = np.zeros(self.group, np.int32)
+            dst = np.full(self.group, self.num_pages, np.int32)  # past the end: dropped
+            src[: len(chunk)], dst[: len(chunk)] = zip(*chunk, strict=True)
+            pool = self._copy(pool, src, dst)
+        return pool
+
+
 def _chunks(pairs: Sequence[tuple[int, int]], size: int):
     for i in range(0, len(pairs), size):
         yield pairs[i : i + size]

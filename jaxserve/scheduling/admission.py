@@ -94,12 +94,23 @@ class Admission:
             # A swapped request continues where it stopped, its pages restored.
             ps = self.config.page_size
             computed = req.num_computed_tokens if swapped else (len(hit) + len(host_hit)) * ps
+            # A partial page to copy after the cached ones (a beam's parent's, a sibling's).
+            fork = None if prefix is None or swapped or host_hit else prefix.match_partial(req, hit)
+            if fork is not None:
+                n = plan.chunk_len(req, computed + fork[1])
+                if n and self._room_now(computed + fork[1] + n, hit, fork[0]):
+                    computed += fork[1]
+                else:  # only where it fits as it is: a preemption might free its source
+                    fork = None
             # The budget counts only the tokens still to compute, not those the cache serves.
             n = plan.chunk_len(req, computed)
             # Head of line blocks the rest: skipping it for smaller ones could starve it.
-            if not n or not self._make_room(req, computed + n, hit, plan):
+            if not n or not self._make_room(req, computed + n, hit, plan, fork):
                 return
             queue.pop()
+            if fork is not None:  # the engine copies it on the device before this step
+                plan.page_copies.append((fork[0], self.kv.table_of(req.request_id)[len(hit)]))
+                prefix.admitted_fork(fork[1])
             if swapped:
                 self.offload.restore(req)
             else:
@@ -126,13 +137,33 @@ class Admission:
             if not (swapped or host_hit):
                 plan.add_chunk(req, n)
 
-    def _make_room(self, req: Request, num_tokens: int, hit: list[int], plan: StepPlan) -> bool:
+    def _room_now(self, num_tokens: int, hit: list[int], fork: int) -> bool:
+        """Whether a slot and the pages of `num_tokens` after the cached pages `hit`, the
+        cached partial page `fork` kept, are free without preempting anyone."""
+        kv = self.kv
+        reclaimed = sum(kv.ref_count(p) == 0 for p in [*hit, fork])
+        need = kv.pages_for(num_tokens) - len(hit)
+        return bool(self.free_slots) and need <= kv.num_free_pages - reclaimed
+
+    def _make_room(
+        self,
+        req: Request,
+        num_tokens: int,
+        hit: list[int],
+        plan: StepPlan,
+        fork: tuple[int, int] | None = None,
+    ) -> bool:
         """A slot and the pages of `num_tokens` for waiting `req`, allocated, starting with the
-        cached pages `hit`; False changes nothing.
+        cached pages `hit` (and a fresh page to copy the partial page `fork` into, which
+        `_room_now` found room for); False changes nothing.
 
         Under the priority policy (continuous batching) it may preempt running requests less
         important than `req` (Preemption.victims_for).
         """
+        if fork is not None:
+            allocated = self.kv.allocate(req.request_id, num_tokens, prefix=hit, fork=fork[0])
+            assert allocated, "the free pages were counted by _room_now"
+            return True
         need_slot = not self.free_slots
         reclaimed = sum(self.kv.ref_count(p) == 0 for p in hit)  # cached: not free for others
         need_pages = self.kv.pages_for(num_tokens) - len(hit) - (self.kv.num_free_pages - reclaimed)

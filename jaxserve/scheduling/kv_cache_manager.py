@@ -16,9 +16,18 @@ of three states:
 - free: no table lists it and it holds nothing worth keeping.
 
 so `used + cached + free == num_pages` always. Only published pages are shared, and they are full
-and never written again, so no page is ever copied. The `n > 1` samples of one prompt and the
-beams of a beam search share a prompt's full pages this way (scheduling/prefix_sharing.py); each
-computes the prompt's last, partial page itself.
+and never written again. The `n > 1` samples of one prompt and the beams of a beam search share a
+prompt's full pages this way (scheduling/prefix_sharing.py).
+
+A prompt's last, *partial* page is forked instead (copy on write): once its tokens are computed
+the page is published as a partial page under its parent's hash and its tokens
+(`publish_partial`), and a later sequence whose tokens go on the same way after the same full
+pages (a beam's child, a sibling sample) takes a fresh page, which the engine fills by copying the
+partial page on the device before the step (`allocate(..., fork=...)`, `SchedulerOutput.
+page_copies`), and computes only the tokens past the copied ones. A partial page is never shared:
+its owner and every child write their own next tokens into it. It stays readable while its owner
+holds it (the slots a partial page publishes are never written again) and, once freed, is cached
+like a published full page, evicted least recently freed first.
 """
 
 from __future__ import annotations
@@ -28,6 +37,9 @@ import collections
 import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
+
+# Partial pages a lookup compares, most recent first (`KVCacheManager.match_partial`).
+PARTIAL_CANDIDATES = 16
 
 
 class PageHasher:
@@ -104,6 +116,10 @@ class KVCacheManager:
         self._page_of: dict[bytes, int] = {}  # hash -> the page published under it
         self._tables: dict[str, list[int]] = {}
         self._published: dict[str, int] = {}  # leading pages of each table already published
+        # Partial pages (copy on write): page -> (key, tokens), and by key (the parent page's
+        # hash and the first token) the pages published under it, oldest first.
+        self._partial_of: dict[int, tuple[tuple[bytes, int], tuple[int, ...]]] = {}
+        self._partials: dict[tuple[bytes, int], dict[int, tuple[int, ...]]] = {}
         self.stats = PrefixCacheStats()
         # Called with (page, hash) as a published page is evicted, before it is handed out
         # again: the host tier saves it there (scheduling/offload.py). None: dropped.
@@ -134,6 +150,8 @@ class KVCacheManager:
                 "finish or abort them first."
             )
         dropped = len(self._page_of)
+        self._partial_of.clear()
+        self._partials.clear()
         self._free.extend(reversed(self._cached))  # LRU ones last: freed pages go first
         self._cached.clear()
         self._hash_of = [None] * self.num_pages
@@ -178,13 +196,18 @@ class KVCacheManager:
 
     # ---- allocation -----------------------------------------------------------------------
 
-    def allocate(self, seq_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+    def allocate(
+        self, seq_id: str, num_tokens: int, prefix: Sequence[int] = (), fork: int | None = None
+    ) -> bool:
         """Grows the sequence's table to cover `num_tokens` slots; all or nothing.
 
         `prefix`: cached pages (from `match`) that start the table of a sequence that holds none
-        yet; they are shared, not copied. Returns False, changing nothing, when too few pages are
-        free or evictable: the caller then preempts or waits. More pages than one sequence may
-        hold is a caller bug (admission refuses such requests), so it raises.
+        yet; they are shared, not copied. `fork`: a partial page (from `match_partial`) the page
+        after them is to be copied from; it is kept from eviction while the fresh pages are
+        taken, and the caller copies it into `table_of(seq_id)[len(prefix)]`. Returns False,
+        changing nothing, when too few pages are free or evictable: the caller then preempts or
+        waits. More pages than one sequence may hold is a caller bug (admission refuses such
+        requests), so it raises.
         """
         table = self._tables.get(seq_id)
         want = self.pages_for(num_tokens)
@@ -201,6 +224,14 @@ class KVCacheManager:
         held = len(table) if table else len(prefix)
         need = max(0, want - held)
         reclaimed = sum(self._refs[p] == 0 for p in prefix)  # cached now, ours once shared
+        if fork is not None:
+            if fork in prefix or fork not in self._partial_of or len(table or ()) or not need:
+                raise ValueError(
+                    f"Sequence {seq_id!r} cannot fork page {fork}: it must be a published "
+                    f"partial page, not in the prefix {list(prefix)}, copied into a fresh page "
+                    f"of a new table."
+                )
+            reclaimed += self._refs[fork] == 0  # cached: must not be evicted for the copy
         if need > self.num_free_pages - reclaimed:
             return False
         if table is None:
@@ -210,9 +241,25 @@ class KVCacheManager:
             self._ref(page)
             table.append(page)
         self._published[seq_id] += len(prefix)  # a matched page is published already
+        if fork is not None:
+            self._ref(fork)  # held while the fresh pages are taken, then back where it was
         for _ in range(need):
             table.append(self._fresh_page())
+        if fork is not None:
+            self._unref(fork)
         return True
+
+    def _unref(self, page: int) -> None:
+        """Drops one reference; an unlisted page becomes cached if it holds anything worth
+        keeping (a published full or partial page), else free."""
+        self._refs[page] -= 1
+        if self._refs[page] < 0:
+            raise AssertionError(f"Page {page} was freed more often than held.")
+        if self._refs[page] == 0:
+            if self._hash_of[page] is None and page not in self._partial_of:
+                self._free.append(page)
+            else:
+                self._cached[page] = None
 
     def _ref(self, page: int) -> None:
         if self._refs[page] == 0:
@@ -225,14 +272,25 @@ class KVCacheManager:
             page = self._free.pop()
         else:
             page, _ = self._cached.popitem(last=False)
-            page_hash = self._hash_of[page]
-            del self._page_of[page_hash]
-            self._hash_of[page] = None
             self.stats.evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(page, page_hash)
+            self._drop_partial(page)
+            page_hash = self._hash_of[page]
+            if page_hash is not None:
+                del self._page_of[page_hash]
+                self._hash_of[page] = None
+                if self.on_evict is not None:
+                    self.on_evict(page, page_hash)
         self._refs[page] = 1
         return page
+
+    def _drop_partial(self, page: int) -> None:
+        """Forgets the partial page `page` published, if any (its slots are to be reused)."""
+        entry = self._partial_of.pop(page, None)
+        if entry is not None:
+            pages = self._partials[entry[0]]
+            del pages[page]
+            if not pages:
+                del self._partials[entry[0]]
 
     def free(self, seq_id: str) -> int:
         """Drops the sequence's table; returns how many pages it listed (0 if none).
@@ -250,7 +308,7 @@ class KVCacheManager:
                 raise AssertionError(f"Page {page} of {seq_id!r} was freed more often than held.")
             if self._refs[page]:
                 continue
-            if self._hash_of[page] is None:
+            if self._hash_of[page] is None and page not in self._partial_of:
                 unhashed.append(page)
             else:
                 self._cached[page] = None
@@ -273,12 +331,7 @@ class KVCacheManager:
         # whoever copied it sees a new table rather than a stale one of the same length.
         self._tables[seq_id], dropped = table[:keep], table[keep:]
         for page in reversed(dropped):
-            self._refs[page] -= 1
-            if self._refs[page] == 0:
-                if self._hash_of[page] is None:
-                    self._free.append(page)
-                else:
-                    self._cached[page] = None
+            self._unref(page)
         return len(dropped)
 
     # ---- the prefix cache -----------------------------------------------------------------
@@ -324,6 +377,56 @@ class KVCacheManager:
                 self._page_of[h] = page
         self._published[seq_id] = full
 
+    def publish_partial(
+        self, seq_id: str, index: int, parent: bytes, tokens: Sequence[int]
+    ) -> bool:
+        """Publishes page `index` of the sequence's table as a partial page whose first
+        `len(tokens)` slots hold the computed keys and values of `tokens`, which follow the full
+        pages ending in the page hashed `parent` (`PageHasher.root` for the first page).
+
+        Only a page no other table lists (the owner's own) and none published already; returns
+        whether it was published. The owner may go on writing the page's later slots.
+        """
+        table = self._tables.get(seq_id)
+        if not tokens or len(tokens) >= self.page_size or not table or index >= len(table):
+            return False
+        page = table[index]
+        if self._refs[page] != 1 or self._hash_of[page] is not None or page in self._partial_of:
+            return False
+        key = (parent, int(tokens[0]))
+        entry = tuple(int(t) for t in tokens)
+        self._partial_of[page] = (key, entry)
+        self._partials.setdefault(key, {})[page] = entry
+        return True
+
+    def match_partial(
+        self, parent: bytes, tokens: Sequence[int], limit: int
+    ) -> tuple[int, int] | None:
+        """The partial page published after `parent` whose tokens agree longest with `tokens`,
+        the sequence's tokens from that page's first slot, and how many agree (at most `limit`,
+        which leaves the tokens the sequence must compute itself); None when not one does.
+
+        Looks at the `PARTIAL_CANDIDATES` most recently published under the same key: forks
+        (beams, samples) follow their parent closely, and the scan stays short however many
+        prompts share a first page.
+        """
+        if limit < 1 or not tokens:
+            return None
+        pages = self._partials.get((parent, int(tokens[0])))
+        if not pages:
+            return None
+        best, best_n = None, 0
+        for count, page in enumerate(reversed(pages)):
+            if count == PARTIAL_CANDIDATES:
+                break
+            entry = pages[page]
+            n, top = 0, min(len(entry), limit, len(tokens))
+            while n < top and entry[n] == tokens[n]:
+                n += 1
+            if n > best_n:
+                best, best_n = page, n
+        return None if best is None else (best, best_n)
+
     def check_invariants(self) -> None:
         """Raises AssertionError unless the books agree: ref counts match the tables, every page
         is used, cached or free exactly once, and the hash index matches the published pages."""
@@ -345,10 +448,15 @@ class KVCacheManager:
                 f"{len(self._free)} free != {self.num_pages} pages, a page is listed twice, or "
                 f"the ref counts disagree with the tables."
             )
-        if any(self._hash_of[p] is not None for p in self._free) or any(
-            self._hash_of[p] is None for p in self._cached
+        partial = self._partial_of
+        if any(self._hash_of[p] is not None or p in partial for p in self._free) or any(
+            self._hash_of[p] is None and p not in partial for p in self._cached
         ):
             raise AssertionError("A free page holds a hash, or a cached page none.")
+        by_key = {(key, p): e for p, (key, e) in partial.items()}
+        indexed = {(key, p): e for key, pages in self._partials.items() for p, e in pages.items()}
+        if by_key != indexed or any(not pages for pages in self._partials.values()):
+            raise AssertionError("The partial-page index disagrees with the partial pages.")
         published = {h: p for p, h in enumerate(self._hash_of) if h is not None}
         if published != self._page_of:
             raise AssertionError("The hash index disagrees with the published pages.")

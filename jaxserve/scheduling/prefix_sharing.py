@@ -10,6 +10,13 @@ theirs cached until a fresh page is needed, so a preempted request often resumes
 A page is also computed only once while it is being computed: a waiting request whose next
 uncached full page a running request is computing now waits for it and then takes it from the
 cache (the n samples of one prompt, a burst of requests with one system prompt).
+
+A prompt's last, partial page is forked rather than recomputed (copy on write,
+kv_cache_manager): once a request has computed its prompt, its partial page is published; a
+request admitted later whose tokens go on the same way after the same full pages (a beam's child,
+whose prompt is its parent's plus one token; a sibling of the n samples) gets a copy of it and
+computes only what follows. A sibling admitted while the first computes that page waits for it,
+as for a full page.
 """
 
 from __future__ import annotations
@@ -22,10 +29,15 @@ class PrefixSharing:
     """Hashes requests' full pages, matches them against the cache, and tracks who computes
     which page now, so that no page is computed twice at once."""
 
-    def __init__(self, kv: KVCacheManager, page_size: int, model_key: str = ""):
+    def __init__(self, kv: KVCacheManager, page_size: int, model_key: str = "", fork: bool = True):
         self.kv = kv
         self.page_size = page_size
         self.hasher = PageHasher(page_size, model_key)
+        self.fork = fork  # copy partial pages (the engine can copy pages on its device)
+        # Prompts' partial pages that a running request computes now, by (parent hash, tokens),
+        # and the key each request claimed: read-only outside this class.
+        self.computing_tails: dict[tuple[bytes, tuple[int, ...]], Request] = {}
+        self.tail_claims: dict[str, tuple[bytes, tuple[int, ...]]] = {}
         # Full pages that a running request will compute and publish, by hash: read-only
         # outside this class.
         self.computing: dict[bytes, Request] = {}
@@ -47,6 +59,18 @@ class PrefixSharing:
             self.hasher.extend(hashes, req.token_ids(start, req.num_tokens), req.cache_salt)
         return self.kv.match(hashes, req.num_tokens)
 
+    def match_partial(self, req: Request, hit: list[int]) -> tuple[int, int] | None:
+        """A published partial page to fork after `req`'s cached pages `hit`, and how many of
+        `req`'s tokens it holds (always leaving the last to compute); None: no fork."""
+        if not self.fork or req.sampling_params.prompt_logprobs is not None:
+            return None
+        start = len(hit) * self.page_size
+        limit = min(req.num_tokens - 1 - start, self.page_size - 1)
+        if limit < 1:
+            return None
+        parent = self._parent(req, len(hit))
+        return self.kv.match_partial(parent, req.token_ids(start, start + limit), limit)
+
     def waits(self, req: Request, hit: list[int]) -> bool:
         """Whether another running request is computing `req`'s next uncached full page now.
 
@@ -58,8 +82,11 @@ class PrefixSharing:
         """
         hashes = req.page_hashes
         if len(hit) >= len(hashes):
-            return False
-        owner = self.computing.get(hashes[len(hit)])
+            # Every full page is cached: it may wait for the partial page after them.
+            key = self._tail_key(req)
+            owner = None if key is None else self.computing_tails.get(key)
+        else:
+            owner = self.computing.get(hashes[len(hit)])
         return owner is not None and owner is not req and owner.status == RequestStatus.RUNNING
 
     def admitted(self, req: Request, num_hit: int) -> None:
@@ -73,11 +100,61 @@ class PrefixSharing:
         ]
         if mine:
             self.claims[req.request_id] = mine
+        key = self._tail_key(req)
+        if key is not None and self.computing_tails.setdefault(key, req) is req:
+            self.tail_claims[req.request_id] = key
+
+    def admitted_fork(self, num_tokens: int) -> None:
+        """Counts `num_tokens` of an admitted request's prompt served by a forked partial page."""
+        self.kv.stats.hits += num_tokens
+
+    def publish_tail(self, req: Request, num_computed: int) -> None:
+        """Publishes `req`'s partial page once its first `num_computed` tokens (its prompt, at
+        its first sample) are computed, for later requests to fork, and ends its claim on it."""
+        key = self.tail_claims.pop(req.request_id, None)
+        if key is not None and self.computing_tails.get(key) is req:
+            del self.computing_tails[key]
+        if not self.fork:
+            return
+        ps = self.page_size
+        full = num_computed // ps
+        if num_computed == full * ps:
+            return
+        hashes = req.page_hashes
+        if len(hashes) < full:
+            start = len(hashes) * ps
+            self.hasher.extend(hashes, req.token_ids(start, full * ps), req.cache_salt)
+        self.kv.publish_partial(
+            req.request_id,
+            full,
+            self._parent(req, full),
+            req.token_ids(full * ps, num_computed),
+        )
+
+    def _parent(self, req: Request, num_pages: int) -> bytes:
+        """The hash a partial page after `req`'s first `num_pages` full pages is published
+        under: the last of those pages' hash, or the root of `req`'s salt."""
+        return req.page_hashes[num_pages - 1] if num_pages else self.hasher.root(req.cache_salt)
+
+    def _tail_key(self, req: Request) -> tuple[bytes, tuple[int, ...]] | None:
+        """What identifies `req`'s prompt's partial page, when forking it would spare another
+        request with the same prompt at least one token (two or more tokens past its full
+        pages); None otherwise."""
+        if not self.fork:
+            return None
+        ps, n = self.page_size, req.num_prompt_tokens
+        full = n // ps
+        if n - full * ps < 2 or len(req.page_hashes) < full or req.output_token_ids:
+            return None
+        return self._parent(req, full), tuple(req.token_ids(full * ps, n))
 
     def release(self, req: Request) -> None:
         """Ends every claim of `req`, which stops running: those waiting for it compute the
         pages themselves."""
         self._unclaim(req, self.claims.pop(req.request_id, ()))
+        key = self.tail_claims.pop(req.request_id, None)
+        if key is not None and self.computing_tails.get(key) is req:
+            del self.computing_tails[key]
 
     def publish(self, req: Request) -> None:
         """Offers `req`'s newly computed full pages to the cache (cheap when none filled)."""
@@ -110,6 +187,14 @@ class PrefixSharing:
             }:
                 raise AssertionError(
                     f"Request {owner.request_id!r} computes a page but is not running."
+                )
+        for key, owner in self.computing_tails.items():
+            if (
+                owner.status != RequestStatus.RUNNING
+                or self.tail_claims.get(owner.request_id) != key
+            ):
+                raise AssertionError(
+                    f"Request {owner.request_id!r} computes a partial page but is not running."
                 )
 
     def _unclaim(self, req: Request, claimed) -> None:

@@ -83,7 +83,9 @@ class Scheduler:
         self.kv = KVCacheManager(config.num_pages, config.page_size, config.max_pages_per_seq)
         # None: the prefix cache is off.
         self.prefix = (
-            PrefixSharing(self.kv, config.page_size, config.prefix_cache_key)
+            PrefixSharing(
+                self.kv, config.page_size, config.prefix_cache_key, config.fork_partial_pages
+            )
             if config.enable_prefix_caching
             else None
         )
@@ -280,6 +282,7 @@ class Scheduler:
             step=self._step,
             **self.offload.take_copies(),
             lora_loads=plan.lora_loads,
+            page_copies=plan.page_copies,
         )
         num_sampled = num_proposed = 0
         for seq in out.seqs:  # counted as done now: the next plan starts where this one ends
@@ -352,6 +355,8 @@ class Scheduler:
                 prefix.publish(req)
             if not seq.sample:
                 continue
+            if prefix is not None and not req.output_token_ids and req.status == running:
+                prefix.publish_tail(req, start + len(seq.token_ids))  # its prompt is computed
             req.num_pending -= 1
             token = int(token)  # numpy ints from a runner's array become plain ints
             out = req.output_token_ids

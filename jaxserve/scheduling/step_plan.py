@@ -28,6 +28,9 @@ class StepPlan:
     preempted: list[str] = dataclasses.field(default_factory=list)
     # (device slot, adapter) newly loaded for requests admitted in this step (lora_slots.py).
     lora_loads: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    # (source, destination) device pages: partial pages forked for requests admitted in this
+    # step (prefix_sharing.py), copied before it runs.
+    page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     limit: int = dataclasses.field(init=False)  # the step's whole budget: `budget` at creation
 
     def __post_init__(self):

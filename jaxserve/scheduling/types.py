@@ -49,6 +49,10 @@ class SchedulerConfig:
     # shapes the KV, the model: caches of different keys never match.
     enable_prefix_caching: bool = True
     prefix_cache_key: str = ""
+    # Copy a prompt's partial page for a later request whose tokens go on the same way (beams,
+    # n > 1) rather than compute it again: only where the engine can copy pages on its device
+    # (not on a multi-host mesh, whose followers run only the steps).
+    fork_partial_pages: bool = True
     # Pages of the host KV pool (scheduling/host_pool.py): swapped requests and the host tier
     # of the prefix cache. 0: none, every preemption recomputes.
     num_host_pages: int = 0
@@ -177,11 +181,14 @@ class SchedulerOutput:
     # (device slot, adapter name) to write before this step runs: adapters that took a slot
     # in this plan (lora_slots.py), in order.
     lora_loads: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    # (source, destination) device pages to copy before this step, ahead of the swaps' reads:
+    # partial pages forked for the requests admitted in it (copy on write, prefix_sharing.py).
+    page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         """Nothing to run and nothing to copy."""
-        return not (self.seqs or self.swap_out or self.swap_in)
+        return not (self.seqs or self.swap_out or self.swap_in or self.page_copies)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -76,7 +76,9 @@ def test_prompts_sharing_0_1_several_or_all_full_pages_give_the_uncached_outputs
         "none": (_ids(rng, 40), 0),
         "one": (system[:PAGE] + _ids(rng, 20), PAGE),
         "several": (system[: 3 * PAGE] + _ids(rng, 9), 3 * PAGE),
-        "all": (warm_prompt, 4 * PAGE),  # the same prompt again: every full page
+        # The same prompt again: every full page, and 5 of the 6 tokens of warm's partial page,
+        # forked (copied: the 6th is computed for its logits).
+        "all": (warm_prompt, 4 * PAGE + 5),
         "whole-pages": (system, 3 * PAGE),  # ends on a page: its last one is computed again
     }
     queries = [
@@ -94,9 +96,11 @@ def test_prompts_sharing_0_1_several_or_all_full_pages_give_the_uncached_outputs
         expect = 0 if rid == "warm" else shares[name][1]
         if kind == "seeded":
             # Added just after the greedy query of the same prompt: it waits for that one's
-            # pages (computed once, PrefixSharing.waits) and takes every full page that
-            # leaves its last prompt token to compute.
-            expect = (len(shares[name][0]) - 1) // PAGE * PAGE
+            # pages (computed once, PrefixSharing.waits) and takes every full page and the
+            # forked partial page, all but its last prompt token, which it computes; a prompt
+            # that ends on a page has no partial page, and computes that whole last page.
+            n = len(shares[name][0])
+            expect = n - 1 if n % PAGE else (n - 1) // PAGE * PAGE
         assert num_cached == expect, rid
     assert all(num_cached == 0 for _, _, num_cached in want.values())
     # Hits move positions, not shapes: nothing in the process compiled while `cached` served.
@@ -191,13 +195,14 @@ def test_the_grpc_usage_carries_the_cached_prompt_tokens(cached):
     usage = [convert.response(out).usage for out in finals]
     assert [(u.prompt_tokens, u.cached_prompt_tokens) for u in usage] == [
         (3 * PAGE + 5, 0),
-        (3 * PAGE + 5, 3 * PAGE),
+        (3 * PAGE + 5, 3 * PAGE + 4),  # 3 full pages, 4 of the partial page's 5 tokens forked
     ]
 
 
 def test_samples_of_one_prompt_sent_together_compute_it_once(cached, uncached):
     # Four seeded samples of one 40-token prompt, added at once (as n=4 is served): the first
-    # computes the prompt, the others wait for its 2 full pages and compute only the last 8.
+    # computes the prompt, the others wait for its 2 full pages and its partial page, take the
+    # pages from the cache (the partial one copied) and compute only the last prompt token.
     prompt = _ids(random.Random(7), 40)
     batch = [
         (f"n{i}", prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=50 + i, logprobs=0))
@@ -206,9 +211,9 @@ def test_samples_of_one_prompt_sent_together_compute_it_once(cached, uncached):
     before = cached.metrics.stats.prompt_tokens
     got, want = _serve(cached, [batch]), _serve(uncached, [batch])
     _assert_same(got, want)
-    assert [got[f"n{i}"][2] for i in range(4)] == [0, 2 * PAGE, 2 * PAGE, 2 * PAGE]
+    assert [got[f"n{i}"][2] for i in range(4)] == [0, 39, 39, 39]
     # Each request's sampling step counts its last prompt token as generated, not prompt.
-    assert cached.metrics.stats.prompt_tokens - before == 39 + 3 * 7
+    assert cached.metrics.stats.prompt_tokens - before == 39
 
 
 @pytest.fixture(scope="module")

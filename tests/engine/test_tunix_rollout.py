@@ -49,7 +49,9 @@ def test_generate_is_the_engines_generation_with_padded_prompts(rollout):
     assert out.text == [w.text for w in want]
     assert out.tokens[0].tolist() != out.tokens[1].tolist()
     for lp, w in zip(out.logprobs, want, strict=True):
-        np.testing.assert_allclose(lp, [e.logprob for e in w.logprobs], atol=1e-6)
+        # The second generation takes the prompts' pages from the cache (the partial ones
+        # forked), so only their last token is computed, in another shape: a few 1e-6 apart.
+        np.testing.assert_allclose(lp, [e.logprob for e in w.logprobs], atol=1e-5)
         assert (lp <= 0).all() and len(lp) == len(w.token_ids)
     pad = rollout.pad_id()
     assert out.left_padded_prompt_tokens.shape == (2, 8)

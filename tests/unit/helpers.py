@@ -109,6 +109,22 @@ class FakeRunner:
         return page_table[pos // self.page_size] * self.page_size + pos % self.page_size
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
+        """The plan's page copies, then its step, as the engine runs them."""
+        self.fork_pages(plan)
+        return self.run_step(plan)
+
+    def fork_pages(self, plan: SchedulerOutput) -> None:
+        """Copies the partial pages the plan forks (SchedulerOutput.page_copies), whole."""
+        ps = self.page_size
+        for src, dst in plan.page_copies:
+            for i in range(ps):
+                if src * ps + i in self.cache:
+                    self.cache[dst * ps + i] = self.cache[src * ps + i]
+                else:
+                    self.cache.pop(dst * ps + i, None)
+
+    def run_step(self, plan: SchedulerOutput) -> StepResult:
+        """Writes the plan's tokens into their slots and samples each sampling row."""
         sampled: list[int | None] = []
         for seq in plan.seqs:
             assert len(seq.page_table) * self.page_size >= seq.end_pos, seq

@@ -42,19 +42,21 @@ class CopyingRunner(FakeRunner):
 
     def execute(self, plan):
         ps = self.page_size
-        # The engine's order: the last plan's restores are written; then this plan's host
-        # reads (staged for the next plan), device reads and host writes.
+        # The engine's order: the last plan's restores are written; then this plan's forked
+        # pages are copied, its host reads staged for the next plan, device reads and host
+        # writes made.
         for dev, values in self.ahead:
             self._copy({}, 0, self.cache, dev, values)
 
         def stage(pairs):
             return [(d, [self.host.get(h * ps + i) for i in range(ps)]) for h, d in pairs]
 
+        self.fork_pages(plan)  # forked partial pages: before anything of this plan reads them
         self.ahead = stage(plan.swap_in)
         for dev, host in plan.swap_out:
             self._copy(self.cache, dev, self.host, host)
         self.copies.update(out=len(plan.swap_out), into=len(plan.swap_in))
-        return super().execute(plan)
+        return self.run_step(plan)
 
 
 def _config(**overrides) -> SchedulerConfig:

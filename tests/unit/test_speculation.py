@@ -168,7 +168,7 @@ class VerifyingRunner(FakeRunner):
     def _history(self, seq, end: int) -> list[int]:
         return [self.cache[self._slot(seq.page_table, p)] for p in range(end)]
 
-    def execute(self, plan):
+    def run_step(self, plan):
         sampled = []
         for seq in plan.seqs:
             assert len(seq.page_table) * self.page_size >= seq.end_pos, seq
