@@ -134,10 +134,12 @@ def test_beams_take_their_parents_pages_from_the_prefix_cache(stories_engine):
     (beams,) = beam_search.run(stories_engine, [search])
     assert len(beams) == 4 and all(len(b.token_ids) == 8 for b in beams)
     computed = search.num_prompt_tokens_sent - search.num_cached_tokens
-    # After the first iteration each beam's prompt extends its parent's by one token, within
-    # the same page: its full pages come from the cache, so it computes at most a page.
-    assert computed <= len(prompt) + (search.num_requests - 1) * page
+    # After the first iteration each beam's prompt extends its parent's by one token: its full
+    # pages come from the cache and its parent's partial page is forked (copied), so it
+    # computes that one token alone.
+    assert computed == len(prompt) + search.num_requests - 1
     assert search.num_prompt_tokens_sent > 2 * computed  # what the cache saved, roughly
+    assert page > 1
 
 
 def test_an_aborted_beam_request_ends_its_search_alone(stories_engine):
