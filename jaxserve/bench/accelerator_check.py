@@ -26,7 +26,9 @@ starts on a clean device (JAX keeps what it allocated until its process exits, a
 not share the GPU with it), and the parent never initialises a device itself. After every stage
 the parent rewrites DIR/report.json and DIR/summary.md, so a run cut short by the device's time
 limit still leaves everything done so far (with the last lines of each stage's log in
-DIR/stages.log: three files, since the device tool brings back eight at most). Compiled buckets
+DIR/stages.log: three files, since the device tool brings back eight at most). Each stage's
+own JSON and full log go to `--work-dir`, kept; without it, to a temporary folder removed when
+the check ends, success or not (report.json holds every stage's JSON). Compiled buckets
 go to a persistent compilation cache shared by the stages, so the speed stage reloads what the
 correctness stage compiled.
 """
@@ -1068,8 +1070,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--work-dir",
         type=Path,
-        help="each stage's own JSON and full log (default: a new temporary folder); --out gets "
-        "only report.json, summary.md and stages.log, since the device tool returns 8 files",
+        help="each stage's own JSON and full log, kept there (default: a temporary folder, "
+        "removed when the check ends); --out gets only report.json (every stage's JSON), "
+        "summary.md and stages.log (each log's last lines), since the device tool returns 8 files",
     )
     parser.add_argument("--stage", choices=sorted(STAGE_FNS), help=argparse.SUPPRESS)
     parser.add_argument("--tiny-cpu-tokens", type=Path, help=argparse.SUPPRESS)
@@ -1093,12 +1096,24 @@ def main(argv: list[str] | None = None) -> int:
         return _stage_main(args)
     if args.out is None:
         parser.error("--out DIR is required.")
-    args.work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="jaxserve-accelerator-check-"))
     unknown = set(args.stages or ()) - {name for name, *_ in STAGES}
     if unknown:
         parser.error(
             f"--stages names unknown stages {sorted(unknown)}; known: {[n for n, *_ in STAGES]}."
         )
+    if args.work_dir is not None:  # the user's folder: kept, with every stage's full log
+        return _run_and_print(args)
+    # A folder of its own, removed when the check ends (however it ends): every stage's JSON is
+    # in --out's report.json and the last LOG_LINES of its log in stages.log; --work-dir keeps
+    # the full logs.
+    with tempfile.TemporaryDirectory(
+        prefix="jaxserve-accelerator-check-", ignore_cleanup_errors=True
+    ) as work_dir:
+        args.work_dir = Path(work_dir)
+        return _run_and_print(args)
+
+
+def _run_and_print(args) -> int:
     report = run_all(args)
     print((args.out / "summary.md").read_text())
     return 0 if all(s["status"] in ("ok", "skipped") for s in report["stages"].values()) else 1

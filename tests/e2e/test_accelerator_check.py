@@ -7,6 +7,8 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -97,6 +99,49 @@ def test_a_spent_budget_skips_the_remaining_stages_and_still_reports(tmp_path):
     assert all(s["status"] == "skipped" for s in report["stages"].values())
     assert "Budget spent" in report["stages"]["peer"]["reason"]
     assert all(t["met"] is None for t in report["targets"])
+
+
+def _fake_stage(name: str, args, limit_s: float) -> dict:
+    """A stage that writes into the work dir as a real one does (its JSON and its log)."""
+    (args.work_dir / f"{name}.json").write_text("{}")
+    (args.work_dir / f"{name}.log").write_text("ran\n")
+    if name == "peer":
+        raise RuntimeError("the stage's parent failed")
+    return {"seconds": 0.0, "cpu_s": 0.0, "limit_s": limit_s, "result": {}, "status": "ok"}
+
+
+def _made_work_dirs(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("jaxserve-accelerator-check-"))
+
+
+def test_a_work_dir_the_check_made_is_removed_however_it_ends(tmp_path, monkeypatch):
+    # Every run used to leave a jaxserve-accelerator-check-* folder in /tmp, filled or empty.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setattr(ac, "run_stage_process", _fake_stage)
+    seen = []
+    monkeypatch.setattr(ac, "write_report", lambda out, report: seen.append(_made_work_dirs(tmp)))
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.md").write_text("")
+    assert ac.main(["--out", str(out), "--stages", "environment"]) == 0
+    assert len(seen[0]) == 1  # the stage ran in a folder of the check's own...
+    assert _made_work_dirs(tmp) == []  # ...which is gone, with what the stage wrote in it
+
+    with pytest.raises(RuntimeError, match="parent failed"):
+        ac.main(["--out", str(out), "--stages", "environment,peer"])
+    assert _made_work_dirs(tmp) == []
+
+    with pytest.raises(SystemExit):  # refused before any folder is made
+        ac.main(["--out", str(out), "--stages", "nonesuch"])
+    assert _made_work_dirs(tmp) == []
+
+    # The user's --work-dir is kept, with each stage's JSON and full log.
+    mine = tmp_path / "mine"
+    assert ac.main(["--out", str(out), "--stages", "environment", "--work-dir", str(mine)]) == 0
+    assert sorted(f.name for f in mine.iterdir()) == ["environment.json", "environment.log"]
 
 
 def test_targets_read_the_kernel_report_wherever_the_points_are_nested():
