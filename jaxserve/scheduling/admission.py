@@ -118,7 +118,7 @@ class Admission:
                     self.offload.restore_hits(req, len(hit), host_hit)
                 self.offload.readmitted(req, computed)
                 if prefix is not None:
-                    prefix.admitted(req, len(hit) + len(host_hit))
+                    prefix.admitted(req, len(hit) + len(host_hit), forked=fork is not None)
                     self.offload.stats.device_hits += len(hit) * ps
                     self.offload.stats.host_hits += len(host_hit) * ps
             req.num_computed_tokens = computed

@@ -384,14 +384,15 @@ class KVCacheManager:
         `len(tokens)` slots hold the computed keys and values of `tokens`, which follow the full
         pages ending in the page hashed `parent` (`PageHasher.root` for the first page).
 
-        Only a page no other table lists (the owner's own) and none published already; returns
-        whether it was published. The owner may go on writing the page's later slots.
+        Not a page published already (full or partial; the page after a table's published ones
+        is its own, no other table lists it); returns whether it was published. The owner may
+        go on writing the page's later slots.
         """
         table = self._tables.get(seq_id)
         if not tokens or len(tokens) >= self.page_size or not table or index >= len(table):
             return False
         page = table[index]
-        if self._refs[page] != 1 or self._hash_of[page] is not None or page in self._partial_of:
+        if self._hash_of[page] is not None or page in self._partial_of:
             return False
         key = (parent, int(tokens[0]))
         entry = tuple(int(t) for t in tokens)

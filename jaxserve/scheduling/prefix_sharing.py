@@ -89,9 +89,10 @@ class PrefixSharing:
             owner = self.computing.get(hashes[len(hit)])
         return owner is not None and owner is not req and owner.status == RequestStatus.RUNNING
 
-    def admitted(self, req: Request, num_hit: int) -> None:
+    def admitted(self, req: Request, num_hit: int, forked: bool = False) -> None:
         """Counts `req`'s lookup (`num_hit` pages served) and claims the full pages it computes
-        from there on, those no one else computes already."""
+        from there on, those no one else computes already, and its prompt's partial page unless
+        it `forked` one (published already: the siblings behind it fork it too, not wait)."""
         self.kv.record_query(req.num_tokens, num_hit * self.page_size)
         mine = [
             (i, h)
@@ -100,7 +101,7 @@ class PrefixSharing:
         ]
         if mine:
             self.claims[req.request_id] = mine
-        key = self._tail_key(req)
+        key = None if forked else self._tail_key(req)
         if key is not None and self.computing_tails.setdefault(key, req) is req:
             self.tail_claims[req.request_id] = key
 
