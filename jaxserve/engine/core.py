@@ -576,12 +576,14 @@ class Engine:
         if self._restores_ahead:
             self.runner.kv = self.kv_transfer.write(self.runner.kv, self._restores_ahead)
             self._restores_ahead = []
-        if plan.page_copies:  # forked partial pages, before anything of this plan reads them
-            self.runner.kv = self.page_copies.run(self.runner.kv, plan.page_copies)
         if plan.swap_out or plan.swap_in:
             self._restores_ahead = self.kv_transfer.copy(
                 self.runner.kv, plan.swap_out, plan.swap_in
             )
+        # Forked partial pages, after the saves' reads: a fork's destination may be a page
+        # this plan evicted, whose old content the host tier is saving (offload.forked).
+        if plan.page_copies:
+            self.runner.kv = self.page_copies.run(self.runner.kv, plan.page_copies)
         # A step that finished while this one was planned (or packed, below) starts the device's
         # wait there, not at the next look, which would come after this dispatch and miss it.
         self._probe_done()

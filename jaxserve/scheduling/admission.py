@@ -109,7 +109,9 @@ class Admission:
                 return
             queue.pop()
             if fork is not None:  # the engine copies it on the device before this step
-                plan.page_copies.append((fork[0], self.kv.table_of(req.request_id)[len(hit)]))
+                dst = self.kv.table_of(req.request_id)[len(hit)]
+                plan.page_copies.append((fork[0], dst))
+                self.offload.forked(dst)
                 prefix.admitted_fork(fork[1])
             if swapped:
                 self.offload.restore(req)

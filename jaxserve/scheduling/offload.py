@@ -67,7 +67,8 @@ class Offload:
         # The current plan's copies, taken by `take_copies` when the plan is done.
         self.swap_out: list[tuple[int, int]] = []
         self.swap_in: list[tuple[int, int]] = []
-        self._restored: set[int] = set()  # device pages this plan restores (written before step)
+        # Device pages this plan restores or forks into: written after its saves' reads.
+        self._restored: set[int] = set()
         # Host pages this plan writes: read only from the next plan on, since the engine makes a
         # plan's host reads before its host writes.
         self._written: set[int] = set()
@@ -155,6 +156,12 @@ class Offload:
         dev = table[num_hit : num_hit + len(host_pages)]
         self.swap_in += zip(host_pages, dev, strict=True)
         self._restored.update(dev)
+
+    def forked(self, page: int) -> None:
+        """Device page `page` receives a forked partial page in this plan, copied after the
+        plan's saves: until then it holds nothing to save (a request holding it that is
+        preempted in this plan recomputes)."""
+        self._restored.add(page)
 
     def _save_evicted(self, page: int, page_hash: bytes) -> None:
         """KVCacheManager's eviction hook: the evicted page's keys and values go to the host

@@ -24,6 +24,10 @@ from __future__ import annotations
 from jaxserve.scheduling.kv_cache_manager import KVCacheManager, PageHasher
 from jaxserve.scheduling.request import Request, RequestStatus
 
+# The fewest tokens a fork must spare: a page copy to save one token is not worth its dispatch,
+# and one token (a BOS) is what unrelated prompts most often agree on.
+MIN_FORK_TOKENS = 2
+
 
 class PrefixSharing:
     """Hashes requests' full pages, matches them against the cache, and tracks who computes
@@ -69,7 +73,8 @@ class PrefixSharing:
         if limit < 1:
             return None
         parent = self._parent(req, len(hit))
-        return self.kv.match_partial(parent, req.token_ids(start, start + limit), limit)
+        found = self.kv.match_partial(parent, req.token_ids(start, start + limit), limit)
+        return found if found is not None and found[1] >= MIN_FORK_TOKENS else None
 
     def waits(self, req: Request, hit: list[int]) -> bool:
         """Whether another running request is computing `req`'s next uncached full page now.

@@ -181,8 +181,9 @@ class SchedulerOutput:
     # (device slot, adapter name) to write before this step runs: adapters that took a slot
     # in this plan (lora_slots.py), in order.
     lora_loads: list[tuple[int, str]] = dataclasses.field(default_factory=list)
-    # (source, destination) device pages to copy before this step, ahead of the swaps' reads:
-    # partial pages forked for the requests admitted in it (copy on write, prefix_sharing.py).
+    # (source, destination) device pages to copy before this step, after the swaps' reads (a
+    # destination may be a page this plan evicted, its old content being saved): partial pages
+    # forked for the requests admitted in it (copy on write, prefix_sharing.py).
     page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property

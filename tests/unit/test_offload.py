@@ -42,19 +42,19 @@ class CopyingRunner(FakeRunner):
 
     def execute(self, plan):
         ps = self.page_size
-        # The engine's order: the last plan's restores are written; then this plan's forked
-        # pages are copied, its host reads staged for the next plan, device reads and host
-        # writes made.
+        # The engine's order: the last plan's restores are written; then this plan's host
+        # reads (staged for the next plan), device reads and host writes; then its forked
+        # pages are copied.
         for dev, values in self.ahead:
             self._copy({}, 0, self.cache, dev, values)
 
         def stage(pairs):
             return [(d, [self.host.get(h * ps + i) for i in range(ps)]) for h, d in pairs]
 
-        self.fork_pages(plan)  # forked partial pages: before anything of this plan reads them
         self.ahead = stage(plan.swap_in)
         for dev, host in plan.swap_out:
             self._copy(self.cache, dev, self.host, host)
+        self.fork_pages(plan)  # forked partial pages: after the saves read what they evict
         self.copies.update(out=len(plan.swap_out), into=len(plan.swap_in))
         return self.run_step(plan)
 
@@ -309,3 +309,37 @@ def test_random_workloads_with_swaps_keep_the_books_and_the_outputs(ahead, setup
             assert req.output_token_ids == ref[: req.num_output_tokens]
         else:
             assert req.output_token_ids == ref
+
+
+def test_a_fork_into_a_page_the_host_tier_saves_copies_after_the_save():
+    """Three device pages: a fork's fresh page is the evicted last page of a cached prompt,
+    which the host tier saves in the same plan. The save must read the old content before the
+    copy writes the new, or the prompt's later host hit restores the forked tokens."""
+    sched = Scheduler(_config(num_pages=3, preemption="recompute"))
+    runner = CopyingRunner(4)
+
+    def req(rid: str, prompt: list[int], max_tokens: int = 1) -> Request:
+        return Request(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(max_tokens=max_tokens),
+            arrival_time=0.0,
+            eos_token_ids=(EOS,),
+        )
+
+    for r in (req("a", list(range(10, 18))), req("p", [1, 2, 3])):
+        sched.add_request(r)
+        _run(sched, runner)
+    child = req("child", [1, 2, 3, 9, 5, 5, 5, 5])
+    sched.add_request(child)
+    plan = sched.schedule()
+    assert plan.page_copies and plan.swap_out  # forked into a page whose save is this plan's
+    assert plan.page_copies[0][1] in {dev for dev, _ in plan.swap_out}
+    sched.update(plan, runner.execute(plan))
+    _run(sched, runner)
+    again = req("again", [*range(10, 18), 4], max_tokens=3)
+    sched.add_request(again)
+    _run(sched, runner)
+    assert sched.offload.stats.host_hits > 0
+    assert child.output_token_ids == reference_output(child)
+    assert again.output_token_ids == reference_output(again)

@@ -229,3 +229,20 @@ def test_a_fork_that_would_need_a_preemption_computes_the_page_instead():
     _run(sched, runner, plans)
     assert not any(p.page_copies for p in plans)
     assert child.output_token_ids == reference_output(child)
+
+
+def test_a_fork_must_spare_at_least_two_tokens():
+    sched = make_scheduler(enable_prefix_caching=True)
+    runner = FakeRunner(4)
+    sched.add_request(_req("parent", [1, 2, 3]))
+    _run(sched, runner)
+    one = _req("one", [1, 9, 9])  # agrees on its first token alone: computes it all
+    two = _req("two", [1, 2, 9])  # agrees on two: forks them
+    for req in (one, two):
+        sched.add_request(req)
+        plan = sched.schedule()
+        (seq,) = plan.seqs
+        sched.update(plan, runner.execute(plan))
+        _run(sched, runner)
+        assert req.output_token_ids == reference_output(req)
+        assert (seq.start_pos, len(plan.page_copies)) == ((0, 0) if req is one else (2, 1))
