@@ -112,14 +112,12 @@ class PrefixSharing:
 
     def admitted_fork(self, num_tokens: int) -> None:
         """Counts `num_tokens` of an admitted request's prompt served by a forked partial page."""
-        self.kv.stats.hits += num_tokens
+        self.kv.record_query(0, num_tokens)  # queried already by `admitted`
 
     def publish_tail(self, req: Request, num_computed: int) -> None:
         """Publishes `req`'s partial page once its first `num_computed` tokens (its prompt, at
         its first sample) are computed, for later requests to fork, and ends its claim on it."""
-        key = self.tail_claims.pop(req.request_id, None)
-        if key is not None and self.computing_tails.get(key) is req:
-            del self.computing_tails[key]
+        self._unclaim_tail(req)
         if not self.fork:
             return
         ps = self.page_size
@@ -144,13 +142,13 @@ class PrefixSharing:
 
     def _tail_key(self, req: Request) -> tuple[bytes, tuple[int, ...]] | None:
         """What identifies `req`'s prompt's partial page, when forking it would spare another
-        request with the same prompt at least one token (two or more tokens past its full
-        pages); None otherwise."""
+        request with the same prompt MIN_FORK_TOKENS (all the page's tokens but the last, which
+        that request computes); None otherwise: it would not fork, so nothing to wait for."""
         if not self.fork:
             return None
         ps, n = self.page_size, req.num_prompt_tokens
         full = n // ps
-        if n - full * ps < 2 or len(req.page_hashes) < full or req.output_token_ids:
+        if n - full * ps <= MIN_FORK_TOKENS or len(req.page_hashes) < full or req.output_token_ids:
             return None
         return self._parent(req, full), tuple(req.token_ids(full * ps, n))
 
@@ -158,9 +156,7 @@ class PrefixSharing:
         """Ends every claim of `req`, which stops running: those waiting for it compute the
         pages themselves."""
         self._unclaim(req, self.claims.pop(req.request_id, ()))
-        key = self.tail_claims.pop(req.request_id, None)
-        if key is not None and self.computing_tails.get(key) is req:
-            del self.computing_tails[key]
+        self._unclaim_tail(req)
 
     def publish(self, req: Request) -> None:
         """Offers `req`'s newly computed full pages to the cache (cheap when none filled)."""
@@ -202,6 +198,12 @@ class PrefixSharing:
                 raise AssertionError(
                     f"Request {owner.request_id!r} computes a partial page but is not running."
                 )
+
+    def _unclaim_tail(self, req: Request) -> None:
+        """Ends `req`'s claim on its prompt's partial page, if it holds one."""
+        key = self.tail_claims.pop(req.request_id, None)
+        if key is not None and self.computing_tails.get(key) is req:
+            del self.computing_tails[key]
 
     def _unclaim(self, req: Request, claimed) -> None:
         """Ends `req`'s claim on the (page index, hash) pairs `claimed`."""

@@ -246,3 +246,19 @@ def test_a_fork_must_spare_at_least_two_tokens():
         _run(sched, runner)
         assert req.output_token_ids == reference_output(req)
         assert (seq.start_pos, len(plan.page_copies)) == ((0, 0) if req is one else (2, 1))
+
+
+def test_siblings_do_not_wait_for_a_partial_page_they_could_not_fork():
+    # 2 tokens on a partial page: a sibling could fork only 1 of them, below MIN_FORK_TOKENS,
+    # so it computes its page beside the first rather than waiting for it.
+    sched = make_scheduler(enable_prefix_caching=True)
+    runner = FakeRunner(4)
+    reqs = [_req(f"n{i}", [1, 2], max_tokens=2, params={"seed": i}) for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    plans: list = []
+    _run(sched, runner, plans)
+    assert sorted(s.request_id for s in plans[0].seqs) == ["n0", "n1"]
+    assert not any(p.page_copies for p in plans)
+    for r in reqs:
+        assert r.output_token_ids == reference_output(r)
