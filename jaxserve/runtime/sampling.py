@@ -260,6 +260,24 @@ def sample_step(
     return out, dataclasses.replace(state, output_counts=counts)
 
 
+def argmax_rows(logits: jax.Array) -> jax.Array:  # f32[S, V] -> i32[S]
+    """`jnp.argmax(logits, -1)` (the first maximum, or the first NaN) as two plain reductions.
+
+    XLA:CPU lowers argmax to one variadic reduce over (value, index) pairs that it does not
+    vectorize: 7.0 ms for 64 rows of a 49,152-token vocabulary on the 2-core CPU (1.8 ms at 16
+    rows). Here each logit becomes an int32 key in the float order (its bits, the negative ones'
+    magnitude bits flipped; -0.0 as 0.0; NaN above everything, as argmax ranks it), and a max of
+    the keys and then a min over the indices that reach it give the same answer in 2.0 ms (0.43
+    at 16 rows).
+    """
+    x = jnp.where(logits == 0, 0.0, logits).astype(jnp.float32)  # -0.0 ties with 0.0
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    key = jnp.where(jnp.isnan(x), jnp.iinfo(jnp.int32).max, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+    top = jnp.max(key, axis=-1, keepdims=True)
+    ids = jax.lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
+    return jnp.min(jnp.where(key == top, ids, key.shape[-1] - 1), axis=-1)
+
+
 def sample(
     logits: jax.Array,
     params: SamplingBatch,
@@ -282,7 +300,7 @@ def sample(
     if penalties is not None and params.slots is not None:  # static
         logits = apply_penalties(logits, params, penalties)
     greedy = params.temperature <= 0
-    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    best = argmax_rows(logits)
     token_ids = jax.lax.cond(
         jnp.all(greedy),
         lambda: best,

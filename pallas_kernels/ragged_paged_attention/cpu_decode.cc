@@ -31,53 +31,111 @@ struct Shape {
 };
 
 #if defined(__AVX512F__)
-// AttendOne for head_dim = 16 * NC: each query head's vectors and its output accumulator stay in
-// registers, a key's dot product reduces independently of the next (no dependency chain).
+// e^x for 16 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+// (relative error < 2e-7, about 1.5 ulp), then scaled by 2^n (scalef: underflows to 0 below
+// about -104, as e^x does in float32).
+inline __m512 Exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2's high part, exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);      // and its low part
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One slot's KV heads [h0, h1) for head_dim = 16 * NC, page by page: each page's rows are read
+// from memory once for every query head of those KV heads (a page of 16 rows is a few tens of
+// KiB, so the query heads after the first read it from L1/L2), with an online softmax carried
+// from page to page. Reading a slot's heads together matters more than any arithmetic here:
+// one KV head at a time over the whole context read each row from memory once per KV head, at
+// a quarter to a third of the bandwidth (see the notes in cpu_ffi.py). The next page is
+// prefetched while this one is worked on, since the page table hides it from the hardware.
 template <int NC>
-void AttendVec(const Shape& s, const float* q, const float* layer_base, const int32_t* table,
-               int32_t lowest, int64_t n, float sm_scale, int64_t kv_head, float* out,
-               float* scores) {
+void AttendSlotVec(const Shape& s, const float* q, const float* layer_base, const int32_t* table,
+                   int64_t lowest, int64_t kv_len, float sm_scale, int64_t h0, int64_t h1,
+                   float* out, float* state) {
   const int64_t g = s.group, d = s.head_dim, ps = s.page_size, lanes = s.lanes;
-  const int64_t k_off = kv_head * 2 * d, v_off = k_off + d;
-  for (int64_t h = 0; h < g; ++h) {
-    __m512 qv[NC];
-    for (int c = 0; c < NC; ++c) qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + h * d + 16 * c),
-                                                      _mm512_set1_ps(sm_scale));
-    float* sh = scores + h * n;
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < n;) {
-      const int64_t pos = lowest + i;
-      const float* row = layer_base + (table[pos / ps] * ps + pos % ps) * lanes + k_off;
-      const int64_t run = std::min<int64_t>(ps - pos % ps, n - i);  // keys left on this page
-      for (int64_t k = 0; k < run; ++k, row += lanes) {
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(row), qv[0]);
-        for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(row + 16 * c), qv[c], acc);
-        const float sc = _mm512_reduce_add_ps(acc);
-        sh[i + k] = sc;
-        mx = std::max(mx, sc);
+  const int64_t heads = (h1 - h0) * g;  // query heads of this call, from h0 * g
+  float* mx = state;                    // running max per query head
+  float* den = state + heads;           // running denominator per query head
+  for (int64_t i = 0; i < heads; ++i) mx[i] = -INFINITY, den[i] = 0.0f;
+  std::fill(out + h0 * g * d, out + h1 * g * d, 0.0f);
+  const int64_t row_bytes = (h1 - h0) * 2 * d * sizeof(float);
+  alignas(64) float sc[16];
+  for (int64_t pos = lowest; pos < kv_len;) {
+    const int64_t off = pos % ps, run = std::min<int64_t>(ps - off, kv_len - pos);
+    const float* base = layer_base + (table[pos / ps] * ps + off) * lanes;
+    if (pos + run < kv_len) {  // the next page's rows of these heads
+      const int64_t next_rows = std::min<int64_t>(ps, kv_len - pos - run);
+      const char* nb = reinterpret_cast<const char*>(layer_base + table[(pos + run) / ps] * ps * lanes +
+                                                     h0 * 2 * d);
+      for (int64_t r = 0; r < next_rows; ++r)
+        for (int64_t b = 0; b < row_bytes; b += 64)
+          _mm_prefetch(nb + r * lanes * sizeof(float) + b, _MM_HINT_T0);
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* kb = base + h * 2 * d;
+      const float* vb = kb + d;
+      for (int64_t j = 0; j < g; ++j) {
+        const int64_t head = h * g + j, local = head - h0 * g;
+        __m512 qv[NC];
+        for (int c = 0; c < NC; ++c)
+          qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + head * d + 16 * c), _mm512_set1_ps(sm_scale));
+        float* oh = out + head * d;
+        for (int64_t k0 = 0; k0 < run; k0 += 16) {
+          const int64_t n = std::min<int64_t>(16, run - k0);
+          const float* row = kb + k0 * lanes;
+          for (int64_t k = 0; k < n; ++k, row += lanes) {
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(row), qv[0]);
+            for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(row + 16 * c), qv[c], acc);
+            sc[k] = _mm512_reduce_add_ps(acc);
+          }
+          const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+          const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc);
+          const float m_new = std::max(mx[local], _mm512_reduce_max_ps(sv));
+          const float rescale = std::exp(mx[local] - m_new);  // 0 at the first block
+          const __m512 pv = _mm512_maskz_mov_ps(live, Exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+          den[local] = den[local] * rescale + _mm512_reduce_add_ps(pv);
+          mx[local] = m_new;
+          _mm512_store_ps(sc, pv);
+          __m512 ov[NC];
+          const __m512 rs = _mm512_set1_ps(rescale);
+          for (int c = 0; c < NC; ++c) ov[c] = _mm512_mul_ps(_mm512_loadu_ps(oh + 16 * c), rs);
+          const float* vrow = vb + k0 * lanes;
+          for (int64_t k = 0; k < n; ++k, vrow += lanes) {
+            const __m512 p = _mm512_set1_ps(sc[k]);
+            for (int c = 0; c < NC; ++c) ov[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vrow + 16 * c), ov[c]);
+          }
+          for (int c = 0; c < NC; ++c) _mm512_storeu_ps(oh + 16 * c, ov[c]);
+        }
       }
-      i += run;
     }
-    float denom = 0.0f;
-#pragma omp simd reduction(+ : denom)
-    for (int64_t i = 0; i < n; ++i) {
-      sh[i] = std::exp(sh[i] - mx);
-      denom += sh[i];
-    }
-    __m512 ov[NC];
-    for (int c = 0; c < NC; ++c) ov[c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n;) {
-      const int64_t pos = lowest + i;
-      const float* row = layer_base + (table[pos / ps] * ps + pos % ps) * lanes + v_off;
-      const int64_t run = std::min<int64_t>(ps - pos % ps, n - i);
-      for (int64_t k = 0; k < run; ++k, row += lanes) {
-        const __m512 p = _mm512_set1_ps(sh[i + k]);
-        for (int c = 0; c < NC; ++c) ov[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16 * c), ov[c]);
-      }
-      i += run;
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / denom);
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + h * d + 16 * c, _mm512_mul_ps(ov[c], inv));
+    pos += run;
+  }
+  for (int64_t head = h0 * g; head < h1 * g; ++head) {
+    const __m512 inv = _mm512_set1_ps(1.0f / den[head - h0 * g]);
+    float* oh = out + head * d;
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(oh + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(oh + 16 * c), inv));
+  }
+}
+
+// AttendSlotVec's head sizes; false for the others, which AttendOne's scalar loops take.
+bool AttendSlot(const Shape& s, const float* q, const float* layer_base, const int32_t* table,
+                int64_t lowest, int64_t kv_len, float sm_scale, int64_t h0, int64_t h1, float* out,
+                float* state) {
+  switch (s.head_dim) {
+    case 32: AttendSlotVec<2>(s, q, layer_base, table, lowest, kv_len, sm_scale, h0, h1, out, state); return true;
+    case 64: AttendSlotVec<4>(s, q, layer_base, table, lowest, kv_len, sm_scale, h0, h1, out, state); return true;
+    case 128: AttendSlotVec<8>(s, q, layer_base, table, lowest, kv_len, sm_scale, h0, h1, out, state); return true;
+    case 256: AttendSlotVec<16>(s, q, layer_base, table, lowest, kv_len, sm_scale, h0, h1, out, state); return true;
+    default: return false;
   }
 }
 #endif
@@ -95,14 +153,6 @@ void AttendOne(const Shape& s, const float* q, const float* pool, int64_t layer,
   const int64_t n = kv_len - lowest;
   scores.resize(g * n);
   const float* layer_base = pool + layer * s.num_pages * s.page_size * s.lanes;
-#if defined(__AVX512F__)
-  switch (d) {
-    case 64: return AttendVec<4>(s, q, layer_base, table, lowest, n, sm_scale, kv_head, out, scores.data());
-    case 128: return AttendVec<8>(s, q, layer_base, table, lowest, n, sm_scale, kv_head, out, scores.data());
-    case 256: return AttendVec<16>(s, q, layer_base, table, lowest, n, sm_scale, kv_head, out, scores.data());
-    default: break;
-  }
-#endif
   const int64_t k_off = kv_head * 2 * d, v_off = k_off + d;
   // Scores: every key of the context, for the g heads at once (the key row read once).
   for (int64_t pos = lowest; pos < kv_len; ++pos) {
@@ -168,12 +218,31 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q
   float* op = out->typed_data();
   const int64_t items = s.num_slots * s.num_kv_heads;
   const int64_t per = s.group * s.head_dim;
+  // Items [begin, end) are (slot, KV head) pairs in order; a slot's run of them is one call,
+  // which reads each key row of the slot once for all of its heads there.
   auto run = [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t slot = i / s.num_kv_heads, head = i % s.num_kv_heads;
-      AttendOne(s, qp + i * per, pp, lyr, tp + slot * s.pages_per_seq, lens[slot], low[slot],
-                sm_scale, head, op + i * per, scores);
+    std::vector<float> scores, state(2 * s.num_kv_heads * s.group);
+    for (int64_t i = begin; i < end;) {
+      const int64_t slot = i / s.num_kv_heads, h0 = i % s.num_kv_heads;
+      const int64_t h1 = std::min<int64_t>(s.num_kv_heads, h0 + end - i);
+      const int32_t kv_len = lens[slot], lo = std::max<int32_t>(low[slot], 0);
+      const float* q_slot = qp + slot * s.num_kv_heads * per;
+      float* o_slot = op + slot * s.num_kv_heads * per;
+#if defined(__AVX512F__)
+      if (kv_len > lo) {
+        const float* layer_base = pp + lyr * s.num_pages * s.page_size * s.lanes;
+        if (AttendSlot(s, q_slot, layer_base, tp + slot * s.pages_per_seq, lo, kv_len, sm_scale,
+                       h0, h1, o_slot, state.data())) {
+          i += h1 - h0;
+          continue;
+        }
+      }
+#endif
+      for (int64_t h = h0; h < h1; ++h) {
+        AttendOne(s, q_slot + h * per, pp, lyr, tp + slot * s.pages_per_seq, kv_len, low[slot],
+                  sm_scale, h, o_slot + h * per, scores);
+      }
+      i += h1 - h0;
     }
   };
   // Split by keys to read, not by items: rows' contexts differ by up to max_model_len. A worker
@@ -208,6 +277,198 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q
   return ffi::Error::Success();
 }
 
+#if defined(__AVX512F__)
+// Query rows per prefill work item: each block of keys is transposed once for this many rows.
+constexpr int64_t kPrefillRows = 16;
+
+// Rows [t0, t1) of one prefill chunk against KV head h, for head_dim = 16 * NC. Row t sits at
+// position first_pos + (t - t0) and sees keys [max(0, pos - window + 1), pos]. Keys come a page
+// block of up to 16 at a time; the block's keys are transposed into kt[d][16] once, so each
+// query row's 16 scores are d broadcast FMAs into one vector (no horizontal sums), then one
+// vector exp, and the online softmax carries each row's max and denominator across blocks.
+template <int NC>
+void PrefillRowsVec(const Shape& s, const float* q, const float* layer_base, const int32_t* table,
+                    int64_t first_pos, int64_t t0, int64_t t1, int64_t window, float sm_scale,
+                    int64_t h, float* out, float* scratch) {
+  const int64_t g = s.group, d = s.head_dim, ps = s.page_size, lanes = s.lanes, hq = s.num_kv_heads * g;
+  const int64_t rows = t1 - t0, units = rows * g;
+  float* mx = scratch;             // [rows * g]
+  float* den = mx + units;         // [rows * g]
+  float* acc = den + units;        // [rows * g, d]
+  alignas(64) float kt[16 * 256];  // [d][16] the block's keys, transposed (d <= 256)
+  alignas(64) float pr[16];
+  for (int64_t i = 0; i < units; ++i) mx[i] = -INFINITY, den[i] = 0.0f;
+  std::fill(acc, acc + units * d, 0.0f);
+  const int64_t last_pos = first_pos + rows - 1;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  for (int64_t pos = lo; pos <= last_pos;) {
+    const int64_t off = pos % ps;
+    const int64_t n = std::min<int64_t>({16, ps - off, last_pos + 1 - pos});
+    const float* kb = layer_base + (table[pos / ps] * ps + off) * lanes + h * 2 * d;
+    const float* vb = kb + d;
+    for (int64_t k = 0; k < n; ++k)
+      for (int64_t c = 0; c < d; ++c) kt[c * 16 + k] = kb[k * lanes + c];
+    for (int64_t k = n; k < 16; ++k)
+      for (int64_t c = 0; c < d; ++c) kt[c * 16 + k] = 0.0f;
+    const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(pos)),
+                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                               11, 12, 13, 14, 15));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t qpos = first_pos + r;
+      if (pos > qpos) continue;                              // the whole block is in its future
+      if (window > 0 && pos + n - 1 < qpos - window + 1) continue;  // or before its window
+      __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+      live &= _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(static_cast<int32_t>(qpos)));
+      if (window > 0)
+        live &= _mm512_cmpge_epi32_mask(key_pos,
+                                        _mm512_set1_epi32(static_cast<int32_t>(qpos - window + 1)));
+      for (int64_t j = 0; j < g; ++j) {
+        const float* qh = q + (t0 + r) * hq * d + (h * g + j) * d;
+        __m512 sv = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d; ++c)
+          sv = _mm512_fmadd_ps(_mm512_set1_ps(qh[c]), _mm512_load_ps(kt + c * 16), sv);
+        sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                                _mm512_mul_ps(sv, _mm512_set1_ps(sm_scale)));
+        const int64_t u = r * g + j;
+        const float m_new = std::max(mx[u], _mm512_reduce_max_ps(sv));
+        const float rescale = std::exp(mx[u] - m_new);
+        const __m512 pv = _mm512_maskz_mov_ps(live, Exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+        den[u] = den[u] * rescale + _mm512_reduce_add_ps(pv);
+        mx[u] = m_new;
+        _mm512_store_ps(pr, pv);
+        float* au = acc + u * d;
+        __m512 ov[NC];
+        const __m512 rs = _mm512_set1_ps(rescale);
+        for (int c = 0; c < NC; ++c) ov[c] = _mm512_mul_ps(_mm512_loadu_ps(au + 16 * c), rs);
+        const float* vrow = vb;
+        for (int64_t k = 0; k < n; ++k, vrow += lanes) {
+          if (!((live >> k) & 1)) continue;
+          const __m512 p = _mm512_set1_ps(pr[k]);
+          for (int c = 0; c < NC; ++c) ov[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vrow + 16 * c), ov[c]);
+        }
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(au + 16 * c, ov[c]);
+      }
+    }
+    pos += n;
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < g; ++j) {
+      const int64_t u = r * g + j;
+      const __m512 inv = _mm512_set1_ps(1.0f / den[u]);  // den >= 1: the row's own key is live
+      float* o = out + (t0 + r) * hq * d + (h * g + j) * d;
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + u * d + 16 * c), inv));
+    }
+}
+
+bool PrefillRows(const Shape& s, const float* q, const float* layer_base, const int32_t* table,
+                 int64_t first_pos, int64_t t0, int64_t t1, int64_t window, float sm_scale,
+                 int64_t h, float* out, float* scratch) {
+  switch (s.head_dim) {
+    case 32: PrefillRowsVec<2>(s, q, layer_base, table, first_pos, t0, t1, window, sm_scale, h, out, scratch); return true;
+    case 64: PrefillRowsVec<4>(s, q, layer_base, table, first_pos, t0, t1, window, sm_scale, h, out, scratch); return true;
+    case 128: PrefillRowsVec<8>(s, q, layer_base, table, first_pos, t0, t1, window, sm_scale, h, out, scratch); return true;
+    case 256: PrefillRowsVec<16>(s, q, layer_base, table, first_pos, t0, t1, window, sm_scale, h, out, scratch); return true;
+    default: return false;
+  }
+}
+#endif
+
+// Runs fn(begin, end) over [0, items) split into contiguous ranges of about equal cost on XLA's
+// intra-op pool (this thread takes the first); cost[i] is item i's work, in any unit.
+template <typename Fn>
+void SplitByCost(ffi::ThreadPool& pool_threads, const std::vector<int64_t>& cost, int64_t min_cost,
+                 Fn fn) {
+  const int64_t items = static_cast<int64_t>(cost.size());
+  int64_t total = 0;
+  for (int64_t c : cost) total += c;
+  int64_t workers = std::max<int64_t>(1, pool_threads.num_threads());
+  workers = std::min<int64_t>({workers, std::max<int64_t>(1, total / min_cost), items});
+  if (workers <= 1) {
+    fn(0, items);
+    return;
+  }
+  std::vector<int64_t> bounds(workers + 1, items);
+  bounds[0] = 0;
+  int64_t acc = 0, w = 1;
+  for (int64_t i = 0; i < items && w < workers; ++i) {
+    acc += cost[i];
+    if (acc * workers >= total * w) bounds[w++] = i + 1;
+  }
+  std::atomic<int64_t> pending{workers - 1};
+  for (int64_t k = 1; k < workers; ++k) {
+    const int64_t b = bounds[k], e = bounds[k + 1];
+    pool_threads.Schedule([&fn, &pending, b, e] {
+      fn(b, e);
+      pending.fetch_sub(1, std::memory_order_release);
+    });
+  }
+  fn(bounds[0], bounds[1]);
+  while (pending.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+}
+
+// Every row of the step's prefill chunks (sequences with more than one query); other rows 0.
+ffi::Error PrefillAttention(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q,
+                            ffi::Buffer<ffi::F32> kv_pool, ffi::Buffer<ffi::S32> layer,
+                            ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> kv_lens,
+                            ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> num_seqs,
+                            float sm_scale, int32_t window, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions();
+  auto pd = kv_pool.dimensions();
+  if (qd.size() != 4 || pd.size() != 4 || page_tables.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("prefill attention: q must be 4-d, the pool 4-d, the "
+                                       "page tables 2-d");
+  }
+  // Shape's first field is unused here (q's rows are tokens, not slots).
+  Shape s{qd[0], qd[1], qd[2], qd[3], pd[0], pd[1], pd[2], pd[3], page_tables.dimensions()[1]};
+  if (2 * s.num_kv_heads * s.head_dim > s.lanes) {
+    return ffi::Error::InvalidArgument("prefill attention: the pool's lanes hold fewer than 2 * "
+                                       "num_kv_heads * head_dim values");
+  }
+#if !defined(__AVX512F__)
+  return ffi::Error::InvalidArgument("prefill attention: built without AVX-512");
+#else
+  if (s.head_dim != 32 && s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) {
+    return ffi::Error::InvalidArgument("prefill attention: head_dim must be 32, 64, 128 or 256");
+  }
+  const int64_t num_tokens = qd[0], per_token = s.num_kv_heads * s.group * s.head_dim;
+  const float* qp = q.typed_data();
+  const int32_t* qs = query_start.typed_data();
+  const int32_t* lens = kv_lens.typed_data();
+  const int64_t n_seqs = std::min<int64_t>(num_seqs.typed_data()[0], page_tables.dimensions()[0]);
+  const float* layer_base = kv_pool.typed_data() +
+                            layer.typed_data()[0] * s.num_pages * s.page_size * s.lanes;
+  float* op = out->typed_data();
+  std::fill(op, op + num_tokens * per_token, 0.0f);
+  struct Item { int64_t seq, t0, t1, head; };
+  std::vector<Item> work;
+  std::vector<int64_t> cost;
+  for (int64_t seq = 0; seq < n_seqs; ++seq) {
+    const int64_t b = qs[seq], e = std::min<int64_t>(qs[seq + 1], num_tokens);
+    if (e - b <= 1) continue;  // decode rows (or none): the decode call's
+    for (int64_t t0 = b; t0 < e; t0 += kPrefillRows) {
+      const int64_t t1 = std::min(e, t0 + kPrefillRows);
+      const int64_t keys = lens[seq] - (e - t1);  // keys the tile's last row sees, at most
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+        work.push_back({seq, t0, t1, h});
+        cost.push_back((t1 - t0) * std::max<int64_t>(keys, 1));
+      }
+    }
+  }
+  if (work.empty()) return ffi::Error::Success();
+  SplitByCost(pool_threads, cost, 16 * 1024, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(kPrefillRows * s.group * (s.head_dim + 2));
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = work[i];
+      const int64_t e = std::min<int64_t>(qs[it.seq + 1], num_tokens);
+      const int64_t first_pos = lens[it.seq] - (e - it.t0);
+      PrefillRows(s, qp, layer_base, page_tables.typed_data() + it.seq * s.pages_per_seq, first_pos,
+                  it.t0, it.t1, window, sm_scale, it.head, op, scratch.data());
+    }
+  });
+  return ffi::Error::Success();
+#endif
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDecodeAttention, DecodeAttention,
@@ -221,3 +482,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lowest position [S]
                                   .Attr<float>("sm_scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [S, Hkv, g, d]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePrefillAttention, PrefillAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hkv, g, d], unscaled
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // pool [L, P, page, lanes]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page tables [S, P]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs []
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("window")        // 0: no sliding window
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [T, Hkv, g, d]

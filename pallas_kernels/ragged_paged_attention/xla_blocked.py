@@ -158,11 +158,32 @@ def ragged_paged_attention(
     if num_tokens == 1:  # static: one token is a decode, never a prefill tile
         return out.astype(q.dtype)
 
-    def prefill(out):
+    def tiles(out):
         # Padded by one tile so a tile's slice never runs off the end (dynamic_slice clamps).
         out = jnp.pad(out, ((0, _tile_rows(num_tokens)), (0, 0), (0, 0)))
         out = _prefill_tiles(q, pool, query_start, plan, out, sm_scale, sliding_window)
         return out[:num_tokens]
+
+    def native(out):  # the prefill rows from the C++ call; it leaves every other row 0
+        qg = q.reshape(num_tokens, num_kv_heads, -1, head_dim)
+        rows = cpu_ffi.prefill_attention(
+            qg,
+            kv_pool,
+            layer,
+            query_start,
+            kv_lens,
+            page_tables,
+            num_seqs,
+            sm_scale,
+            sliding_window,
+        )
+        return out + rows.reshape(out.shape)
+
+    def prefill(out):
+        if not _native_prefill(q, kv_pool, head_dim):
+            return tiles(out)
+        # Chosen when the step is lowered: a step compiled for an accelerator gets the tiles.
+        return jax.lax.platform_dependent(out, cpu=native, default=tiles)
 
     # A decode-only step skips the tile loop's set-up as well as the loop: the compiled step
     # otherwise copies its accumulators and padded buffers (~1.5 MB) in every layer: in a
@@ -210,6 +231,16 @@ def _online_softmax_step(carry, scores, mask, v, spec: str):
     denom = denom * rescale + jnp.sum(probs, axis=-1)
     pv = jnp.einsum(spec, probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return new_max, denom, acc * rescale[..., None] + pv
+
+
+def _native_prefill(q, kv_pool, head_dim: int) -> bool:
+    """Whether this process may lower the prefill rows to cpu_ffi's call (float32, on the CPU)."""
+    return (
+        q.dtype == jnp.float32
+        and kv_pool.dtype == jnp.float32
+        and jax.default_backend() == "cpu"
+        and cpu_ffi.prefill_available(head_dim)
+    )
 
 
 def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window):

@@ -272,3 +272,23 @@ def test_processed_rows_report_the_distribution_they_draw_from():
     # The draws themselves do not depend on the mode.
     as_raw = sample_jit(logits, dataclasses.replace(params, processed_logprobs=np.zeros(8, bool)))
     np.testing.assert_array_equal(as_raw.token_ids, tokens)
+
+
+def test_argmax_rows_matches_argmax_on_ties_infinities_and_nans():
+    from jaxserve.runtime.sampling import argmax_rows
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, size=(40, 333)).astype(np.float32)  # many tied maxima per row
+    x[1] = -np.inf  # every token masked: argmax says 0
+    x[2, 7] = np.inf
+    x[3, [5, 9]] = np.nan  # the first NaN wins, as in argmax
+    x[4, 0] = np.nan
+    x[5, -1] = 10.0  # the maximum in the last column
+    x[6] = -1.0
+    x[6, [4, 8]] = [-0.0, 0.0]  # -0.0 ties with 0.0: the first wins
+    x[7] = -np.inf
+    x[7, 11] = -1e30  # negative keys order by magnitude
+    x[7, 12] = -2e30
+    got = np.asarray(jax.jit(argmax_rows)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert got.dtype == np.int32 and list(got[1:8]) == [0, 7, 5, 0, 332, 4, 11]

@@ -1,7 +1,8 @@
-"""The CPU's native decode attention (cpu_decode.cc through cpu_ffi) against the dense reference.
+"""The CPU's native attention (cpu_decode.cc through cpu_ffi) against the dense reference.
 
 Decode rows at contexts that cross pages, GQA ratios 1-4, a sliding window, padding slots, and
-head sizes both of the vectorised path (64, 128, 256) and of the scalar one (16, 80). Pools are
+head sizes both of the vectorised path (32, 64, 128, 256) and of the scalar one (16, 80), and pages
+longer than the 16 keys the vectorised path scores at once. Pools are
 NaN wherever no query may look (make_inputs), so a read past a row's context or outside its
 window shows. Each case also checks that the step really lowered to the native call: a silent
 fall back to the jnp loop would pass the numbers and fail here.
@@ -35,7 +36,10 @@ CASES = {
     "d256_mha": Case(((1, 5), (1, 12)), 4, 2, 2, 256, F32, 2, 2),
     # A window of 7 over decodes longer and shorter than it (d64, GQA 2).
     "window": Case(((1, 30), (1, 3), (1, 8), (1, 7)), 4, 4, 2, 64, F32, 4, 4, 7),
-    # The scalar path: head_dim 16 and 80 (the vectorised one takes 64, 128 and 256); a window.
+    # head_dim 32 (the `tiny` benchmark model's), GQA 2, pages of 40: each page is scored in
+    # blocks of 16, 16 and 8 keys, the online softmax carried across blocks and pages.
+    "d32_pages40": Case(((1, 97), (1, 40), (1, 41), (1, 1)), 40, 8, 4, 32, F32, 4, 5),
+    # The scalar path: head_dim 16 and 80 (the vectorised one takes 32, 64, 128 and 256).
     "d16_scalar": Case(((1, 10), (1, 3)), 4, 4, 2, 16, F32, 2, 3),
     "d80_scalar": Case(((1, 21), (1, 6)), 8, 2, 1, 80, F32, 2, 2, 11),
     # Decodes beside a prefill chunk: the native call runs the decode rows, the tiles the rest.
@@ -43,6 +47,39 @@ CASES = {
     # Enough keys for two workers on the intra-op pool (8 rows x 2 KV heads x ~300 keys).
     "two_workers": Case(tuple((1, 280 + 7 * i) for i in range(8)), 16, 4, 2, 64, F32, 8, 8),
 }
+
+
+# Prefill chunks through the native prefill call (head sizes 32-256): first and later chunks,
+# chunks longer than its 16-row items and not aligned to them, chunks crossing pages of 4, 16 and
+# 40 keys, GQA 1-4, windows shorter and longer than a chunk, decodes beside them.
+PREFILL_CASES = {
+    "d64_gqa3_later_chunks": Case(((37, 50), (1, 9), (16, 16), (2, 30)), 16, 9, 3, 64, F32, 64, 6),
+    "d32_pages40": Case(((21, 21), (19, 100), (1, 41)), 40, 8, 4, 32, F32, 48, 4),
+    "d128_gqa4_pages4": Case(((9, 13), (3, 3), (1, 7)), 4, 8, 2, 128, F32, 16, 4),
+    "d256_mha": Case(((5, 5), (4, 11)), 4, 2, 2, 256, F32, 12, 2),
+    "window_short": Case(((30, 44), (1, 20), (6, 6)), 8, 4, 2, 64, F32, 40, 4, 5),
+    "window_long": Case(((20, 20), (9, 33)), 4, 4, 1, 64, F32, 32, 2, 25),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFILL_CASES), ids=str)
+def test_native_prefill_matches_reference(name: str):
+    case = PREFILL_CASES[name]
+    args = make_inputs(case)
+    fn = _attention(case)
+    assert "jaxserve_prefill_attention" in fn.lower(*args).as_text(), "fell back to the tiles"
+    _check(case, np.asarray(fn(*args)))
+
+
+def test_native_prefill_matches_the_tiles_it_replaces(monkeypatch):
+    """The same prefill rows through both paths: they differ by float summation order only."""
+    case = PREFILL_CASES["d64_gqa3_later_chunks"]
+    args = make_inputs(case, seed=5)
+    native = np.asarray(_attention(case)(*args))
+    monkeypatch.setattr(xla_blocked.cpu_ffi, "prefill_available", lambda head_dim: False)
+    tiles = _attention(case)
+    assert "jaxserve_prefill_attention" not in tiles.lower(*args).as_text()
+    np.testing.assert_allclose(native, np.asarray(tiles(*args)), atol=1e-6, rtol=1e-6)
 
 
 def _attention(case: Case):
