@@ -2,10 +2,10 @@
 
 XLA:CPU has no Pallas compiler, and the jnp loops (xla_blocked._decode, _prefill_tiles) spend
 most of their time gathering each key block out of the pool and transposing it for the matmuls,
-and in the loops' own per-trip overhead. The C++ calls read the keys and values in place: one
-for the decode rows (`decode_attention`), one for the rows of prefill chunks
-(`prefill_attention`, on CPUs with AVX-512 and head sizes 32, 64, 128 or 256:
-`prefill_available`). It is built on first use with the
+and in the loops' own per-trip overhead. The C++ calls read the keys and values in place:
+`ragged_attention` runs every row of a step (on CPUs with AVX-512 and head sizes 32, 64, 128
+or 256: `ragged_available`), `decode_attention` the decode rows alone (any head size; the jnp
+tiles then run the prefill rows). It is built on first use with the
 machine's g++ against jaxlib's FFI headers into $JAXSERVE_CACHE_DIR (default
 ~/.cache/jaxserve)/ffi, keyed by the source, the jaxlib version, the compiler flags and the
 CPU's features, so a second process loads the same library without building (about 4 s
@@ -32,7 +32,7 @@ import numpy as np
 
 _SOURCE = pathlib.Path(__file__).with_name("cpu_decode.cc")
 _TARGET = "jaxserve_decode_attention"
-_PREFILL_TARGET = "jaxserve_prefill_attention"
+_RAGGED_TARGET = "jaxserve_ragged_attention"
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-fPIC")
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def available() -> bool:
             _TARGET, jax.ffi.pycapsule(lib.JaxserveDecodeAttention), platform="cpu"
         )
         jax.ffi.register_ffi_target(
-            _PREFILL_TARGET, jax.ffi.pycapsule(lib.JaxservePrefillAttention), platform="cpu"
+            _RAGGED_TARGET, jax.ffi.pycapsule(lib.JaxserveRaggedAttention), platform="cpu"
         )
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("CPU decode attention falls back to the jnp loop: %s", e)
@@ -119,16 +119,16 @@ def decode_attention(
     )
 
 
-PREFILL_HEAD_DIMS = (32, 64, 128, 256)  # cpu_decode.cc's PrefillRows
+RAGGED_HEAD_DIMS = (32, 64, 128, 256)  # cpu_decode.cc's AttendSlot and PrefillRows
 
 
-def prefill_available(head_dim: int) -> bool:
-    """Whether `prefill_attention` runs for `head_dim` here: the library is loaded, the head size
-    is one the vectorised kernel takes, and this CPU has AVX-512 (the build is -march=native)."""
-    return head_dim in PREFILL_HEAD_DIMS and available() and "avx512f" in _cpu_flags().split()
+def ragged_available(head_dim: int) -> bool:
+    """Whether `ragged_attention` runs for `head_dim` here: the library is loaded, the head size
+    is one the vectorised kernels take, and this CPU has AVX-512 (the build is -march=native)."""
+    return head_dim in RAGGED_HEAD_DIMS and available() and "avx512f" in _cpu_flags().split()
 
 
-def prefill_attention(
+def ragged_attention(
     q: jax.Array,  # f32[T, num_kv_heads, group, head_dim], unscaled
     kv_pool: jax.Array,  # f32[num_layers, num_pages, page_size, lanes] (common.fuse_kv)
     layer: jax.Array,  # i32[]
@@ -138,10 +138,10 @@ def prefill_attention(
     num_seqs: jax.Array,  # i32[]
     sm_scale: float,
     sliding_window: int | None,
-) -> jax.Array:  # f32[T, num_kv_heads, group, head_dim]; rows outside prefill chunks are 0
-    """Causal attention of every row of the step's prefill chunks (sequences of > 1 query) over
-    its sequence's keys, read from the pages; a row at position p sees [p - window + 1, p]."""
-    call = jax.ffi.ffi_call(_PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+) -> jax.Array:  # f32[T, num_kv_heads, group, head_dim]; padding rows are 0
+    """Causal attention of every row of the step (decode rows and prefill chunks) over its
+    sequence's keys, read from the pages; a row at position p sees [p - window + 1, p]."""
+    call = jax.ffi.ffi_call(_RAGGED_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32),
         kv_pool,

@@ -50,6 +50,7 @@ inside the fusion (every head but the first of each group wrong; right under dis
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -146,27 +147,23 @@ def ragged_paged_attention(
     num_kv_heads: int | None = None,
     sliding_window: int | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
-    """Same contract as reference.ragged_paged_attention (see its module docstring)."""
+    """Same contract as reference.ragged_paged_attention (see its module docstring).
+
+    On the CPU in float32 with AVX-512, one native call per layer runs every row
+    (cpu_ffi.ragged_attention); elsewhere, and on accelerators, the jnp loops below.
+    """
     num_tokens, _, head_dim = q.shape
-    if plan is None:
-        plan = plan_step(num_tokens, query_start, kv_lens, num_seqs)
     num_kv_heads = common.kv_heads_of(kv_pool, head_dim, num_kv_heads)
-    pool = _Pool(kv_pool, layer, page_tables, kv_lens, num_kv_heads, head_dim)
-    out = jnp.zeros((num_tokens, *q.shape[1:]), jnp.float32)
-    decoded = _decode(q, pool, plan, sm_scale, sliding_window)
-    out = out.at[plan.decode_rows].set(decoded, mode="drop")
-    if num_tokens == 1:  # static: one token is a decode, never a prefill tile
-        return out.astype(q.dtype)
+    args = (q, kv_pool, layer, query_start, kv_lens, page_tables, num_seqs, plan)
+    loops = functools.partial(
+        _loops, sm_scale=sm_scale, num_kv_heads=num_kv_heads, sliding_window=sliding_window
+    )
+    if not _native_ragged(q, kv_pool, head_dim):
+        return loops(*args)
 
-    def tiles(out):
-        # Padded by one tile so a tile's slice never runs off the end (dynamic_slice clamps).
-        out = jnp.pad(out, ((0, _tile_rows(num_tokens)), (0, 0), (0, 0)))
-        out = _prefill_tiles(q, pool, query_start, plan, out, sm_scale, sliding_window)
-        return out[:num_tokens]
-
-    def native(out):  # the prefill rows from the C++ call; it leaves every other row 0
+    def native(q):
         qg = q.reshape(num_tokens, num_kv_heads, -1, head_dim)
-        rows = cpu_ffi.prefill_attention(
+        out = cpu_ffi.ragged_attention(
             qg,
             kv_pool,
             layer,
@@ -177,13 +174,42 @@ def ragged_paged_attention(
             sm_scale,
             sliding_window,
         )
-        return out + rows.reshape(out.shape)
+        return out.reshape(q.shape).astype(q.dtype)
+
+    # Chosen when the step is lowered: a step compiled for an accelerator gets the loops.
+    return jax.lax.platform_dependent(q, cpu=native, default=lambda q: loops(q, *args[1:]))
+
+
+def _loops(
+    q,
+    kv_pool,
+    layer,
+    query_start,
+    kv_lens,
+    page_tables,
+    num_seqs,
+    plan,
+    *,
+    sm_scale,
+    num_kv_heads,
+    sliding_window,
+) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
+    """The jnp path: the decode rows batched (or cpu_ffi's decode call), the prefill tiles."""
+    num_tokens, _, head_dim = q.shape
+    if plan is None:
+        plan = plan_step(num_tokens, query_start, kv_lens, num_seqs)
+    pool = _Pool(kv_pool, layer, page_tables, kv_lens, num_kv_heads, head_dim)
+    out = jnp.zeros((num_tokens, *q.shape[1:]), jnp.float32)
+    decoded = _decode(q, pool, plan, sm_scale, sliding_window)
+    out = out.at[plan.decode_rows].set(decoded, mode="drop")
+    if num_tokens == 1:  # static: one token is a decode, never a prefill tile
+        return out.astype(q.dtype)
 
     def prefill(out):
-        if not _native_prefill(q, kv_pool, head_dim):
-            return tiles(out)
-        # Chosen when the step is lowered: a step compiled for an accelerator gets the tiles.
-        return jax.lax.platform_dependent(out, cpu=native, default=tiles)
+        # Padded by one tile so a tile's slice never runs off the end (dynamic_slice clamps).
+        out = jnp.pad(out, ((0, _tile_rows(num_tokens)), (0, 0), (0, 0)))
+        out = _prefill_tiles(q, pool, query_start, plan, out, sm_scale, sliding_window)
+        return out[:num_tokens]
 
     # A decode-only step skips the tile loop's set-up as well as the loop: the compiled step
     # otherwise copies its accumulators and padded buffers (~1.5 MB) in every layer: in a
@@ -233,13 +259,13 @@ def _online_softmax_step(carry, scores, mask, v, spec: str):
     return new_max, denom, acc * rescale[..., None] + pv
 
 
-def _native_prefill(q, kv_pool, head_dim: int) -> bool:
-    """Whether this process may lower the prefill rows to cpu_ffi's call (float32, on the CPU)."""
+def _native_ragged(q, kv_pool, head_dim: int) -> bool:
+    """Whether this process may lower the attention to cpu_ffi's one call (float32, the CPU)."""
     return (
         q.dtype == jnp.float32
         and kv_pool.dtype == jnp.float32
         and jax.default_backend() == "cpu"
-        and cpu_ffi.prefill_available(head_dim)
+        and cpu_ffi.ragged_available(head_dim)
     )
 
 

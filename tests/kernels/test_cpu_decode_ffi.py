@@ -67,7 +67,7 @@ def test_native_prefill_matches_reference(name: str):
     case = PREFILL_CASES[name]
     args = make_inputs(case)
     fn = _attention(case)
-    assert "jaxserve_prefill_attention" in fn.lower(*args).as_text(), "fell back to the tiles"
+    assert "jaxserve_ragged_attention" in fn.lower(*args).as_text(), "fell back to the tiles"
     _check(case, np.asarray(fn(*args)))
 
 
@@ -76,9 +76,9 @@ def test_native_prefill_matches_the_tiles_it_replaces(monkeypatch):
     case = PREFILL_CASES["d64_gqa3_later_chunks"]
     args = make_inputs(case, seed=5)
     native = np.asarray(_attention(case)(*args))
-    monkeypatch.setattr(xla_blocked.cpu_ffi, "prefill_available", lambda head_dim: False)
+    monkeypatch.setattr(xla_blocked.cpu_ffi, "ragged_available", lambda head_dim: False)
     tiles = _attention(case)
-    assert "jaxserve_prefill_attention" not in tiles.lower(*args).as_text()
+    assert "jaxserve_ragged_attention" not in tiles.lower(*args).as_text()
     np.testing.assert_allclose(native, np.asarray(tiles(*args)), atol=1e-6, rtol=1e-6)
 
 
@@ -92,12 +92,20 @@ def _attention(case: Case):
     )
 
 
+@pytest.mark.parametrize("call", ["ragged", "decode"])
 @pytest.mark.parametrize("name", list(CASES), ids=str)
-def test_native_decode_matches_reference(name: str):
+def test_native_decode_matches_reference(name: str, call: str, monkeypatch):
+    """Through the one ragged call where it takes the head size, and through the decode call
+    beside the jnp tiles (the ragged call switched off, and for the other head sizes)."""
     case = CASES[name]
+    if call == "decode":
+        monkeypatch.setattr(xla_blocked.cpu_ffi, "ragged_available", lambda head_dim: False)
+    ragged = call == "ragged" and case.head_dim in cpu_ffi.RAGGED_HEAD_DIMS
     args = make_inputs(case)
     fn = _attention(case)
-    assert "jaxserve_decode_attention" in fn.lower(*args).as_text(), "fell back to the jnp loop"
+    text = fn.lower(*args).as_text()
+    want = "jaxserve_ragged_attention" if ragged else "jaxserve_decode_attention"
+    assert want in text, "fell back to the jnp loop"
     _check(case, np.asarray(fn(*args)))  # NaN-free, padding 0, the reference's values
 
 
@@ -122,6 +130,7 @@ def test_switched_off_by_the_environment(monkeypatch):
         assert not cpu_ffi.available()
         text = _attention(case).lower(*make_inputs(case)).as_text()
         assert "jaxserve_decode_attention" not in text
+        assert "jaxserve_ragged_attention" not in text
     finally:
         monkeypatch.delenv("JAXSERVE_CPU_FFI")
         cpu_ffi.available.cache_clear()
