@@ -50,6 +50,25 @@ inline __m512 Exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The 16 sums of a[0..15]'s lanes as one vector (lane k: the sum of a[k]'s 16 lanes), by a
+// transpose-and-add tree: 45 shuffles and adds where 16 horizontal sums take about 130.
+inline __m512 Sum16(const __m512* a) {
+  __m512 quad[4];  // quad[i], 128-bit block j: partial sums of a[4i..4i+3] over a's block j
+  for (int i = 0; i < 4; ++i) {
+    const __m512* b = a + 4 * i;
+    const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(b[0], b[1]), _mm512_unpackhi_ps(b[0], b[1]));
+    const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(b[2], b[3]), _mm512_unpackhi_ps(b[2], b[3]));
+    const __m512d p = _mm512_castps_pd(x01), r = _mm512_castps_pd(x23);
+    quad[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, r)),
+                            _mm512_castpd_ps(_mm512_unpackhi_pd(p, r)));
+  }
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], 0x88),
+                                   _mm512_shuffle_f32x4(quad[0], quad[1], 0xDD));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], 0x88),
+                                   _mm512_shuffle_f32x4(quad[2], quad[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
 // One slot's KV heads [h0, h1) for head_dim = 16 * NC, page by page: each page's rows are read
 // from memory once for every query head of those KV heads (a page of 16 rows is a few tens of
 // KiB, so the query heads after the first read it from L1/L2), with an online softmax carried
@@ -92,13 +111,18 @@ void AttendSlotVec(const Shape& s, const float* q, const float* layer_base, cons
         for (int64_t k0 = 0; k0 < run; k0 += 16) {
           const int64_t n = std::min<int64_t>(16, run - k0);
           const float* row = kb + k0 * lanes;
-          for (int64_t k = 0; k < n; ++k, row += lanes) {
+          __m512 dots[16];
+          for (int64_t k = 0; k < 16; ++k, row += lanes) {
+            if (k >= n) {
+              dots[k] = _mm512_setzero_ps();
+              continue;
+            }
             __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(row), qv[0]);
             for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(row + 16 * c), qv[c], acc);
-            sc[k] = _mm512_reduce_add_ps(acc);
+            dots[k] = acc;
           }
           const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-          const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc);
+          const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, Sum16(dots));
           const float m_new = std::max(mx[local], _mm512_reduce_max_ps(sv));
           const float rescale = std::exp(mx[local] - m_new);  // 0 at the first block
           const __m512 pv = _mm512_maskz_mov_ps(live, Exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
