@@ -57,6 +57,7 @@ from jaxserve.models.kv_pool import KVPages
 from jaxserve.models.lora import lora_delta
 from jaxserve.models.sharding import ShardingPlan, attention_over_heads
 from jaxserve.models.step_batch import StepBatch
+from pallas_kernels.ragged_paged_attention import cpu_ffi
 
 
 class RMSNorm(nn.Module):
@@ -93,6 +94,18 @@ def _dense(
     )
 
 
+def _fused_cpu_attention(q: jax.Array, kv_pool: jax.Array, head_dim: int) -> bool:
+    """Whether Attention may run RoPE, the pool write and the attention as one C++ call
+    (cpu_ffi.rope_write_attention): float32 on this process's CPU, with the native kernels built
+    for this head size."""
+    return (
+        q.dtype == jnp.float32
+        and kv_pool.dtype == jnp.float32
+        and jax.default_backend() == "cpu"
+        and cpu_ffi.ragged_available(head_dim)
+    )
+
+
 class Attention(nn.Module):
     config: ModelConfig
     attention_backend: str
@@ -120,6 +133,45 @@ class Attention(nn.Module):
         if c.qk_norm:
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+        backend = resolve_backend(self.attention_backend)
+        if not split and backend == "xla" and _fused_cpu_attention(q, kv_pool, c.head_dim):
+
+            def fused(q, k, v, kv_pool):  # RoPE, the pool write and the attention, in C++
+                out, kv_pool = cpu_ffi.rope_write_attention(
+                    q.reshape(t, c.num_kv_heads, g, c.head_dim),
+                    k,
+                    v,
+                    cos,
+                    sin,
+                    batch.slot_mapping,
+                    kv_pool,
+                    layer,
+                    batch.query_start,
+                    batch.kv_lens,
+                    batch.page_tables,
+                    batch.num_seqs,
+                    c.head_dim**-0.5,
+                    c.sliding_window,
+                )
+                return out.reshape(t, -1).astype(q.dtype), kv_pool
+
+            def unfused(q, k, v, kv_pool):
+                return self._attend(q, k, v, kv_pool, layer, batch, cos, sin, backend, split)
+
+            # Chosen when the step is lowered: a step compiled for an accelerator is unfused.
+            heads, kv_pool = jax.lax.platform_dependent(
+                q, k, v, kv_pool, cpu=fused, default=unfused
+            )
+        else:
+            heads, kv_pool = self._attend(q, k, v, kv_pool, layer, batch, cos, sin, backend, split)
+        out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(heads)
+        if batch.lora is not None:
+            out = out + _lora(self, batch, "o_proj", layer, heads)
+        return out, kv_pool
+
+    def _attend(self, q, k, v, kv_pool, layer, batch: StepBatch, cos, sin, backend, split):
+        """RoPE, this step's keys and values into the pool, attention: heads [T, H * d]."""
+        c, t = self.config, q.shape[0]
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         kv_pool = write_kv(
             kv_pool,
@@ -130,7 +182,6 @@ class Attention(nn.Module):
             1 if self.plan is None else self.plan.kv_shards,
             rows_sharding=self.plan.kv_rows if split else None,
         )
-        backend = resolve_backend(self.attention_backend)
         out = attention_over_heads(
             get_attention_fn(backend), self.plan, kernel=backend.startswith("pallas")
         )(
@@ -147,11 +198,7 @@ class Attention(nn.Module):
             num_kv_heads=c.num_kv_heads,
             sliding_window=c.sliding_window,
         )
-        heads = out.reshape(t, -1)
-        out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(heads)
-        if batch.lora is not None:
-            out = out + _lora(self, batch, "o_proj", layer, heads)
-        return out, kv_pool
+        return out.reshape(t, -1), kv_pool
 
 
 class MLP(nn.Module):

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -434,6 +435,55 @@ void SplitByCost(ffi::ThreadPool& pool_threads, const std::vector<int64_t>& cost
 // prefill chunks through PrefillRows; padding rows are 0. One call per layer replaces the
 // decode call, the prefill loop and the buffers that joined them (a zeroed [T, H, d] output
 // copied and added to in every layer: ~13 ms of a 256-token step of smollm2-135m).
+#if defined(__AVX512F__)
+// The ragged attention's work over every row of a step (see RaggedAttention).
+void RaggedCore(ffi::ThreadPool& pool_threads, const Shape& s, int64_t num_tokens, const float* qp,
+                const float* layer_base, const int32_t* qs, const int32_t* lens,
+                const int32_t* tables, int64_t n_seqs, float sm_scale, int32_t window, float* op) {
+  const int64_t per_token = s.num_kv_heads * s.group * s.head_dim;
+  std::fill(op, op + num_tokens * per_token, 0.0f);
+  struct Item { int64_t seq, t0, t1, head; };  // t1 == t0 + 1 and a one-query sequence: decode
+  std::vector<Item> work;
+  std::vector<int64_t> cost;
+  for (int64_t seq = 0; seq < n_seqs; ++seq) {
+    const int64_t b = qs[seq], e = std::min<int64_t>(qs[seq + 1], num_tokens);
+    if (e <= b || lens[seq] <= 0) continue;
+    const int64_t step = e - b == 1 ? 1 : kPrefillRows;
+    for (int64_t t0 = b; t0 < e; t0 += step) {
+      const int64_t t1 = std::min(e, t0 + step);
+      const int64_t keys = lens[seq] - (e - t1);  // keys the item's last row sees, at most
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+        work.push_back({seq, t0, t1, h});
+        cost.push_back((t1 - t0) * std::max<int64_t>(keys, 1));
+      }
+    }
+  }
+  if (work.empty()) return;
+  SplitByCost(pool_threads, cost, 16 * 1024, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(kPrefillRows * s.group * (s.head_dim + 2));
+    std::vector<float> state(2 * s.num_kv_heads * s.group);
+    for (int64_t i = begin; i < end;) {
+      const Item& it = work[i];
+      const int64_t e = std::min<int64_t>(qs[it.seq + 1], num_tokens);
+      const int32_t* table = tables + it.seq * s.pages_per_seq;
+      if (e - qs[it.seq] == 1) {  // a decode row: this run of its KV heads in one pass
+        int64_t h1 = it.head + 1;
+        while (i + (h1 - it.head) < end && work[i + (h1 - it.head)].seq == it.seq) ++h1;
+        const int64_t kv_len = lens[it.seq];
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, kv_len - window) : 0;
+        AttendSlot(s, qp + it.t0 * per_token, layer_base, table, lo, kv_len, sm_scale, it.head,
+                   h1, op + it.t0 * per_token, state.data());
+        i += h1 - it.head;
+        continue;
+      }
+      PrefillRows(s, qp, layer_base, table, lens[it.seq] - (e - it.t0), it.t0, it.t1, window,
+                  sm_scale, it.head, op, scratch.data());
+      ++i;
+    }
+  });
+}
+#endif
+
 ffi::Error RaggedAttention(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> kv_pool, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> kv_lens,
@@ -457,55 +507,89 @@ ffi::Error RaggedAttention(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q
   if (s.head_dim != 32 && s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) {
     return ffi::Error::InvalidArgument("ragged attention: head_dim must be 32, 64, 128 or 256");
   }
-  const int64_t num_tokens = qd[0], per_token = s.num_kv_heads * s.group * s.head_dim;
+  RaggedCore(pool_threads, s, qd[0], q.typed_data(),
+             kv_pool.typed_data() + layer.typed_data()[0] * s.num_pages * s.page_size * s.lanes,
+             query_start.typed_data(), kv_lens.typed_data(), page_tables.typed_data(),
+             std::min<int64_t>(num_seqs.typed_data()[0], page_tables.dimensions()[0]), sm_scale,
+             window, out->typed_data());
+  return ffi::Error::Success();
+#endif
+}
+
+#if defined(__AVX512F__)
+// Rotate-half RoPE of one head vector x[d] by cos/sin[d] (each repeating over its two halves),
+// with the products and sums of x * cos + rotate_half(x) * sin, unfused (the flags turn off
+// contraction into FMAs), so the values are the jnp path's bit for bit.
+inline void Rope(const float* x, const float* cos, const float* sin, int64_t d, float* y) {
+  const int64_t half = d / 2;
+  for (int64_t c = 0; c < half; ++c) {
+    y[c] = x[c] * cos[c] + (-x[c + half]) * sin[c];
+    y[c + half] = x[c + half] * cos[c + half] + x[c] * sin[c + half];
+  }
+}
+#endif
+
+// RoPE on q and k, k and v written into the pool's rows (slot_mapping; out of range: padding,
+// dropped), then RaggedAttention over the step: what Attention does between its projections,
+// in one call instead of a rope fusion each for q and k, a fuse-and-scatter of the rows and the
+// attention (on smollm2-135m's 256-token step ~0.65 ms of elementwise fusions a layer). The pool
+// is updated in place: output 1 aliases input 7.
+ffi::Error RopeWriteAttention(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                              ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                              ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<ffi::F32> kv_pool,
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> query_start,
+                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_tables,
+                              ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int32_t window,
+                              ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> pool_out) {
+  auto qd = q.dimensions();
+  auto pd = kv_pool.dimensions();
+  if (qd.size() != 4 || pd.size() != 4 || k.dimensions().size() != 3 ||
+      page_tables.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("rope-write-attention: q must be 4-d, k and v 3-d, the "
+                                       "pool 4-d, the page tables 2-d");
+  }
+  Shape s{qd[0], qd[1], qd[2], qd[3], pd[0], pd[1], pd[2], pd[3], page_tables.dimensions()[1]};
+  if (2 * s.num_kv_heads * s.head_dim > s.lanes) {
+    return ffi::Error::InvalidArgument("rope-write-attention: the pool's lanes hold fewer than 2 "
+                                       "* num_kv_heads * head_dim values");
+  }
+  if (pool_out->typed_data() != kv_pool.typed_data()) {
+    return ffi::Error::InvalidArgument("rope-write-attention: the pool must be updated in place "
+                                       "(input_output_aliases)");
+  }
+#if !defined(__AVX512F__)
+  return ffi::Error::InvalidArgument("rope-write-attention: built without AVX-512");
+#else
+  if (s.head_dim != 32 && s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) {
+    return ffi::Error::InvalidArgument("rope-write-attention: head_dim must be 32, 64, 128 or 256");
+  }
+  const int64_t T = qd[0], d = s.head_dim, hkv = s.num_kv_heads, hq = hkv * s.group;
+  const float* cp = cos.typed_data();
+  const float* sp = sin.typed_data();
+  const int32_t* slots = slot_mapping.typed_data();
+  float* layer_base = pool_out->typed_data() + layer.typed_data()[0] * s.num_pages * s.page_size * s.lanes;
+  const int64_t rows_in_layer = s.num_pages * s.page_size;
+  std::unique_ptr<float[]> q_roped(new float[T * hq * d]);  // every element written below
   const float* qp = q.typed_data();
-  const int32_t* qs = query_start.typed_data();
-  const int32_t* lens = kv_lens.typed_data();
-  const int32_t* tables = page_tables.typed_data();
-  const int64_t n_seqs = std::min<int64_t>(num_seqs.typed_data()[0], page_tables.dimensions()[0]);
-  const float* layer_base = kv_pool.typed_data() +
-                            layer.typed_data()[0] * s.num_pages * s.page_size * s.lanes;
-  float* op = out->typed_data();
-  std::fill(op, op + num_tokens * per_token, 0.0f);
-  struct Item { int64_t seq, t0, t1, head; };  // t1 == t0 + 1 and a one-query sequence: decode
-  std::vector<Item> work;
-  std::vector<int64_t> cost;
-  for (int64_t seq = 0; seq < n_seqs; ++seq) {
-    const int64_t b = qs[seq], e = std::min<int64_t>(qs[seq + 1], num_tokens);
-    if (e <= b || lens[seq] <= 0) continue;
-    const int64_t step = e - b == 1 ? 1 : kPrefillRows;
-    for (int64_t t0 = b; t0 < e; t0 += step) {
-      const int64_t t1 = std::min(e, t0 + step);
-      const int64_t keys = lens[seq] - (e - t1);  // keys the item's last row sees, at most
-      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-        work.push_back({seq, t0, t1, h});
-        cost.push_back((t1 - t0) * std::max<int64_t>(keys, 1));
-      }
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* ct = cp + t * d;
+    const float* st = sp + t * d;
+    for (int64_t h = 0; h < hq; ++h) Rope(qp + (t * hq + h) * d, ct, st, d, q_roped.get() + (t * hq + h) * d);
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= rows_in_layer) continue;  // a padding token
+    float* row = layer_base + slot * s.lanes;
+    for (int64_t h = 0; h < hkv; ++h) {
+      Rope(kp + (t * hkv + h) * d, ct, st, d, row + h * 2 * d);
+      std::copy(vp + (t * hkv + h) * d, vp + (t * hkv + h + 1) * d, row + h * 2 * d + d);
     }
   }
-  if (work.empty()) return ffi::Error::Success();
-  SplitByCost(pool_threads, cost, 16 * 1024, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(kPrefillRows * s.group * (s.head_dim + 2));
-    std::vector<float> state(2 * s.num_kv_heads * s.group);
-    for (int64_t i = begin; i < end;) {
-      const Item& it = work[i];
-      const int64_t e = std::min<int64_t>(qs[it.seq + 1], num_tokens);
-      const int32_t* table = tables + it.seq * s.pages_per_seq;
-      if (e - qs[it.seq] == 1) {  // a decode row: this run of its KV heads in one pass
-        int64_t h1 = it.head + 1;
-        while (i + (h1 - it.head) < end && work[i + (h1 - it.head)].seq == it.seq) ++h1;
-        const int64_t kv_len = lens[it.seq];
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, kv_len - window) : 0;
-        AttendSlot(s, qp + it.t0 * per_token, layer_base, table, lo, kv_len, sm_scale, it.head,
-                   h1, op + it.t0 * per_token, state.data());
-        i += h1 - it.head;
-        continue;
-      }
-      PrefillRows(s, qp, layer_base, table, lens[it.seq] - (e - it.t0), it.t0, it.t1, window,
-                  sm_scale, it.head, op, scratch.data());
-      ++i;
-    }
-  });
+  RaggedCore(pool_threads, s, T, q_roped.get(), layer_base, query_start.typed_data(),
+             kv_lens.typed_data(), page_tables.typed_data(),
+             std::min<int64_t>(num_seqs.typed_data()[0], page_tables.dimensions()[0]), sm_scale,
+             window, out->typed_data());
   return ffi::Error::Success();
 #endif
 }
@@ -537,3 +621,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedAttention, RaggedAttention,
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("window")        // 0: no sliding window
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [T, Hkv, g, d]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRopeWriteAttention, RopeWriteAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, Hkv, g, d], before RoPE
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k [T, Hkv, d], before RoPE
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v [T, Hkv, d]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos [T, d]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin [T, d]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // pool [L, P, page, lanes]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page tables [S, P]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs []
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("window")        // 0: no sliding window
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [T, Hkv, g, d]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // the pool, in place

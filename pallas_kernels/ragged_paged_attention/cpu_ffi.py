@@ -33,7 +33,18 @@ import numpy as np
 _SOURCE = pathlib.Path(__file__).with_name("cpu_decode.cc")
 _TARGET = "jaxserve_decode_attention"
 _RAGGED_TARGET = "jaxserve_ragged_attention"
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++17", "-fPIC")
+_FUSED_TARGET = "jaxserve_rope_write_attention"
+# -ffp-contract=off: RoPE's products and sums stay unfused, as XLA:CPU computes them (the kernels'
+# own FMAs are written out as intrinsics).
+_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+    "-fopenmp-simd",
+    "-std=c++17",
+    "-fPIC",
+)
 log = logging.getLogger(__name__)
 
 
@@ -91,6 +102,9 @@ def available() -> bool:
         jax.ffi.register_ffi_target(
             _RAGGED_TARGET, jax.ffi.pycapsule(lib.JaxserveRaggedAttention), platform="cpu"
         )
+        jax.ffi.register_ffi_target(
+            _FUSED_TARGET, jax.ffi.pycapsule(lib.JaxserveRopeWriteAttention), platform="cpu"
+        )
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("CPU decode attention falls back to the jnp loop: %s", e)
         return False
@@ -144,6 +158,49 @@ def ragged_attention(
     call = jax.ffi.ffi_call(_RAGGED_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32),
+        kv_pool,
+        jnp.asarray(layer, jnp.int32),
+        query_start.astype(jnp.int32),
+        kv_lens.astype(jnp.int32),
+        page_tables.astype(jnp.int32),
+        jnp.asarray(num_seqs, jnp.int32),
+        sm_scale=np.float32(sm_scale),
+        window=np.int32(sliding_window or 0),
+    )
+
+
+def rope_write_attention(
+    q: jax.Array,  # f32[T, num_kv_heads, group, head_dim], before RoPE
+    k: jax.Array,  # f32[T, num_kv_heads, head_dim], before RoPE
+    v: jax.Array,  # f32[T, num_kv_heads, head_dim]
+    cos: jax.Array,  # f32[T, head_dim]
+    sin: jax.Array,  # f32[T, head_dim]
+    slot_mapping: jax.Array,  # i32[T] page * page_size + offset; out of range for padding
+    kv_pool: jax.Array,  # f32[num_layers, num_pages, page_size, lanes] (common.fuse_kv)
+    layer: jax.Array,  # i32[]
+    query_start: jax.Array,  # i32[S + 1]
+    kv_lens: jax.Array,  # i32[S]
+    page_tables: jax.Array,  # i32[S, P]
+    num_seqs: jax.Array,  # i32[]
+    sm_scale: float,
+    sliding_window: int | None,
+) -> tuple[jax.Array, jax.Array]:  # out f32[T, num_kv_heads, group, head_dim], the new pool
+    """RoPE on q and k, this step's keys and values written into `layer` of the pool, then
+    `ragged_attention`: one call for the attention block between its projections. The pool is
+    updated in place (donate it, as the step does, or XLA copies it first)."""
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(
+        _FUSED_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, f32), jax.ShapeDtypeStruct(kv_pool.shape, kv_pool.dtype)),
+        input_output_aliases={6: 1},
+    )
+    return call(
+        q.astype(f32),
+        k.astype(f32),
+        v.astype(f32),
+        cos.astype(f32),
+        sin.astype(f32),
+        slot_mapping.astype(jnp.int32),
         kv_pool,
         jnp.asarray(layer, jnp.int32),
         query_start.astype(jnp.int32),

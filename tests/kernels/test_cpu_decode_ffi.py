@@ -149,3 +149,70 @@ def test_build_without_a_compiler_says_so(monkeypatch, tmp_path):
     assert built.parent == tmp_path / "ffi" and built.stat().st_size > 0
     monkeypatch.setenv("CXX", "no-such-compiler-jaxserve")
     assert cpu_ffi._build() == built  # cached: no compiler needed
+
+
+@pytest.mark.parametrize("name", ["d64_gqa3_later_chunks", "d32_pages40", "window_short"])
+def test_rope_write_attention_is_rope_then_write_then_attention(name: str):
+    """The fused call (what the model runs on the CPU) against its three parts in jnp: the pool
+    rows it writes are bit for bit write_kv's of the same RoPE, the rows it leaves are untouched,
+    padding tokens write nothing, and the output is the ragged call's on the roped queries."""
+    from jaxserve.models.attention import write_kv
+    from jaxserve.models.llama import _rope
+
+    case = PREFILL_CASES[name]
+    q, kv_pool, layer, query_start, kv_lens, page_tables, num_seqs = make_inputs(case, seed=7)
+    rng = np.random.default_rng(8)
+    t, hkv, d = case.num_tokens, case.num_kv_heads, case.head_dim
+    q = jnp.asarray(rng.normal(size=(t, case.num_heads, d)), F32)
+    k = jnp.asarray(rng.normal(size=(t, hkv, d)), F32)
+    v = jnp.asarray(rng.normal(size=(t, hkv, d)), F32)
+    angles = rng.normal(size=(t, d // 2)) * 3
+    angles = np.concatenate([angles, angles], axis=-1)
+    cos, sin = jnp.asarray(np.cos(angles), F32), jnp.asarray(np.sin(angles), F32)
+    slots = np.full(t, kv_pool.shape[1] * case.page_size, np.int32)  # padding: out of range
+    for s, (q_len, kv_len) in enumerate(case.chunks):
+        for i, pos in enumerate(range(kv_len - q_len, kv_len)):
+            page = int(page_tables[s, pos // case.page_size])
+            slots[int(query_start[s]) + i] = page * case.page_size + pos % case.page_size
+    slots = jnp.asarray(slots)
+    window, scale = case.sliding_window, d**-0.5
+
+    @jax.jit
+    def fused(kv_pool):
+        return cpu_ffi.rope_write_attention(
+            q.reshape(t, hkv, -1, d),
+            k,
+            v,
+            cos,
+            sin,
+            slots,
+            kv_pool,
+            layer,
+            query_start,
+            kv_lens,
+            page_tables,
+            num_seqs,
+            scale,
+            window,
+        )
+
+    @jax.jit
+    def parts(kv_pool):
+        kv_pool = write_kv(kv_pool, layer, _rope(k, cos, sin), v, slots)
+        out = cpu_ffi.ragged_attention(
+            _rope(q, cos, sin).reshape(t, hkv, -1, d),
+            kv_pool,
+            layer,
+            query_start,
+            kv_lens,
+            page_tables,
+            num_seqs,
+            scale,
+            window,
+        )
+        return out, kv_pool
+
+    (out, pool), (want_out, want_pool) = fused(kv_pool), parts(kv_pool)
+    np.testing.assert_array_equal(np.asarray(pool), np.asarray(want_pool))  # NaN == NaN here
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+    assert not np.array_equal(np.asarray(pool), np.asarray(kv_pool), equal_nan=True)
