@@ -459,7 +459,9 @@ void RaggedCore(ffi::ThreadPool& pool_threads, const Shape& s, int64_t num_token
     }
   }
   if (work.empty()) return;
-  SplitByCost(pool_threads, cost, 16 * 1024, [&](int64_t begin, int64_t end) {
+  // A worker takes at least 1024 (row, key) pairs of one KV head: fewer do not pay for a task
+  // (the decode call's kMinKeysPerWorker).
+  SplitByCost(pool_threads, cost, 1024, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kPrefillRows * s.group * (s.head_dim + 2));
     std::vector<float> state(2 * s.num_kv_heads * s.group);
     for (int64_t i = begin; i < end;) {
