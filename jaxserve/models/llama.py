@@ -94,18 +94,6 @@ def _dense(
     )
 
 
-def _fused_cpu_attention(q: jax.Array, kv_pool: jax.Array, head_dim: int) -> bool:
-    """Whether Attention may run RoPE, the pool write and the attention as one C++ call
-    (cpu_ffi.rope_write_attention): float32 on this process's CPU, with the native kernels built
-    for this head size."""
-    return (
-        q.dtype == jnp.float32
-        and kv_pool.dtype == jnp.float32
-        and jax.default_backend() == "cpu"
-        and cpu_ffi.ragged_available(head_dim)
-    )
-
-
 class Attention(nn.Module):
     config: ModelConfig
     attention_backend: str
@@ -134,7 +122,8 @@ class Attention(nn.Module):
             q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
         backend = resolve_backend(self.attention_backend)
-        if not split and backend == "xla" and _fused_cpu_attention(q, kv_pool, c.head_dim):
+        # RoPE, the pool write and the attention as one C++ call (float32 on this CPU).
+        if not split and backend == "xla" and cpu_ffi.ragged_runs_here(q, kv_pool, c.head_dim):
 
             def fused(q, k, v, kv_pool):  # RoPE, the pool write and the attention, in C++
                 out, kv_pool = cpu_ffi.rope_write_attention(

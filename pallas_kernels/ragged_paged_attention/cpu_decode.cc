@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -218,21 +219,74 @@ void AttendOne(const Shape& s, const float* q, const float* pool, int64_t layer,
   }
 }
 
+// Runs fn(begin, end) over [0, items) split into contiguous ranges of about equal cost on XLA's
+// intra-op pool (this thread takes the first); cost[i] is item i's work, in any unit.
+template <typename Fn>
+void SplitByCost(ffi::ThreadPool& pool_threads, const std::vector<int64_t>& cost, int64_t min_cost,
+                 Fn fn) {
+  const int64_t items = static_cast<int64_t>(cost.size());
+  int64_t total = 0;
+  for (int64_t c : cost) total += c;
+  int64_t workers = std::max<int64_t>(1, pool_threads.num_threads());
+  workers = std::min<int64_t>({workers, std::max<int64_t>(1, total / min_cost), items});
+  if (workers <= 1) {
+    fn(0, items);
+    return;
+  }
+  std::vector<int64_t> bounds(workers + 1, items);
+  bounds[0] = 0;
+  int64_t acc = 0, w = 1;
+  for (int64_t i = 0; i < items && w < workers; ++i) {
+    acc += cost[i];
+    if (acc * workers >= total * w) bounds[w++] = i + 1;
+  }
+  std::atomic<int64_t> pending{workers - 1};
+  for (int64_t k = 1; k < workers; ++k) {
+    const int64_t b = bounds[k], e = bounds[k + 1];
+    pool_threads.Schedule([&fn, &pending, b, e] {
+      fn(b, e);
+      pending.fetch_sub(1, std::memory_order_release);
+    });
+  }
+  fn(bounds[0], bounds[1]);
+  while (pending.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+}
+
+// The Shape of a call's q [rows, Hkv, g, d], pool [L, P, page, lanes] and page tables [S, P],
+// or the reason they do not fit together. `vector_only`: the head sizes of the vector kernels.
+ffi::Error ShapeOf(const char* what, ffi::Span<const int64_t> qd, ffi::Span<const int64_t> pd,
+                   ffi::Span<const int64_t> td, bool vector_only, Shape* s) {
+  const std::string name(what);
+  if (qd.size() != 4 || pd.size() != 4 || td.size() != 2) {
+    return ffi::Error::InvalidArgument(name + ": q must be 4-d, the pool 4-d, the page tables 2-d");
+  }
+  *s = Shape{qd[0], qd[1], qd[2], qd[3], pd[0], pd[1], pd[2], pd[3], td[1]};
+  if (2 * s->num_kv_heads * s->head_dim > s->lanes) {
+    return ffi::Error::InvalidArgument(name + ": the pool's lanes hold fewer than 2 * "
+                                       "num_kv_heads * head_dim values");
+  }
+  if (!vector_only) return ffi::Error::Success();
+#if !defined(__AVX512F__)
+  return ffi::Error::InvalidArgument(name + ": built without AVX-512");
+#else
+  const int64_t d = s->head_dim;
+  if (d != 32 && d != 64 && d != 128 && d != 256) {
+    return ffi::Error::InvalidArgument(name + ": head_dim must be 32, 64, 128 or 256");
+  }
+  return ffi::Error::Success();
+#endif
+}
+
 ffi::Error DecodeAttention(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<ffi::F32> kv_pool, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> kv_lens,
                            ffi::Buffer<ffi::S32> lowest, float sm_scale,
                            ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions();
-  auto pd = kv_pool.dimensions();
-  if (qd.size() != 4 || pd.size() != 4 || page_tables.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument("decode attention: q must be 4-d, the pool 4-d, the "
-                                       "page tables 2-d");
-  }
-  Shape s{qd[0], qd[1], qd[2], qd[3], pd[0], pd[1], pd[2], pd[3], page_tables.dimensions()[1]};
-  if (2 * s.num_kv_heads * s.head_dim > s.lanes) {
-    return ffi::Error::InvalidArgument("decode attention: the pool's lanes hold fewer than 2 * "
-                                       "num_kv_heads * head_dim values");
+  Shape s;
+  if (ffi::Error e = ShapeOf("decode attention", q.dimensions(), kv_pool.dimensions(),
+                             page_tables.dimensions(), false, &s);
+      e.failure()) {
+    return e;
   }
   const int64_t lyr = layer.typed_data()[0];
   const float* qp = q.typed_data();
@@ -271,34 +325,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q
     }
   };
   // Split by keys to read, not by items: rows' contexts differ by up to max_model_len. A worker
-  // takes at least kMinKeysPerWorker (slot, KV head, key) triples; fewer do not pay for a task.
-  constexpr int64_t kMinKeysPerWorker = 1024;
-  int64_t total = 0;
-  for (int64_t slot = 0; slot < s.num_slots; ++slot) total += std::max(lens[slot], 0);
-  int64_t workers = std::max<int64_t>(1, pool_threads.num_threads());
-  workers = std::min<int64_t>(workers, std::max<int64_t>(1, total * s.num_kv_heads / kMinKeysPerWorker));
-  workers = std::min(workers, items);
-  if (workers <= 1) {
-    run(0, items);
-    return ffi::Error::Success();
-  }
-  std::vector<int64_t> bounds(workers + 1, items);
-  bounds[0] = 0;
-  int64_t acc = 0, w = 1;
-  for (int64_t i = 0; i < items && w < workers; ++i) {
-    acc += std::max(lens[i / s.num_kv_heads], 0);
-    if (acc * workers >= total * s.num_kv_heads * w) bounds[w++] = i + 1;
-  }
-  std::atomic<int64_t> pending{workers - 1};
-  for (int64_t k = 1; k < workers; ++k) {
-    const int64_t b = bounds[k], e = bounds[k + 1];
-    pool_threads.Schedule([&run, &pending, b, e] {
-      run(b, e);
-      pending.fetch_sub(1, std::memory_order_release);
-    });
-  }
-  run(bounds[0], bounds[1]);
-  while (pending.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  // takes at least 1024 (slot, KV head, key) triples; fewer do not pay for a task.
+  std::vector<int64_t> cost(items);
+  for (int64_t i = 0; i < items; ++i) cost[i] = std::max(lens[i / s.num_kv_heads], 0);
+  SplitByCost(pool_threads, cost, 1024, run);
   return ffi::Error::Success();
 }
 
@@ -398,38 +428,6 @@ bool PrefillRows(const Shape& s, const float* q, const float* layer_base, const 
 }
 #endif
 
-// Runs fn(begin, end) over [0, items) split into contiguous ranges of about equal cost on XLA's
-// intra-op pool (this thread takes the first); cost[i] is item i's work, in any unit.
-template <typename Fn>
-void SplitByCost(ffi::ThreadPool& pool_threads, const std::vector<int64_t>& cost, int64_t min_cost,
-                 Fn fn) {
-  const int64_t items = static_cast<int64_t>(cost.size());
-  int64_t total = 0;
-  for (int64_t c : cost) total += c;
-  int64_t workers = std::max<int64_t>(1, pool_threads.num_threads());
-  workers = std::min<int64_t>({workers, std::max<int64_t>(1, total / min_cost), items});
-  if (workers <= 1) {
-    fn(0, items);
-    return;
-  }
-  std::vector<int64_t> bounds(workers + 1, items);
-  bounds[0] = 0;
-  int64_t acc = 0, w = 1;
-  for (int64_t i = 0; i < items && w < workers; ++i) {
-    acc += cost[i];
-    if (acc * workers >= total * w) bounds[w++] = i + 1;
-  }
-  std::atomic<int64_t> pending{workers - 1};
-  for (int64_t k = 1; k < workers; ++k) {
-    const int64_t b = bounds[k], e = bounds[k + 1];
-    pool_threads.Schedule([&fn, &pending, b, e] {
-      fn(b, e);
-      pending.fetch_sub(1, std::memory_order_release);
-    });
-  }
-  fn(bounds[0], bounds[1]);
-  while (pending.load(std::memory_order_acquire) > 0) std::this_thread::yield();
-}
 
 // Every row of the step: decode rows (sequences with one query) through AttendSlot, the rows of
 // prefill chunks through PrefillRows; padding rows are 0. One call per layer replaces the
@@ -491,31 +489,20 @@ ffi::Error RaggedAttention(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q
                            ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> kv_lens,
                            ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> num_seqs,
                            float sm_scale, int32_t window, ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions();
-  auto pd = kv_pool.dimensions();
-  if (qd.size() != 4 || pd.size() != 4 || page_tables.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument("ragged attention: q must be 4-d, the pool 4-d, the "
-                                       "page tables 2-d");
+  Shape s;  // its first field is q's rows, tokens here
+  if (ffi::Error e = ShapeOf("ragged attention", q.dimensions(), kv_pool.dimensions(),
+                             page_tables.dimensions(), true, &s);
+      e.failure()) {
+    return e;
   }
-  // Shape's first field is unused here (q's rows are tokens, not slots).
-  Shape s{qd[0], qd[1], qd[2], qd[3], pd[0], pd[1], pd[2], pd[3], page_tables.dimensions()[1]};
-  if (2 * s.num_kv_heads * s.head_dim > s.lanes) {
-    return ffi::Error::InvalidArgument("ragged attention: the pool's lanes hold fewer than 2 * "
-                                       "num_kv_heads * head_dim values");
-  }
-#if !defined(__AVX512F__)
-  return ffi::Error::InvalidArgument("ragged attention: built without AVX-512");
-#else
-  if (s.head_dim != 32 && s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) {
-    return ffi::Error::InvalidArgument("ragged attention: head_dim must be 32, 64, 128 or 256");
-  }
-  RaggedCore(pool_threads, s, qd[0], q.typed_data(),
+#if defined(__AVX512F__)
+  RaggedCore(pool_threads, s, s.num_slots, q.typed_data(),
              kv_pool.typed_data() + layer.typed_data()[0] * s.num_pages * s.page_size * s.lanes,
              query_start.typed_data(), kv_lens.typed_data(), page_tables.typed_data(),
              std::min<int64_t>(num_seqs.typed_data()[0], page_tables.dimensions()[0]), sm_scale,
              window, out->typed_data());
-  return ffi::Error::Success();
 #endif
+  return ffi::Error::Success();  // without AVX-512, ShapeOf has refused the call
 }
 
 #if defined(__AVX512F__)
@@ -544,29 +531,21 @@ ffi::Error RopeWriteAttention(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_tables,
                               ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int32_t window,
                               ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> pool_out) {
-  auto qd = q.dimensions();
-  auto pd = kv_pool.dimensions();
-  if (qd.size() != 4 || pd.size() != 4 || k.dimensions().size() != 3 ||
-      page_tables.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument("rope-write-attention: q must be 4-d, k and v 3-d, the "
-                                       "pool 4-d, the page tables 2-d");
+  Shape s;  // its first field is q's rows, tokens here
+  if (ffi::Error e = ShapeOf("rope-write-attention", q.dimensions(), kv_pool.dimensions(),
+                             page_tables.dimensions(), true, &s);
+      e.failure()) {
+    return e;
   }
-  Shape s{qd[0], qd[1], qd[2], qd[3], pd[0], pd[1], pd[2], pd[3], page_tables.dimensions()[1]};
-  if (2 * s.num_kv_heads * s.head_dim > s.lanes) {
-    return ffi::Error::InvalidArgument("rope-write-attention: the pool's lanes hold fewer than 2 "
-                                       "* num_kv_heads * head_dim values");
+  if (k.dimensions().size() != 3 || v.dimensions().size() != 3) {
+    return ffi::Error::InvalidArgument("rope-write-attention: k and v must be 3-d");
   }
   if (pool_out->typed_data() != kv_pool.typed_data()) {
     return ffi::Error::InvalidArgument("rope-write-attention: the pool must be updated in place "
                                        "(input_output_aliases)");
   }
-#if !defined(__AVX512F__)
-  return ffi::Error::InvalidArgument("rope-write-attention: built without AVX-512");
-#else
-  if (s.head_dim != 32 && s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) {
-    return ffi::Error::InvalidArgument("rope-write-attention: head_dim must be 32, 64, 128 or 256");
-  }
-  const int64_t T = qd[0], d = s.head_dim, hkv = s.num_kv_heads, hq = hkv * s.group;
+#if defined(__AVX512F__)
+  const int64_t T = s.num_slots, d = s.head_dim, hkv = s.num_kv_heads, hq = hkv * s.group;
   const float* cp = cos.typed_data();
   const float* sp = sin.typed_data();
   const int32_t* slots = slot_mapping.typed_data();
@@ -592,8 +571,8 @@ ffi::Error RopeWriteAttention(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32
              kv_lens.typed_data(), page_tables.typed_data(),
              std::min<int64_t>(num_seqs.typed_data()[0], page_tables.dimensions()[0]), sm_scale,
              window, out->typed_data());
-  return ffi::Error::Success();
 #endif
+  return ffi::Error::Success();  // without AVX-512, ShapeOf has refused the call
 }
 
 }  // namespace

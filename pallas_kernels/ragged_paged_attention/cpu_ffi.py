@@ -142,6 +142,30 @@ def ragged_available(head_dim: int) -> bool:
     return head_dim in RAGGED_HEAD_DIMS and available() and "avx512f" in _cpu_flags().split()
 
 
+def ragged_runs_here(q: jax.Array, kv_pool: jax.Array, head_dim: int) -> bool:
+    """Whether a step may lower to `ragged_attention` or `rope_write_attention` in this process:
+    float32 q and pool, the CPU as the default backend, and `ragged_available(head_dim)`."""
+    return (
+        q.dtype == jnp.float32
+        and kv_pool.dtype == jnp.float32
+        and jax.default_backend() == "cpu"
+        and ragged_available(head_dim)
+    )
+
+
+def _ragged_args(kv_pool, layer, query_start, kv_lens, page_tables, num_seqs, sm_scale, window):
+    """The arguments and attributes both ragged calls end with, in their C++ types."""
+    args = (
+        kv_pool,
+        jnp.asarray(layer, jnp.int32),
+        query_start.astype(jnp.int32),
+        kv_lens.astype(jnp.int32),
+        page_tables.astype(jnp.int32),
+        jnp.asarray(num_seqs, jnp.int32),
+    )
+    return args, dict(sm_scale=np.float32(sm_scale), window=np.int32(window or 0))
+
+
 def ragged_attention(
     q: jax.Array,  # f32[T, num_kv_heads, group, head_dim], unscaled
     kv_pool: jax.Array,  # f32[num_layers, num_pages, page_size, lanes] (common.fuse_kv)
@@ -156,17 +180,10 @@ def ragged_attention(
     """Causal attention of every row of the step (decode rows and prefill chunks) over its
     sequence's keys, read from the pages; a row at position p sees [p - window + 1, p]."""
     call = jax.ffi.ffi_call(_RAGGED_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(
-        q.astype(jnp.float32),
-        kv_pool,
-        jnp.asarray(layer, jnp.int32),
-        query_start.astype(jnp.int32),
-        kv_lens.astype(jnp.int32),
-        page_tables.astype(jnp.int32),
-        jnp.asarray(num_seqs, jnp.int32),
-        sm_scale=np.float32(sm_scale),
-        window=np.int32(sliding_window or 0),
+    args, attrs = _ragged_args(
+        kv_pool, layer, query_start, kv_lens, page_tables, num_seqs, sm_scale, sliding_window
     )
+    return call(q.astype(jnp.float32), *args, **attrs)
 
 
 def rope_write_attention(
@@ -194,19 +211,8 @@ def rope_write_attention(
         (jax.ShapeDtypeStruct(q.shape, f32), jax.ShapeDtypeStruct(kv_pool.shape, kv_pool.dtype)),
         input_output_aliases={6: 1},
     )
-    return call(
-        q.astype(f32),
-        k.astype(f32),
-        v.astype(f32),
-        cos.astype(f32),
-        sin.astype(f32),
-        slot_mapping.astype(jnp.int32),
-        kv_pool,
-        jnp.asarray(layer, jnp.int32),
-        query_start.astype(jnp.int32),
-        kv_lens.astype(jnp.int32),
-        page_tables.astype(jnp.int32),
-        jnp.asarray(num_seqs, jnp.int32),
-        sm_scale=np.float32(sm_scale),
-        window=np.int32(sliding_window or 0),
+    args, attrs = _ragged_args(
+        kv_pool, layer, query_start, kv_lens, page_tables, num_seqs, sm_scale, sliding_window
     )
+    rows = (q, k, v, cos, sin)
+    return call(*(x.astype(f32) for x in rows), slot_mapping.astype(jnp.int32), *args, **attrs)

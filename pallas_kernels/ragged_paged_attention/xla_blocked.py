@@ -158,7 +158,7 @@ def ragged_paged_attention(
     loops = functools.partial(
         _loops, sm_scale=sm_scale, num_kv_heads=num_kv_heads, sliding_window=sliding_window
     )
-    if not _native_ragged(q, kv_pool, head_dim):
+    if not cpu_ffi.ragged_runs_here(q, kv_pool, head_dim):
         return loops(*args)
 
     def native(q):
@@ -257,16 +257,6 @@ def _online_softmax_step(carry, scores, mask, v, spec: str):
     denom = denom * rescale + jnp.sum(probs, axis=-1)
     pv = jnp.einsum(spec, probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return new_max, denom, acc * rescale[..., None] + pv
-
-
-def _native_ragged(q, kv_pool, head_dim: int) -> bool:
-    """Whether this process may lower the attention to cpu_ffi's one call (float32, the CPU)."""
-    return (
-        q.dtype == jnp.float32
-        and kv_pool.dtype == jnp.float32
-        and jax.default_backend() == "cpu"
-        and cpu_ffi.ragged_available(head_dim)
-    )
 
 
 def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window):
