@@ -304,10 +304,11 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q
     for (int64_t i = begin; i < end;) {
       const int64_t slot = i / s.num_kv_heads, h0 = i % s.num_kv_heads;
       const int64_t h1 = std::min<int64_t>(s.num_kv_heads, h0 + end - i);
-      const int32_t kv_len = lens[slot], lo = std::max<int32_t>(low[slot], 0);
+      const int32_t kv_len = lens[slot];
       const float* q_slot = qp + slot * s.num_kv_heads * per;
       float* o_slot = op + slot * s.num_kv_heads * per;
 #if defined(__AVX512F__)
+      const int32_t lo = std::max<int32_t>(low[slot], 0);
       if (kv_len > lo) {
         const float* layer_base = pp + lyr * s.num_pages * s.page_size * s.lanes;
         if (AttendSlot(s, q_slot, layer_base, tp + slot * s.pages_per_seq, lo, kv_len, sm_scale,
