@@ -38,6 +38,7 @@ of their start-up.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -83,10 +84,19 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _dense(
-    features: int | tuple[int, ...], use_bias: bool, dtype: jnp.dtype, name: str
-) -> nn.DenseGeneral:
+    features: int | tuple[int, ...],
+    use_bias: bool,
+    dtype: jnp.dtype,
+    name: str,
+    packed: bool = False,
+) -> nn.Module:
     """x [T, in] -> [T, *features]; the kernel is [in, *features], so a fused projection's parts
-    (q/k/v heads, gate/up) are axes of one matmul's output, split without a copy."""
+    (q/k/v heads, gate/up) are axes of one matmul's output, split without a copy. `packed`
+    (the runner's CPU layout, `pack_params`): the kernel is in cpu_matmul.cc's panels instead,
+    where its outputs fill whole panels."""
+    features = (features,) if isinstance(features, int) else tuple(features)
+    if packed and math.prod(features) % cpu_ffi.PANEL == 0:
+        return PackedDense(features, use_bias, dtype, name=name)
     # float32 models ask for full-precision matmuls so accelerators do not silently drop to TF32.
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     return nn.DenseGeneral(
@@ -94,11 +104,34 @@ def _dense(
     )
 
 
+class PackedDense(nn.Module):
+    """nn.DenseGeneral's x [T, in] -> [T, *features] over a kernel packed once at load,
+    f32[prod(features) / 64, in, 64] (cpu_ffi.pack_weight), through cpu_matmul.cc: XLA:CPU's
+    dot repacks the weights on every call, which costs a decode step about as much as the
+    multiply. Its params are named as DenseGeneral's, so `pack_params` maps one onto the other."""
+
+    features: tuple[int, ...]
+    use_bias: bool
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # x: [T, in]
+        panels = math.prod(self.features) // cpu_ffi.PANEL
+        shape = (panels, x.shape[-1], cpu_ffi.PANEL)
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
+        out = cpu_ffi.packed_matmul(x, kernel).astype(self.dtype)
+        out = out.reshape(*x.shape[:-1], *self.features)
+        if self.use_bias:
+            return out + self.param("bias", nn.initializers.zeros, self.features, self.dtype)
+        return out
+
+
 class Attention(nn.Module):
     config: ModelConfig
     attention_backend: str
     dtype: jnp.dtype
     plan: ShardingPlan | None = None  # tensor parallel: attention runs on each device's heads
+    packed: bool = False  # the kernels in cpu_matmul.cc's panels (`_dense`)
 
     @nn.compact
     def __call__(self, x, kv_pool, layer, batch: StepBatch, cos, sin):
@@ -106,7 +139,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         # One matmul for q, k and v: per KV head, its group of q heads, then its k, then its v.
         g = c.q_per_kv
-        qkv = _dense((c.num_kv_heads, g + 2, c.head_dim), c.qkv_bias, self.dtype, "qkv_proj")(x)
+        qkv = _dense(
+            (c.num_kv_heads, g + 2, c.head_dim), c.qkv_bias, self.dtype, "qkv_proj", self.packed
+        )(x)
         split = self.plan is not None and self.plan.tensor_parallel > 1
         if split:
             # Each device projects its KV heads' whole groups (sharding.py), so its keys and
@@ -153,7 +188,7 @@ class Attention(nn.Module):
             )
         else:
             heads, kv_pool = self._attend(q, k, v, kv_pool, layer, batch, cos, sin, backend, split)
-        out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj")(heads)
+        out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj", self.packed)(heads)
         if batch.lora is not None:
             out = out + _lora(self, batch, "o_proj", layer, heads)
         return out, kv_pool
@@ -193,18 +228,21 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
+    packed: bool = False  # the kernels in cpu_matmul.cc's panels (`_dense`)
 
     @nn.compact
     def __call__(self, x, batch: StepBatch | None = None, layer=None):
         c = self.config
-        gate_up = _dense((2, c.intermediate_size), c.mlp_bias, self.dtype, "gate_up_proj")(x)
+        gate_up = _dense(
+            (2, c.intermediate_size), c.mlp_bias, self.dtype, "gate_up_proj", self.packed
+        )(x)
         gate, up = gate_up[:, 0], gate_up[:, 1]
         lora = batch is not None and batch.lora is not None
         if lora:  # each token's adapter adds its low-rank update
             gate = gate + _lora(self, batch, "gate_proj", layer, x)
             up = up + _lora(self, batch, "up_proj", layer, x)
         act = nn.silu(gate) * up
-        out = _dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj")(act)
+        out = _dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj", self.packed)(act)
         return out + _lora(self, batch, "down_proj", layer, act) if lora else out
 
 
@@ -225,12 +263,15 @@ class DecoderLayer(nn.Module):
     attention_backend: str
     dtype: jnp.dtype
     plan: ShardingPlan | None = None
+    packed: bool = False  # the kernels in cpu_matmul.cc's panels (`_dense`)
 
     @nn.compact
     def __call__(self, carry, batch: StepBatch, cos, sin):
         h, kv_pool, layer = carry
         c = self.config
-        attention = Attention(c, self.attention_backend, self.dtype, self.plan, name="self_attn")
+        attention = Attention(
+            c, self.attention_backend, self.dtype, self.plan, self.packed, name="self_attn"
+        )
         attn_out, kv_pool = attention(
             RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(h),
             kv_pool,
@@ -240,7 +281,7 @@ class DecoderLayer(nn.Module):
             sin,
         )
         h = h + attn_out
-        h = h + MLP(c, self.dtype, name="mlp")(
+        h = h + MLP(c, self.dtype, self.packed, name="mlp")(
             RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h), batch, layer
         )
         return (h, kv_pool, layer + 1), None
@@ -351,13 +392,16 @@ class LlamaForCausalLM(nn.Module):
     layer_loop: str = (
         "auto"  # "scan" | "unrolled" | "auto" (by platform and size: resolve_layer_loop)
     )
+    # The matmul kernels (and a tied head's packed copy) in cpu_matmul.cc's panels: the params
+    # are `pack_params` of the canonical tree. The runner's choice (`packs_weights`), CPU only.
+    packed_weights: bool = False
 
     def setup(self):
         c = self.config
         self.embed_tokens = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype
         )
-        layer_args = (c, self.attention_backend, self.dtype, self.plan)
+        layer_args = (c, self.attention_backend, self.dtype, self.plan, self.packed_weights)
         if resolve_layer_loop(self.layer_loop, c, self.dtype) == "scan":
             self.layers = nn.scan(
                 DecoderLayer,
@@ -370,7 +414,17 @@ class LlamaForCausalLM(nn.Module):
             self.layers = [DecoderLayer(*layer_args) for _ in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = _dense(c.vocab_size, False, self.dtype, "lm_head")
+            self.lm_head = _dense(c.vocab_size, False, self.dtype, "lm_head", self.packed_weights)
+        elif self._packs_head():
+            # The tied table transposed into panels: the head's matmul without XLA's repacking
+            # of a table that never changes (the lookup keeps reading `embed_tokens`).
+            shape = (c.vocab_size // cpu_ffi.PANEL, c.hidden_size, cpu_ffi.PANEL)
+            self.packed_head = self.param("packed_head", nn.initializers.zeros, shape, self.dtype)
+
+    def _packs_head(self) -> bool:
+        """Whether the tied head reads `packed_head` (its rows fill whole panels)."""
+        c = self.config
+        return self.packed_weights and c.tie_word_embeddings and c.vocab_size % cpu_ffi.PANEL == 0
 
     def __call__(self, kv: KVPages, batch: StepBatch) -> tuple[jax.Array, KVPages]:
         """Runs every token of `batch`: final hidden states [T, hidden_size] and the new pool."""
@@ -400,7 +454,9 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Float32 logits [N, vocab_size] of final hidden states [N, hidden_size]."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self._packs_head():
+            out = cpu_ffi.packed_matmul(hidden, self.packed_head)
+        elif self.config.tie_word_embeddings:
             precision = jax.lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
             emb = self.embed_tokens.embedding  # [vocab, hidden]
             # Contract the embedding's own last axis, not a transpose of it: for one row XLA:CPU

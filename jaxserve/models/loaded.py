@@ -38,26 +38,38 @@ def model_for(
     attention_backend: str = "auto",
     plan=None,
     layer_loop: str = "auto",
+    packed_weights: bool = False,
 ):
-    """The flax module of `config`; `plan` (a jaxserve.models.sharding.ShardingPlan) splits it.
+    """The flax module of `config`; `plan` (a jaxserve.models.sharding.ShardingPlan) splits it;
+    `packed_weights`: its matmuls read `pack_params` trees (the runner's choice on the CPU).
 
     `layer_loop` decides the param tree's layout (see `unstack_layers`); loaders use the same
     "auto" default, so a loaded model and the runner's module agree on each platform.
     """
     return LlamaForCausalLM(
-        config, attention_backend=attention_backend, dtype=dtype, plan=plan, layer_loop=layer_loop
+        config,
+        attention_backend=attention_backend,
+        dtype=dtype,
+        plan=plan,
+        layer_loop=layer_loop,
+        packed_weights=packed_weights,
     )
 
 
-def abstract_params(config: ModelConfig, dtype, layer_loop: str = "scan") -> dict:
+def abstract_params(
+    config: ModelConfig, dtype, layer_loop: str = "scan", packed: bool = False
+) -> dict:
     """Shapes and dtypes of the param tree, traced without allocating any weights.
 
     The default is the stacked layout every loader reads and writes; pass "auto" for the layout
-    the platform's module runs (`unstack_layers` turns one into the other).
+    the platform's module runs (`unstack_layers` turns one into the other), `packed` for the
+    tree of the packed module (`pack_params`).
     """
     # The reference attention: a param's shape never depends on the attention, and no kernel may
     # refuse this one-token, one-slot pool (issue 28, defect 4: the auto choice refused it).
-    model = model_for(config, dtype, attention_backend="reference", layer_loop=layer_loop)
+    model = model_for(
+        config, dtype, attention_backend="reference", layer_loop=layer_loop, packed_weights=packed
+    )
     kv_shape = (config.num_layers, 1, 1, kv_lanes(config))
     kv = KVPages(kv=jax.ShapeDtypeStruct(kv_shape, dtype))
     batch = pack_chunks(
@@ -68,6 +80,31 @@ def abstract_params(config: ModelConfig, dtype, layer_loop: str = "scan") -> dic
         lambda kv: model.init(jax.random.key(0), kv, batch, method=model.init_all), kv
     )
     return variables["params"]
+
+
+def pack_params(params: dict, config: ModelConfig, dtype) -> dict:
+    """`params` (the canonical tree, either layer layout) as the packed module's tree
+    (`model_for(..., packed_weights=True)`): each matmul kernel whose outputs fill whole panels
+    in cpu_matmul.cc's layout (cpu_ffi.pack_weight), a tied table's transposed copy added as
+    `packed_head`, every other leaf the same array. Jitted by the runner, so packing new
+    weights (update_weights, wake_up) compiles nothing after the first time."""
+    from pallas_kernels.ragged_paged_attention.cpu_ffi import pack_weight
+
+    target = abstract_params(config, dtype, layer_loop_of(params), packed=True)
+
+    def leaf(path, want: jax.ShapeDtypeStruct) -> jax.Array:
+        keys = [p.key for p in path]
+        if keys == ["packed_head"]:
+            return pack_weight(params["embed_tokens"]["embedding"].T)
+        have = params
+        for key in keys:
+            have = have[key]
+        if have.shape == want.shape:
+            return have
+        *lead, _, k, _ = want.shape  # [..., N / 64, K, 64] from [..., K, *features]
+        return pack_weight(have.reshape(*lead, k, -1))
+
+    return jax.tree_util.tree_map_with_path(leaf, target)
 
 
 def is_unstacked(params: dict) -> bool:

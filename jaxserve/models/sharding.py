@@ -222,6 +222,8 @@ class ShardingPlan:
             (r"mlp/down_proj/kernel", -2, MODEL, c.intermediate_size % tp == 0),
             # Replicated: norms, and biases added after a row-split matmul's all-reduce.
             (r"\w*norm/scale|(o_proj|down_proj)/bias", None, None, True),
+            # The CPU's packed copy of a tied head (llama.py): packed only on one device.
+            (r"packed_head", None, None, True),
         ):
             if re.search(rf"(^|/)({pattern})$", path):
                 if dim is None or not ok or tp == 1:

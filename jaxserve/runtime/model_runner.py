@@ -25,7 +25,7 @@ import numpy as np
 from jaxserve.models.attention import import_kernels, warm_up_batches
 from jaxserve.models.kv_pool import KVPages, init_kv_pages
 from jaxserve.models.llama import logits_of_rows
-from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for
+from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for, pack_params
 from jaxserve.models.lora import LoraAdapter, empty_slots, set_slot, slot_weights
 from jaxserve.models.sharding import ShardingPlan, make_mesh
 from jaxserve.models.step_batch import (
@@ -159,6 +159,25 @@ def step_words(module, params, kv: KVPages, words: jax.Array, pen, last, mask, l
     return step_impl(module, params, kv, batch, sampling, pen, last, mask, lora)
 
 
+def packs_weights(dtype, sharding: ShardingPlan) -> bool:
+    """Whether the step runs on weights packed for cpu_matmul.cc (LlamaForCausalLM's
+    `packed_weights`): float32 on one CPU device with AVX-512 and the kernels' library, unless
+    $JAXSERVE_CPU_PACKED_WEIGHTS=0. The runner then holds both trees: the canonical params (what
+    update_weights, sleep and trainers read) and their packed kernels, a second copy of the
+    matmul weights in host memory."""
+    import os
+
+    from pallas_kernels.ragged_paged_attention import cpu_ffi
+
+    return (
+        os.environ.get("JAXSERVE_CPU_PACKED_WEIGHTS", "1") != "0"
+        and jnp.dtype(dtype) == jnp.float32
+        and sharding.platform == "cpu"
+        and sharding.mesh.size == 1
+        and cpu_ffi.packed_matmul_available()
+    )
+
+
 class ModelRunner:
     """Holds params and the KV pool on the device and runs bucketed steps."""
 
@@ -171,12 +190,20 @@ class ModelRunner:
         # (jaxserve/models/sharding.py).
         self.sharding = sharding or ShardingPlan.create(make_mesh(1), model.config)
         import_kernels(config.attention_backend)  # before the first trace: see its docstring
+        packed = packs_weights(model.dtype, self.sharding)
         self.module = model_for(
             model.config,
             model.dtype,
             config.attention_backend,
             self.sharding,
             layer_loop=layer_loop_of(model.params),  # the loop the params were laid out for
+            packed_weights=packed,
+        )
+        # Jitted once: packing new weights (a swap, a wake-up) compiles nothing after the first.
+        self._pack = (
+            jax.jit(functools.partial(pack_params, config=model.config, dtype=model.dtype))
+            if packed
+            else None
         )
         self.params = self.sharding.place(model.params)  # a no-op when loaded so
         self.kv: KVPages = self.new_kv_pool()
@@ -220,7 +247,7 @@ class ModelRunner:
             static_argnums=(6,),
             donate_argnums=(1, 3, 4),
             # params, pool, words, penalties, last tokens, grammar mask, adapter slots
-            in_shardings=(self.sharding.params(self.params), kv, rep, rep, rep, rep, rep),
+            in_shardings=(self.sharding.params(self.step_params), kv, rep, rep, rep, rep, rep),
             out_shardings=(rep, kv, rep, rep),
         )
         # One shape (the context length) for every request: compiled once, on first use.
@@ -235,6 +262,17 @@ class ModelRunner:
                 max_tokens=config.token_buckets[-1],
                 max_seqs=config.seq_buckets[-1],
             )
+
+    @property
+    def params(self) -> dict | None:
+        """The canonical param tree (what update_weights, sleep and trainers read and set)."""
+        return self._params
+
+    @params.setter
+    def params(self, params: dict | None) -> None:
+        self._params = params
+        # What the step runs on: the same tree, or its kernels packed for cpu_matmul.cc.
+        self.step_params = params if self._pack is None or params is None else self._pack(params)
 
     def new_kv_pool(self) -> KVPages:
         """A zeroed pool of the configured shape on its sharding: at start-up, and again when a
@@ -333,7 +371,7 @@ class ModelRunner:
             # jitted step, compiled again for every bucket at warm-up.
             mask = jax.device_put(mask, self.sharding.replicated)
         out, self.kv, self.penalties, self.last_tokens = self._step(
-            self.params,
+            self.step_params,
             self.kv,
             words.words,
             self.penalties,

@@ -20,11 +20,14 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jaxserve::SplitByCost;
 
 struct Shape {
   int64_t num_slots, num_kv_heads, group, head_dim;  // q: [S, Hkv, g, d]
@@ -217,39 +220,6 @@ void AttendOne(const Shape& s, const float* q, const float* pool, int64_t layer,
       for (int64_t j = 0; j < d; ++j) oh[j] += p * row[j];
     }
   }
-}
-
-// Runs fn(begin, end) over [0, items) split into contiguous ranges of about equal cost on XLA's
-// intra-op pool (this thread takes the first); cost[i] is item i's work, in any unit.
-template <typename Fn>
-void SplitByCost(ffi::ThreadPool& pool_threads, const std::vector<int64_t>& cost, int64_t min_cost,
-                 Fn fn) {
-  const int64_t items = static_cast<int64_t>(cost.size());
-  int64_t total = 0;
-  for (int64_t c : cost) total += c;
-  int64_t workers = std::max<int64_t>(1, pool_threads.num_threads());
-  workers = std::min<int64_t>({workers, std::max<int64_t>(1, total / min_cost), items});
-  if (workers <= 1) {
-    fn(0, items);
-    return;
-  }
-  std::vector<int64_t> bounds(workers + 1, items);
-  bounds[0] = 0;
-  int64_t acc = 0, w = 1;
-  for (int64_t i = 0; i < items && w < workers; ++i) {
-    acc += cost[i];
-    if (acc * workers >= total * w) bounds[w++] = i + 1;
-  }
-  std::atomic<int64_t> pending{workers - 1};
-  for (int64_t k = 1; k < workers; ++k) {
-    const int64_t b = bounds[k], e = bounds[k + 1];
-    pool_threads.Schedule([&fn, &pending, b, e] {
-      fn(b, e);
-      pending.fetch_sub(1, std::memory_order_release);
-    });
-  }
-  fn(bounds[0], bounds[1]);
-  while (pending.load(std::memory_order_acquire) > 0) std::this_thread::yield();
 }
 
 // The Shape of a call's q [rows, Hkv, g, d], pool [L, P, page, lanes] and page tables [S, P],

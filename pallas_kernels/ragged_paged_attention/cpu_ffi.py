@@ -1,11 +1,14 @@
-"""The CPU's native attention (cpu_decode.cc) as XLA FFI calls: built once, then cached.
+"""The CPU's native attention (cpu_decode.cc) and matmul (cpu_matmul.cc) as XLA FFI calls:
+built once into one library, then cached.
 
 XLA:CPU has no Pallas compiler, and the jnp loops (xla_blocked._decode, _prefill_tiles) spend
 most of their time gathering each key block out of the pool and transposing it for the matmuls,
 and in the loops' own per-trip overhead. The C++ calls read the keys and values in place:
 `ragged_attention` runs every row of a step (on CPUs with AVX-512 and head sizes 32, 64, 128
 or 256: `ragged_available`), `decode_attention` the decode rows alone (any head size; the jnp
-tiles then run the prefill rows). It is built on first use with the
+tiles then run the prefill rows). `packed_matmul` multiplies by weights `pack_weight` laid
+out once in panels of 64 columns (the model's `packed_weights`), where XLA's dot repacks them
+on every call. The library is built on first use with the
 machine's g++ against jaxlib's FFI headers into $JAXSERVE_CACHE_DIR (default
 ~/.cache/jaxserve)/ffi, keyed by the source, the jaxlib version, the compiler flags and the
 CPU's features, so a second process loads the same library without building (about 4 s
@@ -19,6 +22,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -30,10 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_SOURCE = pathlib.Path(__file__).with_name("cpu_decode.cc")
+_HERE = pathlib.Path(__file__).parent
+_SOURCES = (_HERE / "cpu_decode.cc", _HERE / "cpu_matmul.cc")
+_HEADERS = (_HERE / "cpu_pool.h",)
 _TARGET = "jaxserve_decode_attention"
 _RAGGED_TARGET = "jaxserve_ragged_attention"
 _FUSED_TARGET = "jaxserve_rope_write_attention"
+_MATMUL_TARGET = "jaxserve_packed_matmul"
 # -ffp-contract=off: RoPE's products and sums stay unfused, as XLA:CPU computes them (the kernels'
 # own FMAs are written out as intrinsics).
 _FLAGS = (
@@ -69,7 +76,8 @@ def _build() -> pathlib.Path:
 
     # -march=native: a cache shared between machines (a network home) must not hand one CPU's
     # instructions to another, so the CPU's feature flags are part of the key.
-    parts = (_SOURCE.read_bytes(), jaxlib.__version__, " ".join(_FLAGS), _cpu_flags())
+    sources = tuple(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
+    parts = (sources, jaxlib.__version__, " ".join(_FLAGS), _cpu_flags())
     key = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_decode-{key}.so"
     if out.exists():
@@ -78,10 +86,11 @@ def _build() -> pathlib.Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
-    log.info("Building the CPU decode attention into %s (once per machine, a few seconds).", out)
+    log.info("Building the CPU kernels into %s (once per machine, a few seconds).", out)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = pathlib.Path(tmp) / out.name
-        cmd = [compiler, *_FLAGS, "-shared", f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o"]
+        cmd = [compiler, *_FLAGS, "-shared", f"-I{jax.ffi.include_dir()}", f"-I{_HERE}"]
+        cmd += [*map(str, _SOURCES), "-o"]
         done = subprocess.run([*cmd, str(part)], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr[-2000:]}")
@@ -104,6 +113,9 @@ def available() -> bool:
         )
         jax.ffi.register_ffi_target(
             _FUSED_TARGET, jax.ffi.pycapsule(lib.JaxserveRopeWriteAttention), platform="cpu"
+        )
+        jax.ffi.register_ffi_target(
+            _MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxservePackedMatmul), platform="cpu"
         )
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("CPU decode attention falls back to the jnp loop: %s", e)
@@ -216,3 +228,53 @@ def rope_write_attention(
     )
     rows = (q, k, v, cos, sin)
     return call(*(x.astype(f32) for x in rows), slot_mapping.astype(jnp.int32), *args, **attrs)
+
+
+PANEL = 64  # cpu_matmul.cc's kLanes: output columns per packed panel
+
+
+def packed_matmul_available() -> bool:
+    """Whether `packed_matmul` runs its vector kernel here: the library is loaded and this CPU
+    has AVX-512 (elsewhere the call is exact but scalar, so the model keeps XLA's dot)."""
+    return available() and "avx512f" in _cpu_flags().split()
+
+
+def packable(kernel_shape: tuple[int, ...], num_in: int = 1) -> bool:
+    """Whether a [*in, *out] kernel packs: its outputs fill whole panels of PANEL columns."""
+    return math.prod(kernel_shape[num_in:]) % PANEL == 0
+
+
+def pack_weight(w: jax.Array) -> jax.Array:  # w: [..., K, N] -> [..., N / PANEL, K, PANEL]
+    """`w` in the panels `packed_matmul` reads: panel p is columns [64p, 64p + 64) of every row,
+    contiguous. Leading axes (a stacked layer axis) are kept."""
+    *lead, k, n = w.shape
+    if n % PANEL:
+        raise ValueError(f"A weight of {n} output columns does not fill panels of {PANEL}.")
+    return jnp.swapaxes(w.reshape(*lead, k, n // PANEL, PANEL), -3, -2)
+
+
+def unpack_weight(wp: jax.Array) -> jax.Array:  # wp: [..., P, K, PANEL] -> [..., K, P * PANEL]
+    """The inverse of `pack_weight`."""
+    *lead, p, k, lanes = wp.shape
+    return jnp.swapaxes(wp, -3, -2).reshape(*lead, k, p * lanes)
+
+
+def packed_matmul(
+    x: jax.Array,  # f32[..., K]
+    wp: jax.Array,  # f32[N / PANEL, K, PANEL] (pack_weight)
+) -> jax.Array:  # f32[..., N]
+    """x @ w for `wp = pack_weight(w)`: each output one chain of fused multiply-adds over k in
+    order, so a row's result does not depend on the rows beside it (cpu_matmul.cc)."""
+    *lead, k = x.shape
+    p, wk, lanes = wp.shape
+    if wk != k or lanes != PANEL:
+        raise ValueError(
+            f"packed_matmul takes x [..., K] and weights [N / {PANEL}, K, {PANEL}]; got x "
+            f"{tuple(x.shape)} and weights {tuple(wp.shape)}."
+        )
+    if not available():
+        raise RuntimeError("packed_matmul needs the CPU kernels' library, which did not load.")
+    rows = math.prod(lead)
+    call = jax.ffi.ffi_call(_MATMUL_TARGET, jax.ShapeDtypeStruct((rows, p * PANEL), jnp.float32))
+    out = call(x.reshape(rows, k).astype(jnp.float32), wp.astype(jnp.float32))
+    return out.reshape(*lead, p * PANEL)

@@ -1,0 +1,138 @@
+// A float32 matmul for XLA:CPU over weights packed once at load, as an XLA FFI custom call.
+//
+// XLA:CPU's dot (Eigen) packs both operands into its own panels on every call. In a decode step
+// of 16-64 rows the weights are read from memory once per step anyway, and that repacking (a
+// second read and a write of every weight) costs about as much as the multiply: smollm2-135m's
+// 30 layers took 20.3 ms at 16 rows and 48.8 at 64 through XLA, 14.8 and 36.3 in this kernel
+// (docs/benchmarks.md). The weights arrive packed as [N / 64, K, 64]: panel p holds output
+// columns [64p, 64p + 64) for every k, contiguous, so a panel streams from memory in order and
+// stays in L2 while every row block of x reads it.
+//
+// Each output element is one chain of fused multiply-adds over k in order, whatever the number
+// of rows or how they are split into blocks and threads: a row's result does not depend on the
+// batch it is in (batch invariance), and it is the same on every run.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using jaxserve::SplitByCost;
+
+constexpr int64_t kLanes = 64;      // output columns per panel (four 16-float vectors)
+constexpr int64_t kRowBlock = 6;    // rows per register tile: 6 x 4 accumulators
+constexpr int64_t kGroupRows = 48;  // rows per work item (eight tiles), one panel each
+
+#if defined(__AVX512F__)
+// out[r, 0:64] = sum_k a[r, k] * panel[k, 0:64] for MR rows (a: lda apart; out: ldc apart).
+template <int MR>
+inline void Tile(const float* a, int64_t lda, const float* panel, int64_t K, float* out,
+                 int64_t ldc) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = panel + k * kLanes;
+    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+    const __m512 b2 = _mm512_loadu_ps(b + 32), b3 = _mm512_loadu_ps(b + 48);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 av = _mm512_set1_ps(a[r * lda + k]);
+      acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(av, b2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(av, b3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + r * ldc + 16 * i, acc[r][i]);
+}
+
+// Rows [m0, m1) of x against one panel, in tiles of kRowBlock rows and one of the rest.
+void PanelRows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* panel, float* out,
+               int64_t N) {
+  int64_t m = m0;
+  for (; m + kRowBlock <= m1; m += kRowBlock) Tile<6>(x + m * K, K, panel, K, out + m * N, N);
+  const float* a = x + m * K;
+  float* o = out + m * N;
+  switch (m1 - m) {
+    case 5: Tile<5>(a, K, panel, K, o, N); break;
+    case 4: Tile<4>(a, K, panel, K, o, N); break;
+    case 3: Tile<3>(a, K, panel, K, o, N); break;
+    case 2: Tile<2>(a, K, panel, K, o, N); break;
+    case 1: Tile<1>(a, K, panel, K, o, N); break;
+    default: break;
+  }
+}
+#else
+// The same sums without AVX-512, one fused multiply-add at a time (the model takes this call
+// only where the CPU has AVX-512; this keeps the library buildable and exact elsewhere).
+void PanelRows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* panel, float* out,
+               int64_t N) {
+  for (int64_t m = m0; m < m1; ++m) {
+    float acc[kLanes] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = x[m * K + k];
+      for (int64_t j = 0; j < kLanes; ++j) acc[j] = std::fma(a, panel[k * kLanes + j], acc[j]);
+    }
+    std::copy(acc, acc + kLanes, out + m * N);
+  }
+}
+#endif
+
+ffi::Error PackedMatmul(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> x,
+                        ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[2] != kLanes ||
+      wd[1] != xd[1] || od[0] != xd[0] || od[1] != wd[0] * kLanes) {
+    auto dims = [](ffi::Span<const int64_t> d) {
+      std::string s = "[";
+      for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+      return s + "]";
+    };
+    return ffi::Error::InvalidArgument(
+        "jaxserve_packed_matmul takes x [M, K], packed weights [N / 64, K, 64] and out [M, N]; "
+        "got x " + dims(xd) + ", weights " + dims(wd) + ", out " + dims(od) + ".");
+  }
+  const int64_t M = xd[0], K = xd[1], panels = wd[0], N = panels * kLanes;
+  if (M == 0 || panels == 0) return ffi::Error::Success();
+  const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
+  // Item i: panel i / groups, row group i % groups; a thread's consecutive items share a panel.
+  std::vector<int64_t> cost(panels * groups);
+  for (int64_t i = 0; i < panels * groups; ++i) {
+    const int64_t g = i % groups, rows = std::min(kGroupRows, M - g * kGroupRows);
+    cost[i] = rows * K * kLanes / 1024;  // thousands of multiply-adds
+  }
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* op = out->typed_data();
+  // Below ~256K multiply-adds (a few microseconds) a second thread costs more than it saves.
+  SplitByCost(pool_threads, cost, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t p = i / groups, g = i % groups;
+      const int64_t m0 = g * kGroupRows, m1 = std::min(M, m0 + kGroupRows);
+      PanelRows(xp, m0, m1, K, wp + p * K * kLanes, op + p * kLanes, N);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, PackedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // weights [N / 64, K, 64]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]

@@ -1,0 +1,161 @@
+"""The CPU's matmul over packed weights (cpu_matmul.cc through cpu_ffi) and the packed model.
+
+The kernel against float64 numpy and, on integer-valued inputs where float32 sums are exact,
+element for element (a misplaced panel, row or column shows as a wrong value, not as rounding);
+each row's result the same bits alone as in any batch (one chain of fused multiply-adds per
+element, whatever the row blocks and threads). Then the model: `pack_params` of a canonical tree
+through the packed module gives the canonical module's hidden states and logits, in both layer
+layouts, tied and untied heads, with kernels that pack and kernels that do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints.random_weights import NAMED_SHAPES
+from jaxserve.models.kv_pool import init_kv_pages
+from jaxserve.models.loaded import abstract_params, model_for, pack_params
+from jaxserve.models.step_batch import SeqChunk, pack_chunks
+from pallas_kernels.ragged_paged_attention import cpu_ffi
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ffi.available(), reason="the native CPU kernels could not be built (no g++?)"
+)
+
+# Rows across the 6-row register tiles and the 48-row work items; K odd and even; 1-48 panels.
+SHAPES = [(1, 64, 64), (5, 7, 128), (6, 576, 960), (13, 33, 192), (49, 100, 320), (97, 64, 3072)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_packed_matmul_is_the_matmul(m, k, n):
+    rng = np.random.default_rng(m * 1000 + k)
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((k, n), np.float32)
+    out = np.asarray(jax.jit(cpu_ffi.packed_matmul)(x, cpu_ffi.pack_weight(jnp.asarray(w))))
+    ref = x.astype(np.float64) @ w.astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
+    assert out.shape == (m, n) and out.dtype == np.float32
+    assert np.all(np.abs(out - ref) <= 1e-6 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_every_element_lands_in_its_place(m, k, n):
+    """Small integers: every partial sum is exact in float32, so the result must equal numpy's
+    bit for bit; any mix-up of panels, rows, columns or k shows."""
+    rng = np.random.default_rng(k)
+    x = rng.integers(-4, 5, (m, k)).astype(np.float32)
+    w = rng.integers(-4, 5, (k, n)).astype(np.float32)
+    out = np.asarray(cpu_ffi.packed_matmul(jnp.asarray(x), cpu_ffi.pack_weight(jnp.asarray(w))))
+    np.testing.assert_array_equal(out, x @ w)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((100, 576), np.float32)
+    wp = cpu_ffi.pack_weight(jnp.asarray(rng.standard_normal((576, 1536), np.float32)))
+    whole = np.asarray(cpu_ffi.packed_matmul(jnp.asarray(x), wp))
+    for rows in ([0], [5, 6, 7], list(range(40, 89)), [99]):
+        part = np.asarray(cpu_ffi.packed_matmul(jnp.asarray(x[rows]), wp))
+        np.testing.assert_array_equal(part, whole[rows])
+
+
+def test_pack_and_unpack_are_inverse_and_leading_axes_stay():
+    w = jnp.arange(3 * 5 * 128, dtype=jnp.float32).reshape(3, 5, 128)  # [layers, K, N]
+    wp = cpu_ffi.pack_weight(w)
+    assert wp.shape == (3, 2, 5, 64)
+    assert float(wp[1, 1, 2, 3]) == float(w[1, 2, 64 + 3])  # panel 1, row 2, column 3
+    np.testing.assert_array_equal(cpu_ffi.unpack_weight(wp), w)
+
+
+def test_bad_shapes_are_sentences_naming_them():
+    with pytest.raises(ValueError, match="100 output columns"):
+        cpu_ffi.pack_weight(jnp.zeros((4, 100)))
+    with pytest.raises(ValueError, match=r"got x \(2, 8\) and weights \(1, 9, 64\)"):
+        cpu_ffi.packed_matmul(jnp.zeros((2, 8)), jnp.zeros((1, 9, 64)))
+
+
+def _forward(module, params, config):
+    """Hidden states and logits of a 7-token prompt and a 1-token decode in one step."""
+    page_size, pages = 4, 8
+    kv = init_kv_pages(config, num_pages=pages, page_size=page_size, dtype=jnp.float32)
+    batch = pack_chunks(
+        [SeqChunk(list(range(3, 10)), 0, [0, 1]), SeqChunk([11], 0, [2])],
+        page_size=page_size,
+        num_tokens=8,
+        num_seqs=2,
+        pages_per_seq=2,
+        num_pages=pages,
+    )
+    hidden, _ = module.apply({"params": params}, kv, batch)
+    return hidden, module.apply({"params": params}, hidden, method=module.logits)
+
+
+# llama-tiny's intermediate 176 (gate/up 352 columns) does not pack; 192 does.
+CONFIGS = {
+    "tied_partly_packed": dataclasses.replace(NAMED_SHAPES["llama-tiny"], tie_word_embeddings=True),
+    "untied_all_packed": dataclasses.replace(
+        NAMED_SHAPES["llama-tiny"], intermediate_size=192, tie_word_embeddings=False
+    ),
+}
+
+
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_packed_model_computes_the_canonical_one(name, layer_loop):
+    config = CONFIGS[name]
+    canonical = model_for(config, jnp.float32, "reference", layer_loop=layer_loop)
+    packed = model_for(config, jnp.float32, "reference", layer_loop=layer_loop, packed_weights=True)
+    shapes = abstract_params(config, jnp.float32, layer_loop)
+    keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(shapes))))
+    params = jax.tree.map(lambda s: 0.05 * jax.random.normal(next(keys), s.shape), shapes)
+    packed_params = pack_params(params, config, jnp.float32)
+    # The tree the packed module declares, leaf for leaf; the kernels that pack did.
+    want = abstract_params(config, jnp.float32, layer_loop, packed=True)
+    assert jax.tree.map(jnp.shape, packed_params) == jax.tree.map(lambda s: s.shape, want)
+    layer = packed_params["layers_0" if layer_loop == "unrolled" else "layers"]
+    assert layer["self_attn"]["o_proj"]["kernel"].shape[-1] == cpu_ffi.PANEL
+    gate_up = layer["mlp"]["gate_up_proj"]["kernel"]
+    assert (gate_up.shape[-1] == cpu_ffi.PANEL) == (config.intermediate_size % 32 == 0)
+    assert ("packed_head" in packed_params) == config.tie_word_embeddings
+    lowered = jax.jit(lambda p: _forward(packed, p, config)).lower(packed_params).as_text()
+    assert "jaxserve_packed_matmul" in lowered
+    hidden, logits = _forward(canonical, params, config)
+    packed_hidden, packed_logits = _forward(packed, packed_params, config)
+    np.testing.assert_allclose(packed_hidden, hidden, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(packed_logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def _runner():
+    from checkpoints import load_model
+    from jaxserve.runtime.model_runner import ModelRunner, RunnerConfig
+
+    config = RunnerConfig(
+        num_pages=8, page_size=4, max_model_len=32, token_buckets=(8,), seq_buckets=(2,)
+    )
+    return ModelRunner(load_model(None, dtype=jnp.float32), config)
+
+
+@pytest.mark.skipif(not cpu_ffi.packed_matmul_available(), reason="this CPU has no AVX-512")
+def test_the_runner_steps_on_packed_weights_and_repacks_what_it_is_given(monkeypatch):
+    """stories260k on this CPU: the step's tree is the params' packed (o_proj [1, 64, 64]), the
+    canonical tree stays what trainers read, and new params (a swap, a wake-up) are packed again
+    before the next step; $JAXSERVE_CPU_PACKED_WEIGHTS=0 keeps XLA's dot."""
+    runner = _runner()
+    assert runner.module.packed_weights
+    canonical = runner.params["layers_0"]["self_attn"]["o_proj"]["kernel"]
+    stepped = runner.step_params["layers_0"]["self_attn"]["o_proj"]["kernel"]
+    assert canonical.shape == (64, 64) and stepped.shape == (1, 64, 64)
+    new = jax.tree.map(lambda a: a * 2, runner.params)
+    runner.params = new
+    stepped = runner.step_params["layers_0"]["self_attn"]["o_proj"]["kernel"]
+    np.testing.assert_array_equal(stepped, cpu_ffi.pack_weight(canonical * 2))
+    runner.params = None  # asleep at level 2: nothing on the device to step on
+    assert runner.step_params is None
+    monkeypatch.setenv("JAXSERVE_CPU_PACKED_WEIGHTS", "0")
+    plain = _runner()
+    assert not plain.module.packed_weights and plain.step_params is plain.params
