@@ -199,6 +199,8 @@ class ModelRunner:
             layer_loop=layer_loop_of(model.params),  # the loop the params were laid out for
             packed_weights=packed,
         )
+        if packed:
+            logger.info("The matmuls run on weights packed for the CPU (cpu_matmul.cc).")
         # Jitted once: packing new weights (a swap, a wake-up) compiles nothing after the first.
         self._pack = (
             jax.jit(functools.partial(pack_params, config=model.config, dtype=model.dtype))

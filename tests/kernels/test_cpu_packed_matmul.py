@@ -101,6 +101,10 @@ CONFIGS = {
     "untied_all_packed": dataclasses.replace(
         NAMED_SHAPES["llama-tiny"], intermediate_size=192, tie_word_embeddings=False
     ),
+    # Llama's attention_bias and mlp_bias: a packed kernel's bias is added after the call.
+    "biased": dataclasses.replace(
+        NAMED_SHAPES["llama-tiny"], intermediate_size=192, qkv_bias=True, o_bias=True, mlp_bias=True
+    ),
 }
 
 
