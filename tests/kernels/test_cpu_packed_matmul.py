@@ -163,3 +163,20 @@ def test_the_runner_steps_on_packed_weights_and_repacks_what_it_is_given(monkeyp
     monkeypatch.setenv("JAXSERVE_CPU_PACKED_WEIGHTS", "0")
     plain = _runner()
     assert not plain.module.packed_weights and plain.step_params is plain.params
+
+
+@pytest.mark.skipif(not cpu_ffi.packed_matmul_available(), reason="this CPU has no AVX-512")
+def test_only_float32_on_one_cpu_device_packs():
+    """bfloat16 and a tensor-parallel mesh keep XLA's dot: the kernel is float32, and the packed
+    layout has no sharding rules for a split weight."""
+    from types import SimpleNamespace
+
+    from jaxserve.runtime.model_runner import packs_weights
+
+    def plan(platform="cpu", devices=1):
+        return SimpleNamespace(platform=platform, mesh=SimpleNamespace(size=devices))
+
+    assert packs_weights(jnp.float32, plan())
+    assert not packs_weights(jnp.bfloat16, plan())
+    assert not packs_weights(jnp.float32, plan(devices=2))
+    assert not packs_weights(jnp.float32, plan(platform="tpu"))
