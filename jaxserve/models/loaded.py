@@ -19,6 +19,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages, kv_lanes
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
+from pallas_kernels.ragged_paged_attention.cpu_ffi import pack_weight
 
 
 @dataclasses.dataclass
@@ -88,8 +89,6 @@ def pack_params(params: dict, config: ModelConfig, dtype) -> dict:
     in cpu_matmul.cc's layout (cpu_ffi.pack_weight), a tied table's transposed copy added as
     `packed_head`, every other leaf the same array. Jitted by the runner, so packing new
     weights (update_weights, wake_up) compiles nothing after the first time."""
-    from pallas_kernels.ragged_paged_attention.cpu_ffi import pack_weight
-
     target = abstract_params(config, dtype, layer_loop_of(params), packed=True)
 
     def leaf(path, want: jax.ShapeDtypeStruct) -> jax.Array:

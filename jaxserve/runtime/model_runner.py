@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 
@@ -48,6 +49,7 @@ from jaxserve.runtime.sampling import (
     sample_step,
     verify,
 )
+from pallas_kernels.ragged_paged_attention import cpu_ffi
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +167,6 @@ def packs_weights(dtype, sharding: ShardingPlan) -> bool:
     $JAXSERVE_CPU_PACKED_WEIGHTS=0. The runner then holds both trees: the canonical params (what
     update_weights, sleep and trainers read) and their packed kernels, a second copy of the
     matmul weights in host memory."""
-    import os
-
-    from pallas_kernels.ragged_paged_attention import cpu_ffi
-
     return (
         os.environ.get("JAXSERVE_CPU_PACKED_WEIGHTS", "1") != "0"
         and jnp.dtype(dtype) == jnp.float32

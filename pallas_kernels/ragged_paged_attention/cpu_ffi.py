@@ -239,11 +239,6 @@ def packed_matmul_available() -> bool:
     return available() and "avx512f" in _cpu_flags().split()
 
 
-def packable(kernel_shape: tuple[int, ...], num_in: int = 1) -> bool:
-    """Whether a [*in, *out] kernel packs: its outputs fill whole panels of PANEL columns."""
-    return math.prod(kernel_shape[num_in:]) % PANEL == 0
-
-
 def pack_weight(w: jax.Array) -> jax.Array:  # w: [..., K, N] -> [..., N / PANEL, K, PANEL]
     """`w` in the panels `packed_matmul` reads: panel p is columns [64p, 64p + 64) of every row,
     contiguous. Leading axes (a stacked layer axis) are kept."""
