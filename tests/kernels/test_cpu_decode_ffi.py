@@ -37,6 +37,7 @@ def test_the_library_builds_here():
     cpu_ffi._build()
     assert cpu_ffi.available()
 
+
 CASES = {
     # head_dim 64 (4 vectors), GQA 3 as in smollm2-135m, pages of 16; decodes of 1..40 keys.
     "d64_gqa3": Case(((1, 1), (1, 17), (1, 40), (1, 16), (1, 33)), 16, 9, 3, 64, F32, 8, 7),

@@ -37,6 +37,7 @@ def test_the_library_builds_here():
     cpu_ffi._build()
     assert cpu_ffi.available()
 
+
 # Rows across the 6-row register tiles and the 48-row work items; K odd and even; 1-48 panels.
 SHAPES = [(1, 64, 64), (5, 7, 128), (6, 576, 960), (13, 33, 192), (49, 100, 320), (97, 64, 3072)]
 
