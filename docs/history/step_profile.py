@@ -10,6 +10,8 @@ steps (`jax.profiler`); they overlap on the two threads, so they add up to more 
     python docs/history/step_profile.py ~/.cache/peers/models/small 256 prefill 64
     FILTER='^copy' python ...   # each thunk whose name matches, largest first
     LINES='ffi_call' python ... # one step's matching thunks on each thread's timeline
+    BYTARGET=1 python ...       # the ffi_call thunks summed by custom-call target and shape
+    REAL=49 python ... 64 decode  # 49 sequences in the 64-token bucket (the rest padding)
 """
 
 import collections
@@ -26,7 +28,7 @@ import numpy as np
 
 from jaxserve.engine.core import Engine
 from jaxserve.engine_config import EngineConfig
-from jaxserve.models.step_batch import SeqChunk, pack_chunks
+from jaxserve.models.step_batch import SeqChunk, pack_chunks, to_words
 from jaxserve.runtime.sampling import SamplingBatch
 
 model, T, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -39,7 +41,7 @@ runner, rc = engine.runner, engine.runner.config
 rng = np.random.default_rng(0)
 chunks, page = [], 0
 if kind == "decode":
-    for _i in range(T):
+    for _i in range(int(os.environ.get("REAL", T))):
         ctx = int(rng.integers(100, 200))
         n = -(-(ctx + 1) // rc.page_size)
         chunks.append(SeqChunk([5], ctx, list(range(page, page + n))))
@@ -123,3 +125,31 @@ if os.environ.get("LINES"):
                         print(
                             f"    {(e.start_ns - t0) / 1e6:8.3f} +{e.duration_ns / 1e6:7.3f}  {e.name}"
                         )
+if os.environ.get("BYTARGET"):  # ffi_call thunks summed by their custom_call_target and shapes
+    words = to_words((batch, samp))
+    mask = runner.all_allowed(S)
+    hlo = (
+        runner._step.lower(
+            runner.step_params,
+            runner.kv,
+            words.words,
+            runner.penalties,
+            runner.last_tokens,
+            mask,
+            words.layout,
+            runner.lora,
+        )
+        .compile()
+        .as_text()
+    )
+    target = {}
+    for m in re.finditer(
+        r"(ffi_call[.\d]*) = (\S+) custom-call\(([^)]*)\).*?custom_call_target=\"(\w+)\"", hlo
+    ):
+        target[m.group(1)] = f"{m.group(4)} -> {m.group(2)[:40]}"
+    sums = collections.Counter()
+    for name, ns in total.items():
+        if name.startswith("ffi_call"):
+            sums[target.get(name, "?")] += ns
+    for name, ns in sums.most_common(20):
+        print(f"  T {ns / 1e6 / N:8.2f} ms  {name}")

@@ -38,6 +38,7 @@ of their start-up.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -57,7 +58,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages
 from jaxserve.models.lora import lora_delta
 from jaxserve.models.sharding import ShardingPlan, attention_over_heads
-from jaxserve.models.step_batch import StepBatch
+from jaxserve.models.step_batch import StepBatch, real_tokens
 from pallas_kernels.ragged_paged_attention import cpu_ffi
 
 
@@ -89,14 +90,17 @@ def _dense(
     dtype: jnp.dtype,
     name: str,
     packed: bool = False,
-) -> nn.Module:
+    batch: StepBatch | None = None,
+) -> Callable[[jax.Array], jax.Array]:
     """x [T, in] -> [T, *features]; the kernel is [in, *features], so a fused projection's parts
     (q/k/v heads, gate/up) are axes of one matmul's output, split without a copy. `packed`
     (the runner's CPU layout, `pack_params`): the kernel is in cpu_matmul.cc's panels instead,
-    where its outputs fill whole panels."""
+    where its outputs fill whole panels, and the rows past `batch`'s real tokens (its bucket's
+    padding) are not computed."""
     features = (features,) if isinstance(features, int) else tuple(features)
     if packed and math.prod(features) % cpu_ffi.PANEL == 0:
-        return PackedDense(features, use_bias, dtype, name=name)
+        dense = PackedDense(features, use_bias, dtype, name=name)
+        return dense if batch is None else functools.partial(dense, valid=real_tokens(batch))
     # float32 models ask for full-precision matmuls so accelerators do not silently drop to TF32.
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     return nn.DenseGeneral(
@@ -115,11 +119,12 @@ class PackedDense(nn.Module):
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:  # x: [T, in]
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        # x: [T, in]; valid: i32[], rows of x that are real (the rest come back 0, or the bias)
         panels = math.prod(self.features) // cpu_ffi.PANEL
         shape = (panels, x.shape[-1], cpu_ffi.PANEL)
         kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
-        out = cpu_ffi.packed_matmul(x, kernel).astype(self.dtype)
+        out = cpu_ffi.packed_matmul(x, kernel, valid).astype(self.dtype)
         out = out.reshape(*x.shape[:-1], *self.features)
         if self.use_bias:
             return out + self.param("bias", nn.initializers.zeros, self.features, self.dtype)
@@ -140,7 +145,12 @@ class Attention(nn.Module):
         # One matmul for q, k and v: per KV head, its group of q heads, then its k, then its v.
         g = c.q_per_kv
         qkv = _dense(
-            (c.num_kv_heads, g + 2, c.head_dim), c.qkv_bias, self.dtype, "qkv_proj", self.packed
+            (c.num_kv_heads, g + 2, c.head_dim),
+            c.qkv_bias,
+            self.dtype,
+            "qkv_proj",
+            self.packed,
+            batch,
         )(x)
         split = self.plan is not None and self.plan.tensor_parallel > 1
         if split:
@@ -188,7 +198,7 @@ class Attention(nn.Module):
             )
         else:
             heads, kv_pool = self._attend(q, k, v, kv_pool, layer, batch, cos, sin, backend, split)
-        out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj", self.packed)(heads)
+        out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj", self.packed, batch)(heads)
         if batch.lora is not None:
             out = out + _lora(self, batch, "o_proj", layer, heads)
         return out, kv_pool
@@ -234,7 +244,7 @@ class MLP(nn.Module):
     def __call__(self, x, batch: StepBatch | None = None, layer=None):
         c = self.config
         gate_up = _dense(
-            (2, c.intermediate_size), c.mlp_bias, self.dtype, "gate_up_proj", self.packed
+            (2, c.intermediate_size), c.mlp_bias, self.dtype, "gate_up_proj", self.packed, batch
         )(x)
         gate, up = gate_up[:, 0], gate_up[:, 1]
         lora = batch is not None and batch.lora is not None
@@ -242,7 +252,7 @@ class MLP(nn.Module):
             gate = gate + _lora(self, batch, "gate_proj", layer, x)
             up = up + _lora(self, batch, "up_proj", layer, x)
         act = nn.silu(gate) * up
-        out = _dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj", self.packed)(act)
+        out = _dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj", self.packed, batch)(act)
         return out + _lora(self, batch, "down_proj", layer, act) if lora else out
 
 
@@ -304,10 +314,11 @@ def head_tiers(num_rows: int) -> tuple[int, ...]:
 
 
 def logits_of_rows(
-    logits_of: Callable[[jax.Array], jax.Array],  # hidden [N, hidden_size] -> f32[N, vocab]
+    logits_of: Callable[..., jax.Array],  # (hidden [N, hidden_size], valid i32[]) -> f32[N, V]
     hidden: jax.Array,  # [T, hidden_size] final hidden states of the step's tokens
     rows: jax.Array,  # i32[S] the token whose logits each row samples from (real rows first)
     num_rows: jax.Array,  # i32[] real rows; rows [num_rows, S) are padding
+    skips_padding: bool = False,  # logits_of leaves out the rows from its valid on (packed)
 ) -> jax.Array:  # f32[S, vocab]; padding rows are 0 when a smaller tier ran
     """The LM head over each row's token, run only for the smallest tier that holds the real rows.
 
@@ -321,6 +332,8 @@ def logits_of_rows(
     tier runs in precompile's batches; a first step in a larger tier showed no set-up cost
     beyond the noise (decode steps of 12-64 rows in a 64-row bucket).
     """
+    if skips_padding:  # the packed head computes the real rows alone: no tiers to choose
+        return logits_of(hidden[rows], num_rows)
     tiers = head_tiers(rows.shape[0])
     if len(tiers) == 1:
         return logits_of(hidden[rows])
@@ -426,6 +439,11 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         return self.packed_weights and c.tie_word_embeddings and c.vocab_size % cpu_ffi.PANEL == 0
 
+    def head_skips_padding(self) -> bool:
+        """Whether `logits` leaves out the rows past its `valid` (the head is a packed matmul,
+        tied or not), so a step needs no row tiers (`logits_of_rows`)."""
+        return self.packed_weights and self.config.vocab_size % cpu_ffi.PANEL == 0
+
     def __call__(self, kv: KVPages, batch: StepBatch) -> tuple[jax.Array, KVPages]:
         """Runs every token of `batch`: final hidden states [T, hidden_size] and the new pool."""
         batch = jax.tree.map(jnp.asarray, batch)  # host numpy batches work outside jit too
@@ -452,10 +470,11 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self(kv, batch)
         return self.logits(hidden)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """Float32 logits [N, vocab_size] of final hidden states [N, hidden_size]."""
+    def logits(self, hidden: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        """Float32 logits [N, vocab_size] of final hidden states [N, hidden_size]; where the
+        head skips padding (`head_skips_padding`), rows from `valid` (i32[]) on are 0."""
         if self.config.tie_word_embeddings and self._packs_head():
-            out = cpu_ffi.packed_matmul(hidden, self.packed_head)
+            out = cpu_ffi.packed_matmul(hidden, self.packed_head, valid)
         elif self.config.tie_word_embeddings:
             precision = jax.lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
             emb = self.embed_tokens.embedding  # [vocab, hidden]
@@ -463,6 +482,8 @@ class LlamaForCausalLM(nn.Module):
             # fused `hidden @ emb.T` with a copy of the transposed table into a loop (smollm2-
             # 135m: 11 ms against 8.9 on JAX 0.10, 30 against 12 ms on 0.12, the head alone).
             out = jax.lax.dot_general(hidden, emb, (((1,), (1,)), ((), ())), precision=precision)
+        elif self.head_skips_padding():
+            out = self.lm_head(hidden, valid)
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)

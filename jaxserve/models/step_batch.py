@@ -62,6 +62,12 @@ class StepBatch:
     lora: Any = None
 
 
+def real_tokens(batch: StepBatch) -> jax.Array:  # i32[]
+    """How many of the step's tokens are real: the sequences' tokens come first, back to back,
+    and the bucket's padding after them (pack_chunks)."""
+    return batch.query_start[batch.num_seqs]
+
+
 jax.tree_util.register_dataclass(
     StepBatch,
     data_fields=[f.name for f in dataclasses.fields(StepBatch)],

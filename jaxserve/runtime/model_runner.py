@@ -120,13 +120,14 @@ def step_impl(
         batch, token_ids=jnp.where(batch.feed_slots >= 0, fed, batch.token_ids), lora=lora
     )
     hidden, kv = module.apply({"params": params}, kv, batch)
-    # The head runs for the smallest tier of rows that holds the real ones, not for every
-    # padding row of the bucket (jaxserve/models/llama.py's logits_of_rows).
+    # The head runs for the real rows alone (packed on the CPU), else for the smallest tier of
+    # rows that holds them, not for every padding row (jaxserve/models/llama.py's logits_of_rows).
     logits = logits_of_rows(
-        lambda h: module.apply({"params": params}, h, method=module.logits),
+        lambda h, valid=None: module.apply({"params": params}, h, valid, method=module.logits),
         hidden,
         batch.logits_indices,
         batch.num_seqs if batch.num_rows is None else batch.num_rows,
+        skips_padding=module.head_skips_padding(),
     )
     out, pen = sample_step(logits, sampling, pen, mask)
     after = out.token_ids  # each row's next token: its sample, or after its accepted proposals

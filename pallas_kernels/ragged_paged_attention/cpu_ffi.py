@@ -257,9 +257,13 @@ def unpack_weight(wp: jax.Array) -> jax.Array:  # wp: [..., P, K, PANEL] -> [...
 def packed_matmul(
     x: jax.Array,  # f32[..., K]
     wp: jax.Array,  # f32[N / PANEL, K, PANEL] (pack_weight)
+    valid: jax.Array | int | None = None,  # i32[]: rows of x (flattened) that are real
 ) -> jax.Array:  # f32[..., N]
     """x @ w for `wp = pack_weight(w)`: each output one chain of fused multiply-adds over k in
-    order, so a row's result does not depend on the rows beside it (cpu_matmul.cc)."""
+    order, so a row's result does not depend on the rows beside it (cpu_matmul.cc).
+
+    `valid` (a step's real token count, known only on the device): rows from it on are padding,
+    not computed, and come back 0; None computes every row."""
     *lead, k = x.shape
     p, wk, lanes = wp.shape
     if wk != k or lanes != PANEL:
@@ -271,5 +275,8 @@ def packed_matmul(
         raise RuntimeError("packed_matmul needs the CPU kernels' library, which did not load.")
     rows = math.prod(lead)
     call = jax.ffi.ffi_call(_MATMUL_TARGET, jax.ShapeDtypeStruct((rows, p * PANEL), jnp.float32))
-    out = call(x.reshape(rows, k).astype(jnp.float32), wp.astype(jnp.float32))
+    valid = jnp.asarray(rows if valid is None else valid, jnp.int32)
+    if valid.shape != ():
+        raise ValueError(f"packed_matmul's valid is a count of rows, one int32; got {valid.shape}.")
+    out = call(x.reshape(rows, k).astype(jnp.float32), wp.astype(jnp.float32), valid)
     return out.reshape(*lead, p * PANEL)

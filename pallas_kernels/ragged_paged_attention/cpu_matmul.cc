@@ -117,7 +117,8 @@ void PanelRows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* p
 #endif
 
 ffi::Error PackedMatmul(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> x,
-                        ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
+                        ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> valid,
+                        ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[2] != kLanes ||
       wd[1] != xd[1] || od[0] != xd[0] || od[1] != wd[0] * kLanes) {
@@ -130,7 +131,17 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> x,
         "jaxserve_packed_matmul takes x [M, K], packed weights [N / 64, K, 64] and out [M, N]; "
         "got x " + dims(xd) + ", weights " + dims(wd) + ", out " + dims(od) + ".");
   }
-  const int64_t M = xd[0], K = xd[1], panels = wd[0], N = panels * kLanes;
+  if (valid.element_count() != 1) {
+    return ffi::Error::InvalidArgument("jaxserve_packed_matmul takes the number of real rows as "
+                                       "one int32; got " + std::to_string(valid.element_count()) +
+                                       " values.");
+  }
+  const int64_t K = xd[1], panels = wd[0], N = panels * kLanes;
+  // Rows past the step's real tokens are its bucket's padding: they come back zero, uncomputed.
+  // At these sizes the multiply is bound by the arithmetic, so a decode step of 49 sequences in
+  // the 64-row bucket no longer pays for 64.
+  const int64_t M = std::clamp<int64_t>(valid.typed_data()[0], 0, xd[0]);
+  std::fill(out->typed_data() + M * N, out->typed_data() + xd[0] * N, 0.0f);
   if (M == 0 || panels == 0) return ffi::Error::Success();
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
   // Item i: panel i / groups, row group i % groups; a thread's consecutive items share a panel.
@@ -160,4 +171,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, PackedMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights [N / 64, K, 64]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // real rows [] (the rest: 0)
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]

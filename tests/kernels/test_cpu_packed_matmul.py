@@ -75,6 +75,20 @@ def test_a_rows_result_does_not_depend_on_its_batch():
         np.testing.assert_array_equal(part, whole[rows])
 
 
+@pytest.mark.parametrize("valid", [0, 1, 5, 6, 47, 48, 49, 96, 97, 200])
+def test_rows_past_the_real_ones_come_back_zero_and_the_rest_are_unchanged(valid):
+    """A step's padding rows (from `valid` on) are not computed; the real rows' bits are those of
+    the whole call's, whichever tile or work item the cut falls in; `valid` past the end clamps."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((97, 100), np.float32))
+    wp = cpu_ffi.pack_weight(jnp.asarray(rng.standard_normal((100, 192), np.float32)))
+    whole = np.asarray(cpu_ffi.packed_matmul(x, wp))
+    out = np.asarray(jax.jit(cpu_ffi.packed_matmul)(x, wp, jnp.int32(valid)))
+    cut = min(valid, 97)
+    np.testing.assert_array_equal(out[:cut], whole[:cut])
+    assert not out[cut:].any()
+
+
 def test_pack_and_unpack_are_inverse_and_leading_axes_stay():
     w = jnp.arange(3 * 5 * 128, dtype=jnp.float32).reshape(3, 5, 128)  # [layers, K, N]
     wp = cpu_ffi.pack_weight(w)
@@ -88,21 +102,25 @@ def test_bad_shapes_are_sentences_naming_them():
         cpu_ffi.pack_weight(jnp.zeros((4, 100)))
     with pytest.raises(ValueError, match=r"got x \(2, 8\) and weights \(1, 9, 64\)"):
         cpu_ffi.packed_matmul(jnp.zeros((2, 8)), jnp.zeros((1, 9, 64)))
+    with pytest.raises(ValueError, match=r"one int32; got \(2,\)"):
+        cpu_ffi.packed_matmul(jnp.zeros((2, 8)), jnp.zeros((1, 8, 64)), jnp.zeros(2, jnp.int32))
 
 
 def _forward(module, params, config):
-    """Hidden states and logits of a 7-token prompt and a 1-token decode in one step."""
+    """Hidden states and logits of a 7-token prompt and a 1-token decode in one step, the 8 real
+    tokens' (the bucket's 5 padding tokens after them are the packed matmul's zeros)."""
     page_size, pages = 4, 8
     kv = init_kv_pages(config, num_pages=pages, page_size=page_size, dtype=jnp.float32)
     batch = pack_chunks(
         [SeqChunk(list(range(3, 10)), 0, [0, 1]), SeqChunk([11], 0, [2])],
         page_size=page_size,
-        num_tokens=8,
-        num_seqs=2,
+        num_tokens=13,
+        num_seqs=3,
         pages_per_seq=2,
         num_pages=pages,
     )
     hidden, _ = module.apply({"params": params}, kv, batch)
+    hidden = hidden[:8]
     return hidden, module.apply({"params": params}, hidden, method=module.logits)
 
 
