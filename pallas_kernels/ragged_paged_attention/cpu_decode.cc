@@ -312,17 +312,26 @@ constexpr int64_t kPrefillRows = 16;
 // block of up to 16 at a time; the block's keys are transposed into kt[d][16] once, so each
 // query row's 16 scores are d broadcast FMAs into one vector (no horizontal sums), then one
 // vector exp, and the online softmax carries each row's max and denominator across blocks.
+//
+// A (row, query head) pair's arithmetic is one chain in a fixed order, as if it ran alone; what
+// the tiles change is only how many chains run side by side: kTile pairs' scores share each load
+// of the block's keys, and kPv pairs' weighted sums each load of its values. One pair at a time,
+// each score was a 64-deep chain of dependent FMAs, the core waiting on each one's latency.
 template <int NC>
 void PrefillRowsVec(const Shape& s, const float* q, const float* layer_base, const int32_t* table,
                     int64_t first_pos, int64_t t0, int64_t t1, int64_t window, float sm_scale,
                     int64_t h, float* out, float* scratch) {
+  constexpr int kTile = 8;                         // pairs whose scores run side by side
+  constexpr int kPv = NC <= 2 ? 8 : 16 / NC;       // pairs whose sums do (kPv * NC accumulators)
   const int64_t g = s.group, d = s.head_dim, ps = s.page_size, lanes = s.lanes, hq = s.num_kv_heads * g;
   const int64_t rows = t1 - t0, units = rows * g;
   float* mx = scratch;             // [rows * g]
   float* den = mx + units;         // [rows * g]
   float* acc = den + units;        // [rows * g, d]
   alignas(64) float kt[16 * 256];  // [d][16] the block's keys, transposed (d <= 256)
-  alignas(64) float pr[16];
+  alignas(64) float pr[kTile][16];
+  std::vector<int64_t> active(units);  // the block's (row, head) pairs that see some of its keys
+  std::vector<__mmask16> live_of(rows);
   for (int64_t i = 0; i < units; ++i) mx[i] = -INFINITY, den[i] = 0.0f;
   std::fill(acc, acc + units * d, 0.0f);
   const int64_t last_pos = first_pos + rows - 1;
@@ -339,6 +348,7 @@ void PrefillRowsVec(const Shape& s, const float* q, const float* layer_base, con
     const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(pos)),
                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
                                                                11, 12, 13, 14, 15));
+    int64_t num_active = 0;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t qpos = first_pos + r;
       if (pos > qpos) continue;                              // the whole block is in its future
@@ -348,31 +358,63 @@ void PrefillRowsVec(const Shape& s, const float* q, const float* layer_base, con
       if (window > 0)
         live &= _mm512_cmpge_epi32_mask(key_pos,
                                         _mm512_set1_epi32(static_cast<int32_t>(qpos - window + 1)));
-      for (int64_t j = 0; j < g; ++j) {
-        const float* qh = q + (t0 + r) * hq * d + (h * g + j) * d;
-        __m512 sv = _mm512_setzero_ps();
-        for (int64_t c = 0; c < d; ++c)
-          sv = _mm512_fmadd_ps(_mm512_set1_ps(qh[c]), _mm512_load_ps(kt + c * 16), sv);
-        sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
-                                _mm512_mul_ps(sv, _mm512_set1_ps(sm_scale)));
-        const int64_t u = r * g + j;
-        const float m_new = std::max(mx[u], _mm512_reduce_max_ps(sv));
-        const float rescale = std::exp(mx[u] - m_new);
-        const __m512 pv = _mm512_maskz_mov_ps(live, Exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-        den[u] = den[u] * rescale + _mm512_reduce_add_ps(pv);
+      live_of[r] = live;
+      for (int64_t j = 0; j < g; ++j) active[num_active++] = r * g + j;
+    }
+    for (int64_t a0 = 0; a0 < num_active; a0 += kTile) {
+      const int m = static_cast<int>(std::min<int64_t>(kTile, num_active - a0));
+      const float* qh[kTile];  // past m: repeats of the last pair, computed and dropped
+      for (int i = 0; i < kTile; ++i) {
+        const int64_t u = active[a0 + std::min(i, m - 1)];
+        qh[i] = q + (t0 + u / g) * hq * d + (h * g + u % g) * d;
+      }
+      __m512 sv[kTile];
+      for (int i = 0; i < kTile; ++i) sv[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < d; ++c) {
+        const __m512 kc = _mm512_load_ps(kt + c * 16);
+        for (int i = 0; i < kTile; ++i) sv[i] = _mm512_fmadd_ps(_mm512_set1_ps(qh[i][c]), kc, sv[i]);
+      }
+      float rescale[kTile];
+      __mmask16 mask[kTile];
+      for (int i = 0; i < kTile; ++i) {
+        if (i >= m) {
+          rescale[i] = 1.0f, mask[i] = 0;
+          continue;
+        }
+        const int64_t u = active[a0 + i];
+        const __mmask16 live = live_of[u / g];
+        const __m512 si = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                                             _mm512_mul_ps(sv[i], _mm512_set1_ps(sm_scale)));
+        const float m_new = std::max(mx[u], _mm512_reduce_max_ps(si));
+        rescale[i] = std::exp(mx[u] - m_new);
+        const __m512 pv = _mm512_maskz_mov_ps(live, Exp16(_mm512_sub_ps(si, _mm512_set1_ps(m_new))));
+        den[u] = den[u] * rescale[i] + _mm512_reduce_add_ps(pv);
         mx[u] = m_new;
-        _mm512_store_ps(pr, pv);
-        float* au = acc + u * d;
-        __m512 ov[NC];
-        const __m512 rs = _mm512_set1_ps(rescale);
-        for (int c = 0; c < NC; ++c) ov[c] = _mm512_mul_ps(_mm512_loadu_ps(au + 16 * c), rs);
+        mask[i] = live;
+        _mm512_store_ps(pr[i], pv);
+      }
+      for (int p0 = 0; p0 < m; p0 += kPv) {
+        __m512 ov[kPv][NC];
+        float* au[kPv];
+        for (int i = 0; i < kPv; ++i) {
+          const int src = std::min(p0 + i, m - 1);  // past m: a repeat, masked off, not stored
+          au[i] = acc + active[a0 + src] * d;
+          const __m512 rs = _mm512_set1_ps(rescale[src]);
+          for (int c = 0; c < NC; ++c) ov[i][c] = _mm512_mul_ps(_mm512_loadu_ps(au[i] + 16 * c), rs);
+        }
         const float* vrow = vb;
         for (int64_t k = 0; k < n; ++k, vrow += lanes) {
-          if (!((live >> k) & 1)) continue;
-          const __m512 p = _mm512_set1_ps(pr[k]);
-          for (int c = 0; c < NC; ++c) ov[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vrow + 16 * c), ov[c]);
+          __m512 v[NC];
+          for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(vrow + 16 * c);
+          for (int i = 0; i < kPv; ++i) {
+            // a key the pair does not see leaves its sums as they are, as skipping it did
+            const __mmask16 on = p0 + i < m && ((mask[p0 + i] >> k) & 1) ? 0xFFFF : 0;
+            const __m512 p = _mm512_set1_ps(pr[std::min(p0 + i, kTile - 1)][k]);
+            for (int c = 0; c < NC; ++c) ov[i][c] = _mm512_mask3_fmadd_ps(p, v[c], ov[i][c], on);
+          }
         }
-        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(au + 16 * c, ov[c]);
+        for (int i = 0; i < kPv && p0 + i < m; ++i)
+          for (int c = 0; c < NC; ++c) _mm512_storeu_ps(au[i] + 16 * c, ov[i][c]);
       }
     }
     pos += n;

@@ -227,3 +227,33 @@ def test_rope_write_attention_is_rope_then_write_then_attention(name: str):
     np.testing.assert_array_equal(np.asarray(pool), np.asarray(want_pool))  # NaN == NaN here
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
     assert not np.array_equal(np.asarray(pool), np.asarray(kv_pool), equal_nan=True)
+
+
+def test_a_prefill_row_does_not_depend_on_the_rows_computed_beside_it():
+    """A row's output, bit for bit, whether its chunk starts at 0 or at position 30: the rows its
+    work item and tile share change (items start every 16 rows from the chunk's first), and a
+    pair's arithmetic must stay one chain as if alone (what batch invariance needs)."""
+    hkv, g, d, page, kv_len, tail = 3, 3, 64, 16, 37, 7
+    assert cpu_ffi.ragged_available(d)  # built and registered
+    rng = np.random.default_rng(3)
+    pool = rng.standard_normal((1, 4, page, 2 * hkv * d), dtype=np.float32)
+    table = jnp.asarray([[2, 0, 3]], jnp.int32)
+    q = rng.standard_normal((kv_len, hkv, g, d), dtype=np.float32)
+
+    def rows(first: int) -> np.ndarray:  # the chunk of positions [first, kv_len)
+        out = cpu_ffi.ragged_attention(
+            jnp.asarray(q[first:]),
+            jnp.asarray(pool),
+            0,
+            jnp.asarray([0, kv_len - first], jnp.int32),
+            jnp.asarray([kv_len], jnp.int32),
+            table,
+            1,
+            d**-0.5,
+            None,
+        )
+        return np.asarray(out)
+
+    whole, late = rows(0), rows(kv_len - tail)
+    assert np.isfinite(whole).all() and np.abs(whole).max() > 0
+    np.testing.assert_array_equal(whole[kv_len - tail :], late)
