@@ -209,3 +209,17 @@ def test_only_float32_on_one_cpu_device_packs():
     assert not packs_weights(jnp.bfloat16, plan())
     assert not packs_weights(jnp.float32, plan(devices=2))
     assert not packs_weights(jnp.float32, plan(platform="tpu"))
+
+
+def test_the_call_returns_only_once_every_chunk_is_written():
+    """The op after the matmul reads its output at once: a call that returned while a pool
+    thread still wrote its last chunk would hand that op unwritten columns (cpu_pool.h)."""
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.integers(-4, 5, (64, 576)).astype(np.float32))
+    w = rng.integers(-4, 5, (576, 1536)).astype(np.float32)
+    want = (np.asarray(x) @ w).sum(axis=0)  # exact: integers well inside float32's 24 bits
+    wp = cpu_ffi.pack_weight(jnp.asarray(w))
+    column_sums = jax.jit(lambda x, wp: cpu_ffi.packed_matmul(x, wp).sum(axis=0))
+    for _ in range(40):
+        np.testing.assert_array_equal(np.asarray(column_sums(x, wp)), want)
+
