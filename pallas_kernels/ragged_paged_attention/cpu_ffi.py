@@ -239,6 +239,37 @@ def packed_matmul_available() -> bool:
     return available() and "avx512f" in _cpu_flags().split()
 
 
+@functools.cache
+def matmul_k_block() -> int:
+    """The k per block of a panel in `packed_matmul` on this CPU; 0: whole-K tiles.
+
+    Measured with docs/history/matmul_packed.py on small's 30 layers: on a 2-core Xeon, blocks of
+    64 k (each read from L1 by every row tile while the next is prefetched) took 16 rows 41.5 ->
+    32.2 ms and 64 rows 71.0 -> 58.6; on a 2-core Zen 4 EPYC the same blocks were slower than
+    whole-K tiles (64 rows 81 against 71-75 ms, 256 rows 311-357 against 258-269), whose rows of
+    x stream in order while the panel sits in the larger L2. Both give the same bits.
+    $JAXSERVE_CPU_MATMUL_K_BLOCK overrides it."""
+    env = os.environ.get("JAXSERVE_CPU_MATMUL_K_BLOCK")
+    if env is not None:
+        if not env.isdigit():
+            raise ValueError(
+                f"JAXSERVE_CPU_MATMUL_K_BLOCK is 0 (whole-K tiles) or a positive count of k; "
+                f"got {env!r}."
+            )
+        return int(env)
+    return 0 if _cpu_vendor() == "AuthenticAMD" else 64
+
+
+def _cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"; "" elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
 def pack_weight(w: jax.Array) -> jax.Array:  # w: [..., K, N] -> [..., N / PANEL, K, PANEL]
     """`w` in the panels `packed_matmul` reads: panel p is columns [64p, 64p + 64) of every row,
     contiguous. Leading axes (a stacked layer axis) are kept."""
@@ -258,12 +289,14 @@ def packed_matmul(
     x: jax.Array,  # f32[..., K]
     wp: jax.Array,  # f32[N / PANEL, K, PANEL] (pack_weight)
     valid: jax.Array | int | None = None,  # i32[]: rows of x (flattened) that are real
+    k_block: int | None = None,
 ) -> jax.Array:  # f32[..., N]
     """x @ w for `wp = pack_weight(w)`: each output one chain of fused multiply-adds over k in
     order, so a row's result does not depend on the rows beside it (cpu_matmul.cc).
 
     `valid` (a step's real token count, known only on the device): rows from it on are padding,
-    not computed, and come back 0; None computes every row."""
+    not computed, and come back 0; None computes every row. `k_block`: how a panel is cut along
+    k (`matmul_k_block`, this CPU's choice, where None); it changes the speed, not the bits."""
     *lead, k = x.shape
     p, wk, lanes = wp.shape
     if wk != k or lanes != PANEL:
@@ -278,5 +311,13 @@ def packed_matmul(
     valid = jnp.asarray(rows if valid is None else valid, jnp.int32)
     if valid.shape != ():
         raise ValueError(f"packed_matmul's valid is a count of rows, one int32; got {valid.shape}.")
-    out = call(x.reshape(rows, k).astype(jnp.float32), wp.astype(jnp.float32), valid)
+    k_block = matmul_k_block() if k_block is None else k_block
+    if k_block < 0:
+        raise ValueError(f"packed_matmul's k_block is 0 (whole-K tiles) or more; got {k_block}.")
+    out = call(
+        x.reshape(rows, k).astype(jnp.float32),
+        wp.astype(jnp.float32),
+        valid,
+        k_block=np.int64(k_block),
+    )
     return out.reshape(*lead, p * PANEL)

@@ -5,8 +5,11 @@
 // second read and a write of every weight) costs about as much as the multiply: smollm2-135m's
 // 30 layers took 20.3 ms at 16 rows and 48.8 at 64 through XLA, 14.8 and 36.3 in this kernel
 // (docs/benchmarks.md). The weights arrive packed as [N / 64, K, 64]: panel p holds output
-// columns [64p, 64p + 64) for every k, contiguous, so the weights stream from memory in order, a
-// block of 64 k at a time that every row tile then reads from L1 while the next is prefetched.
+// columns [64p, 64p + 64) for every k, contiguous, so the weights stream from memory in order.
+// How a panel is cut along k depends on the core (the caller's k_block, cpu_ffi.matmul_k_block):
+// on Intel's, a block of 64 k at a time that every row tile reads from L1 while the next is
+// prefetched; on AMD's Zen 4, where that was slower, whole-K tiles that stream each row of x in
+// order with the panel in L2.
 //
 // Each output element is one chain of fused multiply-adds over k in order, whatever the number
 // of rows or how they are split into blocks and threads: a row's result does not depend on the
@@ -34,7 +37,6 @@ using jaxserve::SplitByCost;
 constexpr int64_t kLanes = 64;      // output columns per panel (four 16-float vectors)
 constexpr int64_t kRowBlock = 6;    // rows per register tile: 6 x 4 accumulators
 constexpr int64_t kGroupRows = 48;  // rows per work item (eight tiles), one panel each
-constexpr int64_t kKBlock = 64;     // k per block of a panel: 16 KiB, read from L1 by every tile
 
 #if defined(__AVX512F__)
 // out[r, 0:64] (+)= sum_{k < K} a[r, k] * panel[k, 0:64] for MR rows (a: lda apart; out: ldc
@@ -64,21 +66,25 @@ inline void Tile(const float* a, int64_t lda, const float* panel, int64_t K, flo
     for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + r * ldc + 16 * i, acc[r][i]);
 }
 
-// Rows [m0, m1) of x against one panel, in tiles of kRowBlock rows and one of the rest, a block
-// of kKBlock k at a time, while the next block (the next panel's first, after the last; weights
-// end at w_end) is prefetched a share per tile. A whole-K tile at a time left the memory idle
-// while the later tiles computed and the compute idle while the first waited on memory: at 6-64
-// rows this is 1.2-1.45x faster on one core of a Xeon (docs/benchmarks.md). The float32 partial
-// sums go through out unrounded, so each element is still one chain of FMAs over k in order.
+// Rows [m0, m1) of x against one panel, in tiles of kRowBlock rows and one of the rest. With
+// k_block > 0, a block of k_block k at a time, while the next block (the next panel's first,
+// after the last; weights end at w_end) is prefetched a share per tile: a whole-K tile at a time
+// left a Xeon's memory idle while the later tiles computed and the compute idle while the first
+// waited on memory (at 6-64 rows, 64 k a block is 1.2-1.45x faster on one of its cores). With
+// k_block 0, whole-K tiles and no prefetch: on a Zen 4 EPYC the blocks cost 1.1-1.2x at 64-256
+// rows (docs/benchmarks.md). The float32 partial sums go through out unrounded, so each element
+// is one chain of FMAs over k in order either way: the same bits.
 void PanelRows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* panel, float* out,
-               int64_t N, const float* w_end) {
+               int64_t N, const float* w_end, int64_t k_block) {
   const int64_t tiles = (m1 - m0 + kRowBlock - 1) / kRowBlock;
-  for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
-    const int64_t kb = std::min(kKBlock, K - k0);
+  const int64_t block = k_block > 0 ? k_block : K;
+  for (int64_t k0 = 0; k0 < K; k0 += block) {
+    const int64_t kb = std::min(block, K - k0);
     const float* p = panel + k0 * kLanes;
     const bool first = k0 == 0;
     const float* next = p + kb * kLanes;
-    const int64_t lines = std::clamp<int64_t>((w_end - next) / 16, 0, kKBlock * 4);  // 16 floats a line
+    const int64_t lines =  // 16 floats a line
+        k_block > 0 ? std::clamp<int64_t>((w_end - next) / 16, 0, k_block * 4) : 0;
     const int64_t share = (lines + tiles - 1) / tiles;
     const char* pf = reinterpret_cast<const char*>(next);
     int64_t m = m0, t = 0;
@@ -104,7 +110,7 @@ void PanelRows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* p
 // The same sums without AVX-512, one fused multiply-add at a time (the model takes this call
 // only where the CPU has AVX-512; this keeps the library buildable and exact elsewhere).
 void PanelRows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* panel, float* out,
-               int64_t N, const float*) {
+               int64_t N, const float*, int64_t) {
   for (int64_t m = m0; m < m1; ++m) {
     float acc[kLanes] = {};
     for (int64_t k = 0; k < K; ++k) {
@@ -118,7 +124,7 @@ void PanelRows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* p
 
 ffi::Error PackedMatmul(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> valid,
-                        ffi::ResultBuffer<ffi::F32> out) {
+                        ffi::ResultBuffer<ffi::F32> out, int64_t k_block) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[2] != kLanes ||
       wd[1] != xd[1] || od[0] != xd[0] || od[1] != wd[0] * kLanes) {
@@ -135,6 +141,11 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("jaxserve_packed_matmul takes the number of real rows as "
                                        "one int32; got " + std::to_string(valid.element_count()) +
                                        " values.");
+  }
+  if (k_block < 0) {
+    return ffi::Error::InvalidArgument("jaxserve_packed_matmul's k_block is 0 (whole-K tiles) or "
+                                       "the k per block of a panel; got " +
+                                       std::to_string(k_block) + ".");
   }
   const int64_t K = xd[1], panels = wd[0], N = panels * kLanes;
   // Rows past the step's real tokens are its bucket's padding: they come back zero, uncomputed.
@@ -158,7 +169,8 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> x,
     for (int64_t i = begin; i < end; ++i) {
       const int64_t p = i / groups, g = i % groups;
       const int64_t m0 = g * kGroupRows, m1 = std::min(M, m0 + kGroupRows);
-      PanelRows(xp, m0, m1, K, wp + p * K * kLanes, op + p * kLanes, N, wp + panels * K * kLanes);
+      PanelRows(xp, m0, m1, K, wp + p * K * kLanes, op + p * kLanes, N, wp + panels * K * kLanes,
+                k_block);
     }
   });
   return ffi::Error::Success();
@@ -172,4 +184,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, PackedMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights [N / 64, K, 64]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // real rows [] (the rest: 0)
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [M, N]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
+                                  .Attr<int64_t>("k_block"));  // 0: whole-K tiles

@@ -223,3 +223,42 @@ def test_the_call_returns_only_once_every_chunk_is_written():
     for _ in range(40):
         np.testing.assert_array_equal(np.asarray(column_sums(x, wp)), want)
 
+
+@pytest.mark.parametrize("k_block", [0, 1, 64, 100, 576])
+def test_every_k_block_gives_the_same_bits(k_block):
+    """How a panel is cut along k is a CPU's speed choice (cpu_ffi.matmul_k_block): every cut,
+    whole-K tiles (0) included, runs each element's chain of FMAs in the same order."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((53, 576), np.float32))
+    wp = cpu_ffi.pack_weight(jnp.asarray(rng.standard_normal((576, 192), np.float32)))
+    want = np.asarray(cpu_ffi.packed_matmul(x, wp, k_block=64))
+    got = np.asarray(jax.jit(lambda x, wp: cpu_ffi.packed_matmul(x, wp, k_block=k_block))(x, wp))
+    np.testing.assert_array_equal(got, want)
+    ref = np.asarray(x, np.float64) @ np.asarray(cpu_ffi.unpack_weight(wp), np.float64)
+    assert np.abs(got - ref).max() < 1e-3
+
+
+def test_a_negative_k_block_is_refused():
+    x, wp = jnp.ones((2, 64), jnp.float32), jnp.ones((1, 64, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"k_block is 0 .* got -1"):
+        cpu_ffi.packed_matmul(x, wp, k_block=-1)
+
+
+def test_this_cpus_k_block_follows_its_vendor(monkeypatch):
+    cpu_ffi.matmul_k_block.cache_clear()
+    try:
+        monkeypatch.delenv("JAXSERVE_CPU_MATMUL_K_BLOCK", raising=False)
+        monkeypatch.setattr(cpu_ffi, "_cpu_vendor", lambda: "AuthenticAMD")
+        assert cpu_ffi.matmul_k_block() == 0
+        cpu_ffi.matmul_k_block.cache_clear()
+        monkeypatch.setattr(cpu_ffi, "_cpu_vendor", lambda: "GenuineIntel")
+        assert cpu_ffi.matmul_k_block() == 64
+        cpu_ffi.matmul_k_block.cache_clear()
+        monkeypatch.setenv("JAXSERVE_CPU_MATMUL_K_BLOCK", "32")
+        assert cpu_ffi.matmul_k_block() == 32
+        cpu_ffi.matmul_k_block.cache_clear()
+        monkeypatch.setenv("JAXSERVE_CPU_MATMUL_K_BLOCK", "-4")
+        with pytest.raises(ValueError, match="got '-4'"):
+            cpu_ffi.matmul_k_block()
+    finally:
+        cpu_ffi.matmul_k_block.cache_clear()
