@@ -1,7 +1,7 @@
 # ruff: noqa: E501 (a probe, kept as it ran)
 """small's 30 layers of packed matmuls at a bucket's row count, every row computed against only
 the real rows (`packed_matmul`'s `valid`), interleaved in one process (median of 9 rounds).
-Behind docs/benchmarks.md, "2026-12-05: the bucket's padding rows left out".
+Behind docs/benchmarks.md, "2026-12-05 and 06" (change 3 of the four).
 
     python docs/history/padding_rows.py 64:49,32:24,16:12,8:6,256:256
 """
