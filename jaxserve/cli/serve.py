@@ -102,6 +102,43 @@ def register(sub) -> None:
         "and any name is accepted)",
     )
     srv.add_argument("--log-format", choices=["json", "text"], default="json")
+    ray = srv.add_argument_group(
+        "replicas on Ray Serve",
+        "several engines behind one OpenAI HTTP address (--http-port, default 8000), each "
+        "request routed to the replica whose prefix cache most likely holds its prompt "
+        '(docs/ray_serve.md; needs the serve extra: pip install -e ".[serve]"); no gRPC',
+    )
+    ray.add_argument(
+        "--ray-replicas", type=int, default=None, metavar="N", help="serve N replicas on Ray"
+    )
+    ray.add_argument(
+        "--ray-max-replicas",
+        type=int,
+        default=None,
+        metavar="M",
+        help="autoscale from --ray-replicas up to M replicas on requests in flight",
+    )
+    ray.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="join this Ray cluster (default: start one on 127.0.0.1 for the server's life)",
+    )
+    ray.add_argument(
+        "--ray-router",
+        choices=["prefix", "pow2"],
+        default="prefix",
+        help="prefix: the replica that served the longest prefix of the prompt, unless its "
+        "queue is much longer (default); pow2: the power of two choices, Serve's default",
+    )
+    ray.add_argument("--ray-cpus-per-replica", type=float, default=1.0, metavar="C")
+    ray.add_argument(
+        "--ray-devices-per-replica",
+        type=int,
+        default=1,
+        metavar="K",
+        help="GPUs or TPU chips per replica where the cluster has them",
+    )
     add_engine_args(srv)
     add_multihost_args(srv)
     srv.set_defaults(func=_cmd_serve)
@@ -132,6 +169,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from service.server import ServeError, ServerOptions, configure_logging, serve
 
     configure_logging(args.log_format, logging.DEBUG if args.verbose else logging.INFO)
+    if args.ray_replicas is not None:
+        return _serve_on_ray(args)
     join_cluster(args)  # before the engine is built: a cluster must be joined first
     config = engine_config_from_args(args, show_progress=False)  # serve logs JSON lines instead
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -168,6 +207,43 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(serve(build_engine, options))
     except ServeError as e:
+        raise UserError(str(e)) from e
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    """`serve --ray-replicas N`: the OpenAI HTTP API of N engines on Ray Serve."""
+    from service.auth import load_token
+
+    if args.tls_cert is not None or args.tls_key is not None:
+        raise UserError("--tls-cert/--tls-key are not served on Ray yet: Serve's proxy is plain.")
+    try:
+        from service.ray_serve import RayServeOptions, serve_on_ray
+    except ImportError as e:
+        raise UserError(str(e)) from e
+    try:
+        options = RayServeOptions(
+            replicas=args.ray_replicas,
+            max_replicas=args.ray_max_replicas,
+            router=args.ray_router,
+            cpus_per_replica=args.ray_cpus_per_replica,
+            devices_per_replica=args.ray_devices_per_replica,
+        )
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    config = engine_config_from_args(args, show_progress=False)
+    server_options = dict(
+        grace_s=args.grace_period,
+        auth_token=load_token(args.auth_token_file),
+        max_message_bytes=args.max_message_bytes,
+        clients_may_raise_priority=args.clients_may_raise_priority,
+        allow_runtime_lora=args.allow_runtime_lora,
+        chat_template=_chat_template(args.chat_template),
+        served_model_names=_served_model_names(args.served_model_name),
+    )
+    port = 8000 if args.http_port is None else args.http_port
+    try:
+        return serve_on_ray(config, server_options, options, port, args.ray_address, args.host)
+    except (ImportError, ConnectionError) as e:
         raise UserError(str(e)) from e
 
 
