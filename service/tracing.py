@@ -80,7 +80,7 @@ class NoSpan:
     def output(self, out: RequestOutput, **_) -> None:
         pass
 
-    def end(self, error: str | None = None, **attributes) -> None:
+    def end(self, error: str | None = None, error_type: str = "error", **attributes) -> None:
         pass
 
 
@@ -156,10 +156,11 @@ class CallSpan(NoSpan):
         if out.finish_reason == "error" and self._failure is None:
             self._failure = out.error or "The engine failed the request."
 
-    def end(self, error: str | None = None, **attributes) -> None:
+    def end(self, error: str | None = None, error_type: str = "error", **attributes) -> None:
         """Ends the span (once): ERROR with `error`'s message when the call failed (or was
-        cancelled), else OK unless the engine failed one of its requests. `attributes` are the
-        front end's own (the HTTP status code, the gRPC status)."""
+        cancelled; `error_type` its class: the HTTP status code, the gRPC status's name), else
+        OK unless the engine failed one of its requests. `attributes` are the front end's own
+        (the HTTP status code, the gRPC status)."""
         if self._ended:
             return
         self._ended = True
@@ -176,7 +177,7 @@ class CallSpan(NoSpan):
         span.set_attributes(attributes)
         message = error or self._failure
         if message is not None:
-            span.set_attribute("error.type", "jaxserve.call_failed" if error else "engine_error")
+            span.set_attribute("error.type", error_type if error else "finish_reason_error")
             span.set_status(self._status_error, message)
         span.end()
 

@@ -211,6 +211,7 @@ class JaxServeServicer:
                 failed = call.code is not grpc.StatusCode.OK
                 call.span.end(
                     call.fields.get("error") if failed else None,
+                    call.code.name,
                     **{"rpc.grpc.status_code": call.code.value[0]},
                 )
                 self._calls.labels(method=method, code=call.code.name).inc()

@@ -419,4 +419,4 @@ def _end_span(span, fields: dict) -> None:
             if code == 499
             else f"HTTP {code}."
         )
-    span.end(error, **{"http.response.status_code": code})
+    span.end(error, str(code), **{"http.response.status_code": code})

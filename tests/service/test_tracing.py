@@ -195,9 +195,11 @@ def test_failed_calls_end_their_span_with_error_and_the_message(spans):
     assert http_span.status.status_code is StatusCode.ERROR
     assert http_span.status.description == response.json()["error"]["message"]
     assert http_span.attributes["http.response.status_code"] == 400
+    assert http_span.attributes["error.type"] == "400"
     assert grpc_span.status.status_code is StatusCode.ERROR
     assert "cancelled" in grpc_span.status.description
     assert grpc_span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert grpc_span.attributes["error.type"] == "CANCELLED"
 
 
 def _check_child(span) -> None:
