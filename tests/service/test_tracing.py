@@ -10,11 +10,13 @@ refused at start, and that without the flag nothing is sent and no OpenTelemetry
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +31,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from service.grpc.client import JaxServeClient, make_request
-from service.server import ServerOptions
+from service.server import JaxServeServer, ServeError, ServerOptions
 from tests.service.conftest import SMALL_FLAGS, serving, wait_until
 from tests.service.test_http import CHAT_TEMPLATE
 from tests.service.test_sigterm import _next_log, _read_logs
@@ -240,6 +242,25 @@ def test_a_bad_endpoint_is_refused_with_a_sentence_showing_it():
     assert "--otlp-traces-endpoint) 'localhost' is not an OTLP/gRPC collector's address" in (
         done.stderr
     )
+
+
+def test_without_the_sdk_the_flag_is_refused_at_start_and_the_ports_closed(monkeypatch):
+    # As if the `serve` extra were not installed: importing the exporter fails.
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    options = ServerOptions(
+        port=0, http_port=0, metrics_port=0, otlp_traces_endpoint="http://127.0.0.1:4317"
+    )
+
+    async def start() -> JaxServeServer:
+        server = JaxServeServer(lambda: pytest.fail("warm-up must not begin"), options)
+        with pytest.raises(ServeError, match=r"pip install 'jaxserve\[serve\]'"):
+            await server.start()
+        return server
+
+    server = asyncio.run(start())
+    for port in (server.port, server.http_port):  # closed again: a restart may take them
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 # ---- real processes, a real OTLP/gRPC receiver ----------------------------------------------
