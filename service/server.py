@@ -27,6 +27,9 @@ Concurrency:
   answering health checks meanwhile, and a SIGTERM during warm-up is not held up by it.
 - prometheus_client serves /metrics from its own HTTP thread; the registries it reads are
   thread-safe.
+- With --otlp-traces-endpoint, the calls' spans are begun and ended on the loop and sent by the
+  OpenTelemetry SDK's batch thread (service/tracing.py); `stop()` flushes it, off the loop,
+  once the front ends have stopped.
 - A cancelled, disconnected or expired call cancels its handler task; closing the handler's
   engine stream posts an abort, and the engine frees the slot and pages at its next iteration.
 - Bounded: a request message (max_message_bytes, for both front ends: over gRPC beyond it
@@ -307,13 +310,12 @@ class JaxServeServer:
         an exporter thread behind); none, and no opentelemetry import, without tracing."""
         if self._tracer_provider is None and self.options.otlp_traces_endpoint is None:
             return
-        from service.tracing import RequestTracer
-
         if self._tracer_provider is not None:
-            self._tracer = RequestTracer(self._tracer_provider)
+            self._tracer = tracing.RequestTracer(self._tracer_provider)
         else:
             try:
-                self._tracer = RequestTracer.to_collector(self.options.otlp_traces_endpoint)
+                endpoint = self.options.otlp_traces_endpoint
+                self._tracer = tracing.RequestTracer.to_collector(endpoint)
             except ImportError as e:  # the `serve` extra is not installed
                 await self._server.stop(0)
                 if self._http is not None:
