@@ -1,5 +1,6 @@
 """The server's life, shared by its front ends: the state, the engine once warm, who may come
-in, the calls in flight, tokenizing off the loop, and the engine's death.
+in, the calls in flight, tokenizing off the loop, the spans of their calls (with
+--otlp-traces-endpoint: service/tracing.py), and the engine's death.
 
 The gRPC servicer (grpc/servicer.py) and the HTTP front end (http/routes.py) hold this object,
 not the server: they read the state and the engine here, admit and count their calls here,
@@ -22,9 +23,13 @@ import grpc
 from prometheus_client import CollectorRegistry, Gauge
 
 from jaxserve.engine.async_engine import EngineDeadError
+from service.tracing import NO_SPAN
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from jaxserve.engine.async_engine import AsyncEngine
+    from service.tracing import CallSpan, NoSpan, RequestTracer
     from service.validation import PromptLimit
 
 
@@ -63,6 +68,7 @@ class Lifecycle:
         self.engine: AsyncEngine | None = None  # set once warm-up has built it
         self.warmup_error: BaseException | None = None
         self.prompt_limit: PromptLimit | None = None  # set by the server with the engine
+        self.tracer: RequestTracer | None = None  # set by the server when tracing is on
         self._on_engine_failed = on_engine_failed
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             self.TOKENIZER_THREADS, thread_name_prefix="jaxserve-tokenize"
@@ -115,6 +121,13 @@ class Lifecycle:
             self._in_flight.dec()
             if not self.active:
                 self.idle.set()
+
+    def start_span(self, operation: str, carrier: Mapping[str, str]) -> CallSpan | NoSpan:
+        """A generation call's span, begun now (a child of the caller's span in `carrier`, its
+        HTTP headers or gRPC metadata); NO_SPAN, which records nothing, while tracing is off."""
+        if self.tracer is None:
+            return NO_SPAN
+        return self.tracer.start(operation, carrier)
 
     async def off_loop(self, fn, *args):
         """fn(*args) on the tokenizer threads: tokenizer work never runs on the event loop."""

@@ -27,6 +27,9 @@ Concurrency:
   answering health checks meanwhile, and a SIGTERM during warm-up is not held up by it.
 - prometheus_client serves /metrics from its own HTTP thread; the registries it reads are
   thread-safe.
+- With --otlp-traces-endpoint, the calls' spans are begun and ended on the loop and sent by the
+  OpenTelemetry SDK's batch thread (service/tracing.py); `stop()` flushes it, off the loop,
+  once the front ends have stopped.
 - A cancelled, disconnected or expired call cancels its handler task; closing the handler's
   engine stream posts an abort, and the engine frees the slot and pages at its next iteration.
 - Bounded: a request message (max_message_bytes, for both front ends: over gRPC beyond it
@@ -54,7 +57,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from jaxserve.engine.async_engine import AsyncEngine
-from service import validation
+from service import tracing, validation
 from service.auth import BearerTokenInterceptor
 from service.grpc.servicer import ADMIN_SERVICE_NAME, SERVICE_NAME, JaxServeServicer
 from service.lifecycle import Lifecycle, State
@@ -114,6 +117,9 @@ class ServerOptions:
     # is a 404. Empty: the model's folder's name, and any name a request sends.
     served_model_names: tuple[str, ...] = ()
     stay_up_on_engine_failure: bool = False  # serve(): linger answering INTERNAL, for debugging
+    # vLLM's --otlp-traces-endpoint: a span per generation call, sent over OTLP/gRPC to the
+    # collector at this URL (http://HOST:PORT; service/tracing.py). None: no tracing at all.
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self):
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -135,6 +141,8 @@ class ServerOptions:
                 "reaches the port could replace the served weights. Set one (--auth-token-file "
                 "or $JAXSERVE_AUTH_TOKEN) or listen on 127.0.0.1."
             )
+        if self.otlp_traces_endpoint is not None:
+            tracing.check_endpoint(self.otlp_traces_endpoint)
         if self.grace_s < 0:
             raise ValueError(f"grace_s={self.grace_s} must be >= 0.")
         if not 1024 <= self.max_message_bytes <= _MAX_MESSAGE_BYTES:
@@ -149,14 +157,20 @@ class JaxServeServer:
 
     Given an AsyncEngine, it serves at once and leaves the engine running when it stops (the
     caller owns it). Given a factory, it calls it during warm-up and shuts the engine down.
+    `tracer_provider` (an OpenTelemetry TracerProvider, which the caller owns: tests give one
+    with an in-memory exporter) takes the calls' spans in place of `otlp_traces_endpoint`'s.
     """
 
     def __init__(
         self,
         engine: AsyncEngine | Callable[[], AsyncEngine],
         options: ServerOptions | None = None,
+        *,
+        tracer_provider=None,
     ):
         self.options = options or ServerOptions()
+        self._tracer_provider = tracer_provider
+        self._tracer = None  # service.tracing.RequestTracer, while tracing is on
         self._engine_source = engine
         self._owns_engine = not isinstance(engine, AsyncEngine)  # built here: stopped here
         self.port: int | None = None
@@ -271,6 +285,7 @@ class JaxServeServer:
                     f"Cannot serve metrics on {opts.host}:{opts.metrics_port}: {e}"
                 ) from e
             self.metrics_port = self._metrics_http.server_port
+        await self._start_tracing()
         _log(
             logging.INFO,
             "listening",
@@ -283,11 +298,35 @@ class JaxServeServer:
             health_without_auth=bool(opts.auth_token) and opts.health_without_auth,
             max_message_bytes=opts.max_message_bytes,
             clients_may_raise_priority=opts.clients_may_raise_priority,
+            otlp_traces_endpoint=opts.otlp_traces_endpoint,
         )
         if isinstance(self._engine_source, AsyncEngine):
             await self._start_serving(self._engine_source, 0.0)
         else:
             self._spawn(self._warm_up(self._engine_source))
+
+    async def _start_tracing(self) -> None:
+        """The tracer calls' spans go to, once the ports are open (no failure after it leaves
+        an exporter thread behind); none, and no opentelemetry import, without tracing."""
+        if self._tracer_provider is None and self.options.otlp_traces_endpoint is None:
+            return
+        if self._tracer_provider is not None:
+            self._tracer = tracing.RequestTracer(self._tracer_provider)
+        else:
+            try:
+                endpoint = self.options.otlp_traces_endpoint
+                self._tracer = tracing.RequestTracer.to_collector(endpoint)
+            except ImportError as e:  # the `serve` extra is not installed
+                await self._server.stop(0)
+                if self._http is not None:
+                    await self._http.stop()
+                if self._metrics_http is not None:
+                    await asyncio.to_thread(self._close_metrics)
+                raise ServeError(
+                    f"--otlp-traces-endpoint needs the OpenTelemetry SDK and its OTLP/gRPC "
+                    f"exporter ({e}): pip install 'jaxserve[serve]'."
+                ) from e
+        self.lifecycle.tracer = self._tracer
 
     async def _start_http(self) -> None:
         """The OpenAI-compatible API on its own port, over the same engine, state and drain."""
@@ -361,6 +400,9 @@ class JaxServeServer:
             *([asyncio.to_thread(self._close_metrics)] if self._metrics_http is not None else []),
         )
         self.lifecycle.close()
+        if self._tracer is not None:
+            # Every call's span has ended (the front ends have stopped): send what is queued.
+            await asyncio.to_thread(self._tracer.shutdown)
         if self.engine is not None and self._owns_engine:
             await asyncio.to_thread(self.engine.shutdown)
         self.state = State.STOPPED

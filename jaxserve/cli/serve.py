@@ -101,6 +101,13 @@ def register(sub) -> None:
         "first); a request naming another model is a 404 (default: the model's folder's name, "
         "and any name is accepted)",
     )
+    srv.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="send a span per generation call (OpenTelemetry, GenAI attributes and latencies, "
+        "a child of the caller's traceparent) over OTLP/gRPC to the collector at this URL, "
+        "e.g. http://127.0.0.1:4317 (vLLM's; needs the `serve` extra; docs/tracing.md)",
+    )
     srv.add_argument("--log-format", choices=["json", "text"], default="json")
     ray = srv.add_argument_group(
         "replicas on Ray Serve",
@@ -195,6 +202,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         stay_up_on_engine_failure=args.stay_up_on_engine_failure,
         chat_template=_chat_template(args.chat_template),
         served_model_names=_served_model_names(args.served_model_name),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     if is_follower(args):
         return _follow(config)

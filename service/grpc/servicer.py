@@ -41,6 +41,7 @@ from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
 from service.grpc import convert
 from service.lifecycle import Lifecycle, Refused
 from service.logs import log
+from service.tracing import NO_SPAN, NoSpan
 
 logger = logging.getLogger("jaxserve.server")
 
@@ -58,8 +59,10 @@ class _Call:
     start: float = dataclasses.field(default_factory=time.perf_counter)
     code: grpc.StatusCode = grpc.StatusCode.OK
     fields: dict = dataclasses.field(default_factory=dict)
+    span: NoSpan = NO_SPAN  # a generation's, while tracing is on (service/tracing.py)
 
     def finished(self, out) -> None:
+        self.span.output(out)
         m = out.metrics
         self.fields.update(
             finish_reason=out.finish_reason,
@@ -101,15 +104,16 @@ class JaxServeServicer:
         # (not INTERNAL, nor gRPC's RESOURCE_EXHAUSTED, which would read as "retry later").
         max_bytes = self.max_message_bytes
 
-        def unary(name, body, request_cls, response_cls):
+        def unary(name, body, request_cls, response_cls, span=None):
             return grpc.unary_unary_rpc_method_handler(
-                self._rpc(name, body),
+                self._rpc(name, body, span=span),
                 convert.lenient(request_cls, max_bytes),
                 response_cls.SerializeToString,
             )
 
+        # A generation is a text completion (GenAI's operation name) for its span.
         generate = grpc.unary_stream_rpc_method_handler(
-            self._rpc("Generate", self._generate),
+            self._rpc("Generate", self._generate, span="text_completion"),
             convert.lenient(pb.GenerateRequest, max_bytes),
             pb.GenerateResponse.SerializeToString,
         )
@@ -118,7 +122,11 @@ class JaxServeServicer:
             {
                 "Generate": generate,
                 "GenerateUnary": unary(
-                    "GenerateUnary", self._generate_unary, pb.GenerateRequest, pb.GenerateResponse
+                    "GenerateUnary",
+                    self._generate_unary,
+                    pb.GenerateRequest,
+                    pb.GenerateResponse,
+                    span="text_completion",
                 ),
                 "Tokenize": unary(
                     "Tokenize", self._tokenize, pb.TokenizeRequest, pb.TokenizeResponse
@@ -166,11 +174,16 @@ class JaxServeServicer:
             },
         )
 
-    def _rpc(self, method: str, body, admit: bool = True):
-        """Wraps a call's body: admission, in-flight count, status code, log line, metrics."""
+    def _rpc(self, method: str, body, admit: bool = True, span: str | None = None):
+        """Wraps a call's body: admission, in-flight count, status code, log line, metrics;
+        with `span` (a GenAI operation), the call's span, a child of the caller's span in its
+        metadata's traceparent, begun before admission and ended with the call."""
 
         async def handler(request, context: grpc.aio.ServicerContext):
             call = _Call(method, context.peer())
+            if span is not None:
+                metadata = dict(context.invocation_metadata() or ())
+                call.span = self.lifecycle.start_span(span, metadata)
             try:
                 if admit:
                     self.lifecycle.admit()
@@ -184,12 +197,23 @@ class JaxServeServicer:
                 call.code = (
                     grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
                 )
+                call.fields["error"] = (
+                    "The call's deadline passed before it finished."
+                    if expired
+                    else "The client cancelled the call before it finished."
+                )
                 raise
             except Exception as e:
                 call.code, message = await self._status_of(e)
                 call.fields["error"] = message
                 await context.abort(call.code, message)
             finally:
+                failed = call.code is not grpc.StatusCode.OK
+                call.span.end(
+                    call.fields.get("error") if failed else None,
+                    call.code.name,
+                    **{"rpc.grpc.status_code": call.code.value[0]},
+                )
                 self._calls.labels(method=method, code=call.code.name).inc()
                 level = logging.ERROR if call.code is grpc.StatusCode.INTERNAL else logging.INFO
                 if call.fields.get("finish_reason") == "error":
@@ -249,6 +273,9 @@ class JaxServeServicer:
         lora = request.lora or None  # a name the engine has not loaded: INVALID_ARGUMENT
         if lora is not None:
             call.fields.update(lora=lora)
+        model = lora or self.model_names(info)[0]
+        call.span.request(model=model, params=params)
+        call.span.response(request_id, model)
         if params.beam_width > 1:
             search = beam_search.search_async(async_engine, ids, params, request_id, priority, lora)
             return _one(search)

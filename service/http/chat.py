@@ -19,15 +19,17 @@ from fastapi import Request
 
 from service import validation
 from service.http import beams, protocol, pumps, streaming, tools
-from service.http.serving import OpenAIServing, include_usage, structured_output
+from service.http.serving import OpenAIServing, include_usage, span_fields, structured_output
+from service.tracing import NO_SPAN, NoSpan
 from service.validation import InvalidRequest
 
 
 class OpenAIServingChat(OpenAIServing):
     """The /v1/chat/completions handler."""
 
-    async def create(self, request: Request, fields: dict):
-        """The response of a call: a dict, or an async iterator of chunks when streamed."""
+    async def create(self, request: Request, fields: dict, span: NoSpan = NO_SPAN):
+        """The response of a call: a dict, or an async iterator of chunks when streamed; what
+        it asked and answered recorded into its `span` (service/tracing.py)."""
         body = await self.parse(request, protocol.ChatCompletionRequest)
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequest(
@@ -54,14 +56,17 @@ class OpenAIServingChat(OpenAIServing):
             sampling["logprobs"] = body.top_logprobs or 0
         width = beams.beam_width(body)
         if width is not None:
+            span.request(model=self.requested_model(body), n=body.n, **span_fields(sampling))
             return await beams.respond(
                 self, request, body, [(ids, None)], sampling, width, fields, priority
             )
         jobs = self.jobs([(ids, None)], body, sampling, fields)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         fields.update(id=cid, n=body.n, stream=body.stream)
-        running = await pumps.start(request, self.lifecycle, jobs, priority)
         head = self.head(cid, "chat.completion", body.model)
+        span.request(model=self.requested_model(body), params=jobs[0].params, n=body.n)
+        span.response(cid, head["model"])
+        running = await pumps.start(request, self.lifecycle, jobs, priority, span)
         if body.stream:
             return self._events(head, jobs, running, include_usage(body), plan, body)
         choices = await pumps.unless_gone(request, pumps.collect(running, len(jobs)))

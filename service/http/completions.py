@@ -19,15 +19,17 @@ from fastapi import Request
 from jaxserve.outputs import RequestOutput, TokenLogprob
 from service import validation
 from service.http import beams, protocol, pumps, streaming
-from service.http.serving import MAX_PROMPTS, Job, OpenAIServing, include_usage
+from service.http.serving import MAX_PROMPTS, Job, OpenAIServing, include_usage, span_fields
+from service.tracing import NO_SPAN, NoSpan
 from service.validation import InvalidRequest
 
 
 class OpenAIServingCompletion(OpenAIServing):
     """The /v1/completions handler."""
 
-    async def create(self, request: Request, fields: dict):
-        """The response of a call: a dict, or an async iterator of chunks when streamed."""
+    async def create(self, request: Request, fields: dict, span: NoSpan = NO_SPAN):
+        """The response of a call: a dict, or an async iterator of chunks when streamed; what
+        it asked and answered recorded into its `span` (service/tracing.py)."""
         body = await self.parse(request, protocol.CompletionRequest)
         if body.suffix is not None:
             raise InvalidRequest("suffix is not supported: send the whole prompt.", "suffix")
@@ -47,6 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if body.echo:  # the prompt's tokens come first in the logprobs, as OpenAI sends them
                 sampling["prompt_logprobs"] = body.logprobs
         if width is not None:
+            span.request(model=self.requested_model(body), n=body.n, **span_fields(sampling))
             if scoring_only:
                 raise InvalidRequest(
                     "max_tokens=0 (scoring the prompt) cannot be combined with "
@@ -64,8 +67,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 job.params = dataclasses.replace(job.params, prompt_logprobs=None)
         cid = f"cmpl-{uuid.uuid4().hex}"
         fields.update(id=cid, prompts=len(prompts), n=body.n, stream=body.stream)
-        running = await pumps.start(request, self.lifecycle, jobs, priority)
         head = self.head(cid, "text_completion", body.model)
+        span.request(model=self.requested_model(body), params=jobs[0].params, n=body.n)
+        span.response(cid, head["model"])
+        running = await pumps.start(request, self.lifecycle, jobs, priority, span)
         if body.stream:
             return self._events(head, jobs, running, body, include_usage(body))
         choices = await pumps.unless_gone(request, pumps.collect(running, len(jobs)))

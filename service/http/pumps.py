@@ -26,6 +26,7 @@ from jaxserve.outputs import RequestOutput, TokenLogprob
 from service.http import protocol
 from service.http.serving import ClientGone, HttpError, Job
 from service.lifecycle import Lifecycle, Refused
+from service.tracing import NO_SPAN
 
 __all__ = ["ClientGone", "Pumps", "start", "unless_gone"]
 
@@ -45,8 +46,10 @@ class Pumps:
     """The engine streams of one call, each pumped by a task into one queue of
     (choice index, RequestOutput) or (choice index, exception)."""
 
-    def __init__(self, lifecycle: Lifecycle, jobs: list[Job], priority: int):
+    def __init__(self, lifecycle: Lifecycle, jobs: list[Job], priority: int, span=NO_SPAN):
         async_engine = lifecycle.engine
+        self._jobs = jobs
+        self._span = span  # the call's (service/tracing.py): each finished output goes there
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffer: list[tuple[int, RequestOutput]] = []
         self.firsts: dict[int, RequestOutput] = {}  # each choice's first output
@@ -95,7 +98,7 @@ class Pumps:
     async def __aiter__(self):
         for index, out in self._buffer:
             if out.finished:
-                self._open -= 1
+                self._finished(index, out)
             yield index, out
         self._buffer = []
         while self._open:
@@ -103,8 +106,18 @@ class Pumps:
             if isinstance(item, BaseException):
                 raise item
             if item.finished:
-                self._open -= 1
+                self._finished(index, item)
             yield index, item
+
+    def _finished(self, index: int, out: RequestOutput) -> None:
+        self._open -= 1
+        job = self._jobs[index]
+        # Counted as the call's usage counts them: a prompt once, however many samples it has.
+        self._span.output(
+            out,
+            input_tokens=len(job.prompt_ids) if job.sample == 0 else 0,
+            output_tokens=0 if job.scoring_only else out.num_output_tokens,
+        )
 
     async def aclose(self) -> None:
         """Cancels the pumps left; closing their streams aborts their requests (so a call's
@@ -115,10 +128,12 @@ class Pumps:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def start(request: Request, lifecycle: Lifecycle, jobs: list[Job], priority: int) -> Pumps:
+async def start(
+    request: Request, lifecycle: Lifecycle, jobs: list[Job], priority: int, span=NO_SPAN
+) -> Pumps:
     """Starts every job's engine stream; returns once each has delivered its first output
-    (or raises the first one's error, the others aborted)."""
-    pumps = Pumps(lifecycle, jobs, priority)
+    (or raises the first one's error, the others aborted). Finished outputs go to `span`."""
+    pumps = Pumps(lifecycle, jobs, priority, span)
     try:
         await unless_gone(request, pumps.first_outputs())
     except BaseException:

@@ -56,6 +56,7 @@ from service.http.completions import OpenAIServingCompletion
 from service.http.serving import DEFAULT_MAX_BODY_BYTES, ClientGone, HttpError, OpenAIServing
 from service.lifecycle import Lifecycle, Refused, State
 from service.logs import log
+from service.tracing import NO_SPAN
 from service.validation import InvalidRequest
 
 # Seconds a 429 asks the client to wait before retrying (a full queue drains in about that).
@@ -110,8 +111,10 @@ class OpenAIFrontEnd:
         app = FastAPI(title="jaxserve", summary="OpenAI-compatible API of jaxserve")
         app.middleware("http")(self._auth)
         app.exception_handler(StarletteHTTPException)(self._unrouted)
-        app.post("/v1/completions")(self._route("completions", self.completions.create))
-        app.post("/v1/chat/completions")(self._route("chat", self.chat.create))
+        # Each a span when tracing is on, named by its GenAI operation (service/tracing.py).
+        completions = self._route("completions", self.completions.create, span="text_completion")
+        app.post("/v1/completions")(completions)
+        app.post("/v1/chat/completions")(self._route("chat", self.chat.create, span="chat"))
         app.get("/v1/models")(self._route("models", self._models, admit=False))
         app.get("/v1/models/{model_id:path}")(self._route("model", self._model, admit=False))
         if allow_runtime_lora:  # otherwise 404, as any unknown route (vLLM's default too)
@@ -153,19 +156,26 @@ class OpenAIFrontEnd:
                 )
         return await call_next(request)
 
-    def _route(self, name: str, body, admit: bool = True):
-        """Wraps a handler body: admission, in-flight count, errors, the call's log line."""
+    def _route(self, name: str, body, admit: bool = True, span: str | None = None):
+        """Wraps a handler body: admission, in-flight count, errors, the call's log line; with
+        `span` (a GenAI operation), the call's span too, handed to the body, begun before
+        admission (a refused call is traced too) and ended with the call."""
 
         async def handler(request: Request) -> Response:
             start = time.perf_counter()
             fields: dict = {}
             stack = contextlib.ExitStack()
             streamed = False
+            call_span = NO_SPAN
+            if span is not None:
+                call_span = self.lifecycle.start_span(span, request.headers)
+                stack.callback(_end_span, call_span, fields)
             try:
                 if admit:
                     self.lifecycle.admit()
                 stack.enter_context(self.lifecycle.in_flight())
-                result = await self._unless_drain_ends(body(request, fields))
+                work = body(request, fields, call_span) if span else body(request, fields)
+                result = await self._unless_drain_ends(work)
                 if isinstance(result, Response):
                     return result
                 if isinstance(result, dict):
@@ -396,3 +406,17 @@ class OpenAIFrontEnd:
             lambda: tokenizer.decode(body.tokens, skip_special_tokens=True)
         )
         return {"prompt": text}
+
+
+def _end_span(span, fields: dict) -> None:
+    """Ends a call's span with its status code, as an error from 400 up (499: the client
+    left)."""
+    code = fields.get("code", 200)
+    error = None
+    if code >= 400:
+        error = fields.get("error") or (
+            "The client closed the connection before the call finished (499)."
+            if code == 499
+            else f"HTTP {code}."
+        )
+    span.end(error, str(code), **{"http.response.status_code": code})

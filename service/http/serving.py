@@ -98,6 +98,12 @@ class Job:
     lora: str | None = None  # the LoRA adapter the body's `model` named; None: the base model
 
 
+def span_fields(sampling: dict) -> dict:
+    """The sampling fields a call's span names, as the body set them: for a beam search, which
+    runs no jobs whose SamplingParams would say."""
+    return {k: sampling.get(k) for k in ("max_tokens", "temperature", "top_p", "seed")}
+
+
 def include_usage(body: protocol._Sampling) -> bool:
     """Whether a streamed response ends with a usage chunk (`stream_options.include_usage`)."""
     return body.stream_options is not None and body.stream_options.include_usage
@@ -142,6 +148,10 @@ class OpenAIServing:
     def model_id(self) -> str:
         """The served model's name: the first of `model_names()`."""
         return self.model_names()[0]
+
+    def requested_model(self, body: protocol._Sampling) -> str:
+        """The model a body names (a span's gen_ai.request.model), else the served model's."""
+        return body.model if body.model is not None else self.model_id()
 
     def head(self, call_id: str, object_: str, model: str | None = None) -> dict:
         """The fields every response (and every chunk of a stream) of a call starts with; its

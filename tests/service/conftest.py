@@ -42,13 +42,15 @@ def engine() -> Engine:
 class ServerThread:
     """A JaxServeServer on its own event-loop thread, talked to over real sockets."""
 
-    def __init__(self, engine_or_factory, **options):
+    def __init__(self, engine_or_factory, tracer_provider=None, **options):
         options.setdefault("port", 0)
         options.setdefault("metrics_port", 0)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.server = JaxServeServer(engine_or_factory, ServerOptions(**options))
+        self.server = JaxServeServer(
+            engine_or_factory, ServerOptions(**options), tracer_provider=tracer_provider
+        )
         self.call(self.server.start())
 
     def call(self, coro, timeout: float = 60.0):
