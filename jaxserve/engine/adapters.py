@@ -62,6 +62,11 @@ class Adapters:
             )
         if not isinstance(name, str) or not name or name.strip() != name:
             raise ValueError(f"Adapter name {name!r} must be a non-empty string without spaces.")
+        if "," in name:  # the LoRA info metric lists adapters separated by commas
+            raise ValueError(
+                f"Adapter name {name!r} must not contain a comma: routers read the adapters in "
+                "use as a comma-separated list (docs/routing.md)."
+            )
         if name in self._adapters:
             raise ValueError(f"An adapter named {name!r} is loaded already; unload it first.")
         if isinstance(source, LoraAdapter):

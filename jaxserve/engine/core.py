@@ -171,6 +171,12 @@ class Engine:
         for name, path in config.lora_modules.items():
             self.add_lora(name, path)
         self.metrics = EngineMetrics(config.ttft_slo_s, config.tpot_slo_s)
+        self.metrics.describe_engine(
+            page_size=rc.page_size,
+            num_pages=num_pages,
+            prefix_caching=self.scheduler.prefix is not None,
+            max_loras=rc.max_loras,
+        )
         # Structured output: grammars compile on the compiler's threads; each constrained
         # request's matcher lives here, by request id, until its update says it finished.
         self.grammars = GrammarCompiler(
@@ -784,6 +790,8 @@ class Engine:
             kv_pages_total=self.runner.config.num_pages,
             kv_pages_cached=s.kv.num_cached_pages,
         )
+        if s.lora_slots is not None:  # the engine's start set the no-adapter state for good
+            self.metrics.set_lora_adapters(*s.lora_adapters())
         cache = s.kv.stats
         self.metrics.on_prefix_cache(
             queries=cache.queries, hits=cache.hits, evictions=cache.evictions

@@ -1,7 +1,9 @@
 """Engine metrics: a plain Python object for library users, mirrored into Prometheus.
 
 Each engine has its own `CollectorRegistry`, so several engines (or tests) in one process do not
-collide; the service exposes `registry` on its metrics port.
+collide; the service exposes `registry` on its metrics port. The gauges a router reads (queue,
+running, KV-cache use, cache config, LoRA adapters) follow the model server protocol of the
+Gateway API Inference Extension: docs/routing.md names them.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import dataclasses
 import functools
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import GaugeMetricFamily
 
 from jaxserve.outputs import RequestMetrics
 
@@ -21,6 +24,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 HOST_PHASES = ("schedule", "pack", "dispatch", "wait", "collect", "outputs")
 # A phase costs microseconds on a small batch and milliseconds on a large one.
 _HOST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+# Gauges exported under another name than their EngineStats field: a name ending in _total is a
+# counter's in Prometheus (promtool check metrics refuses a gauge so named).
+_EXPORTED_AS = {"kv_pages_total": "kv_pages", "host_kv_pages_total": "host_kv_pages"}
 
 
 @dataclasses.dataclass
@@ -68,6 +74,17 @@ class EngineStats:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verifications: int = 0
+    # LoRA adapters for a router (docs/routing.md): those of running requests, those of
+    # waiting ones (comma-separated names), and the wall time (Unix seconds) they were last
+    # set. One tuple, replaced whole, so that a scrape on another thread reads one state.
+    lora_adapters: tuple[str, str, float] = ("", "", 0.0)
+
+    @property
+    def kv_cache_usage_perc(self) -> float:
+        """Pages held by requests over the pool's pages, 0 to 1 (vLLM's meaning): cached pages
+        that no request holds are free to take, so they do not count."""
+        total = self.kv_pages_total
+        return self.kv_pages_used / total if total else 0.0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -107,7 +124,7 @@ class EngineMetrics:
         self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
         r = self.registry = CollectorRegistry()
         self._gauges = {
-            name: Gauge(f"jaxserve_{name}", doc, registry=r)
+            name: Gauge(f"jaxserve_{_EXPORTED_AS.get(name, name)}", doc, registry=r)
             for name, doc in [
                 ("num_running", "Requests running."),
                 ("num_waiting", "Requests waiting."),
@@ -115,6 +132,11 @@ class EngineMetrics:
                 ("kv_pages_used", "KV-cache pages in use."),
                 ("kv_pages_total", "KV-cache pages in the pool."),
                 ("kv_pages_cached", "KV-cache pages held only by the prefix cache (evictable)."),
+                (
+                    "kv_cache_usage_perc",
+                    "KV-cache pages held by requests over the pool's, 0 to 1 (cached pages no "
+                    "request holds are free).",
+                ),
                 ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, a share."),
                 ("padding_efficiency", "Real over padded tokens since start."),
                 ("device_idle_share", "Share of working wall time with no step in flight."),
@@ -163,6 +185,14 @@ class EngineMetrics:
             "jaxserve_requests_finished", "Finished requests.", ["reason"], registry=r
         )
         self._good = Counter("jaxserve_goodput_requests", "Requests within the SLO.", registry=r)
+        self._cache_config = Info(
+            "jaxserve_cache_config",
+            "The KV cache's layout, as labels: page_size and num_pages (and the same as vLLM's "
+            "block_size and num_gpu_blocks, which routers read).",
+            registry=r,
+        )
+        self._lora = _LoraInfo(self.stats)
+        r.register(self._lora)
         self.device = DeviceTimeline(self.stats)
         host = Histogram(
             "jaxserve_host_step_seconds",
@@ -218,6 +248,26 @@ class EngineMetrics:
             s.host_phase_s[phase] += seconds
             self._host[phase].observe(seconds)
         self.last_host_phases = phases
+
+    def describe_engine(
+        self, *, page_size: int, num_pages: int, prefix_caching: bool, max_loras: int
+    ) -> None:
+        """The engine's fixed shape, as the cache-config and LoRA info metrics' labels."""
+        self._cache_config.info(
+            {
+                "page_size": str(page_size),
+                "num_pages": str(num_pages),
+                "block_size": str(page_size),
+                "num_gpu_blocks": str(num_pages),
+                "enable_prefix_caching": str(prefix_caching).lower(),
+            }
+        )
+        self._lora.max_loras = max_loras
+        self.set_lora_adapters([], [])
+
+    def set_lora_adapters(self, running: list[str], waiting: list[str]) -> None:
+        """The adapters of running and of waiting requests now, stamped with the wall time."""
+        self.stats.lora_adapters = (",".join(running), ",".join(waiting), time.time())
 
     def set_gauges(self, **values: int) -> None:
         """The engine's gauges now (Prometheus reads them from the stats when scraped)."""
@@ -283,6 +333,34 @@ class EngineMetrics:
         ok_ttft = self.ttft_slo_s is None or (ttft is not None and ttft <= self.ttft_slo_s)
         ok_tpot = self.tpot_slo_s is None or tpot is None or tpot <= self.tpot_slo_s
         return ok_ttft and ok_tpot
+
+
+class _LoraInfo:
+    """vLLM's `lora_requests_info` as routers read it: one series whose labels are `max_lora`
+    and the running and waiting adapters, its value the Unix time they were last set (a
+    router takes the series of largest value; there is only ever the current one)."""
+
+    NAME = "jaxserve_lora_requests_info"
+    DOC = (
+        "LoRA adapters of running and of waiting requests (comma-separated) and the device's "
+        "adapter slots, as labels; the value is the Unix time they were last set."
+    )
+    LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+
+    def __init__(self, stats: EngineStats):
+        self._stats = stats
+        self.max_loras = 0
+
+    def describe(self):
+        """The family without samples: the registry checks names against it."""
+        return [GaugeMetricFamily(self.NAME, self.DOC, labels=self.LABELS)]
+
+    def collect(self):
+        """The current state, read once from the stats (replaced whole by the engine)."""
+        running, waiting, updated = self._stats.lora_adapters
+        family = GaugeMetricFamily(self.NAME, self.DOC, labels=self.LABELS)
+        family.add_metric([str(self.max_loras), running, waiting], updated)
+        yield family
 
 
 class PhaseClock:

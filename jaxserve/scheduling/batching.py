@@ -11,6 +11,7 @@ request waits.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Iterator, Mapping
 
@@ -30,6 +31,10 @@ class ContinuousBatching:
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.waiting)
+
+    def lora_counts(self) -> collections.Counter[str]:
+        """Waiting requests of each adapter they name (each queue counts its own)."""
+        return self.waiting.lora_counts
 
     def form_group(self, now: float, keys: Mapping[str, tuple]) -> None:
         """Nothing to form: continuous batching has no groups."""
@@ -71,6 +76,9 @@ class GroupBatching(ContinuousBatching):
 
     def __iter__(self) -> Iterator[Request]:
         return itertools.chain(self.waiting, self.group_waiting)
+
+    def lora_counts(self) -> collections.Counter[str]:
+        return self.waiting.lora_counts + self.group_waiting.lora_counts
 
     def form_group(self, now: float, keys: Mapping[str, tuple]) -> None:
         """The next group forms only when the last one is done (dynamic: when it is full, or

@@ -29,6 +29,10 @@ class LoraSlots:
         self._free = list(range(max_loras, 0, -1))  # pop() gives the lowest slot
         self.num_loads = 0  # adapters written into a slot since start, for metrics and tests
 
+    def pinned(self) -> list[str]:
+        """The adapters of running requests, by name: at most `max_loras` of them."""
+        return sorted(self._pins)
+
     def slot_of(self, name: str) -> int | None:
         return self._slot_of.get(name)
 

@@ -13,6 +13,7 @@ its key, so it returns ahead of everything that came after it.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from collections.abc import Iterator
@@ -51,6 +52,9 @@ class WaitQueue:
 
     def __init__(self):
         self._heap: list[tuple[tuple, Request]] = []
+        # Queued requests of each adapter, kept as they come and go so that the LoRA gauge
+        # (engine/metrics.py) never walks the queue.
+        self.lora_counts: collections.Counter[str] = collections.Counter()
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -65,6 +69,8 @@ class WaitQueue:
     def push(self, key: tuple, req: Request) -> None:
         """Queues `req` under `key`, its place in the order."""
         heapq.heappush(self._heap, (key, req))
+        if req.lora_name is not None:
+            self.lora_counts[req.lora_name] += 1
 
     def peek(self) -> Request:
         """The most important waiting request, left in the queue."""
@@ -72,11 +78,13 @@ class WaitQueue:
 
     def pop(self) -> Request:
         """Takes the most important waiting request out of the queue."""
-        return heapq.heappop(self._heap)[1]
+        return self.pop_entry()[1]
 
     def pop_entry(self) -> tuple[tuple, Request]:
         """Takes the most important waiting request out with its key, to `push` it back."""
-        return heapq.heappop(self._heap)
+        entry = heapq.heappop(self._heap)
+        self._uncount(entry[1])
+        return entry
 
     def remove(self, req: Request) -> bool:
         """O(n), but only aborts and stop strings of queued requests take this path."""
@@ -85,5 +93,14 @@ class WaitQueue:
                 self._heap[i] = self._heap[-1]
                 self._heap.pop()
                 heapq.heapify(self._heap)
+                self._uncount(req)
                 return True
         return False
+
+    def _uncount(self, req: Request) -> None:
+        """`req` left the queue: one request fewer of its adapter."""
+        name = req.lora_name
+        if name is not None:
+            self.lora_counts[name] -= 1
+            if not self.lora_counts[name]:
+                del self.lora_counts[name]

@@ -170,6 +170,13 @@ class Scheduler:
         """
         return max(0, self.num_waiting - self.batching.slots_open(len(self._free_slots)))
 
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """(adapters of running requests, adapters of waiting requests), each sorted by name;
+        one adapter may be in both. Two empty lists when the engine serves no adapters."""
+        if self.lora_slots is None:
+            return [], []
+        return self.lora_slots.pinned(), sorted(self.batching.lora_counts())
+
     @property
     def num_slots_used(self) -> int:
         return self.config.max_num_seqs - len(self._free_slots)
@@ -404,6 +411,12 @@ class Scheduler:
         )
         if self.lora_slots is not None:
             self.lora_slots.check_invariants([r.lora_name for r in self._running if r.lora_name])
+        named = collections.Counter(r.lora_name for r in self.batching if r.lora_name is not None)
+        if self.batching.lora_counts() != named:
+            raise AssertionError(
+                f"The queues count adapters {dict(self.batching.lora_counts())}, their requests "
+                f"name {dict(named)}."
+            )
 
     def _apply_aborts(self, now: float) -> list[str]:
         """Finishes the requests aborted since the last schedule(); returns their ids."""

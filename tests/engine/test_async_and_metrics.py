@@ -147,7 +147,8 @@ def test_metrics_object_and_prometheus(stories_engine):
         "jaxserve_tpot_seconds_count",
         "jaxserve_e2e_seconds_count",
         "jaxserve_queue_wait_seconds_count",
-        "jaxserve_kv_pages_total",
+        "\njaxserve_kv_pages ",
+        "\njaxserve_kv_cache_usage_perc ",
         "jaxserve_compiles_total",
         'jaxserve_requests_finished_total{reason="length"}',
     ):

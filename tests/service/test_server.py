@@ -311,7 +311,7 @@ def test_the_default_host_kv_pool_is_sized_from_the_device_pool_logged_and_shown
         for sample in family.samples
     }
     assert values["jaxserve_host_kv_bytes"] == info.host_kv_bytes
-    assert values["jaxserve_host_kv_pages_total"] == info.num_host_pages
+    assert values["jaxserve_host_kv_pages"] == info.num_host_pages
     (line,) = [r for r in caplog.records if r.getMessage() == "serving"]
     assert line.fields["host_kv_bytes"] == info.host_kv_bytes
     assert line.fields["host_kv_pages"] == info.num_host_pages

@@ -85,3 +85,31 @@ def test_pages_cached_under_one_adapter_are_not_matched_under_another():
         step(sched)
     assert other.num_cached_tokens == 0
     assert same.num_cached_tokens == 8  # two full pages of 4, computed under ad-1
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_the_adapters_of_running_and_waiting_requests_follow_the_queues(batching):
+    """What the LoRA info metric lists (engine/metrics.py): each adapter once, by name, as its
+    requests are set aside, admitted, aborted and finished, in each queue of the mode."""
+    sched = make_scheduler(max_loras=1, batching=batching, batch_size=8)
+    requests = [
+        lora_request("x1", "ad-x", max_tokens=3),
+        lora_request("y", "ad-y", max_tokens=3),
+        lora_request("x2", "ad-x", max_tokens=3),
+        lora_request("z", "ad-z", max_tokens=3),
+        lora_request("base", None, max_tokens=3),
+    ]
+    for req in requests:
+        sched.add_request(req)
+    assert sched.lora_adapters() == ([], ["ad-x", "ad-y", "ad-z"])
+    step(sched)
+    assert sched.lora_adapters() == (["ad-x"], ["ad-y", "ad-z"])  # y and z set aside, back
+    sched.abort_request("z")
+    step(sched)
+    assert sched.lora_adapters() == (["ad-x"], ["ad-y"])
+    sched.check_invariants()
+    while not requests[1].is_finished:
+        step(sched)
+        sched.check_invariants()
+    assert sched.lora_adapters() == ([], [])
+    assert make_scheduler().lora_adapters() == ([], [])  # no adapters served
