@@ -161,7 +161,6 @@ class Engine:
         # records the prefix cache's changes, published once an iteration. Off: no log, no
         # socket, nothing imported.
         self.kv_events = self._kv_event_log = None
-        self._kv_events_resync = False  # a batch was dropped: send a snapshot next
         if config.kv_events_endpoint is not None:
             from jaxserve.engine.kv_events import KVEventPublisher
 
@@ -572,13 +571,8 @@ class Engine:
     def _publish_kv_events(self) -> None:
         """Hands the prefix cache's events since the last call to the publisher, one batch,
         without waiting; after a dropped batch, a snapshot of the whole cache instead."""
-        log = self._kv_event_log
-        if log is None or not (len(log) or self._kv_events_resync):
-            return
-        events = log.take()
-        if self._kv_events_resync:
-            events = log.snapshot()  # what the dropped batches would have told, and the rest
-        self._kv_events_resync = not self.kv_events.publish(events)
+        if self._kv_event_log is not None:
+            self.kv_events.publish_log(self._kv_event_log)
 
     def close(self) -> None:
         """Releases what the engine holds outside its arrays: the KV events' sockets, if open

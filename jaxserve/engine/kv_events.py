@@ -2,7 +2,9 @@
 
 So that a KV-aware router written for vLLM (vLLM's own, llm-d's KV indexer) follows jaxserve's
 prefix cache unchanged, everything on the wire is as vLLM's ZmqEventPublisher sends it
-(vllm/distributed/kv_events.py, the array-like structs of vLLM 0.11):
+(vllm/distributed/kv_events.py: its array-like structs, as they were once `lora_name` was
+added and before `extra_keys`; later array-like decoders read them too, as the fields after
+are optional, and earlier ones ignore the trailing fields they do not know):
 
 - a PUB socket sends each batch as three frames: the topic, an 8-byte big-endian sequence number
   (0, 1, 2, ... per publisher) and the msgpack payload;
@@ -18,7 +20,7 @@ prefix cache unchanged, everything on the wire is as vLLM's ZmqEventPublisher se
 Concurrency: the engine thread only puts a batch on a bounded queue (`publish`, never blocking);
 one thread of its own (`jaxserve-kv-events`) encodes, sends, keeps the replay buffer and answers
 replay requests, and is the only one that touches the sockets after they are made. A full queue
-drops the batch, counts it and logs a warning; the engine then sends a snapshot of the whole
+drops the batch, counts it and logs a warning; `publish_log` then sends a snapshot of the whole
 cache (`KVEventLog.snapshot`) once the queue has room, so subscribers hold it exactly again.
 pyzmq and msgpack are imported here only when an engine publishes (the `serve` extra).
 """
@@ -33,7 +35,13 @@ import queue
 import threading
 import time
 
-from jaxserve.scheduling.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from jaxserve.scheduling.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventLog,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +113,7 @@ class KVEventPublisher:
         )
         self._seq = itertools.count()
         self.num_dropped = 0  # batches dropped on a full queue
+        self._resync = False  # a batch was dropped: `publish_log` sends a snapshot next
         self.num_sent = 0
         self._last_warning = -float("inf")
         self._ctx = zmq.Context()
@@ -151,6 +160,17 @@ class KVEventPublisher:
                     self.num_dropped,
                 )
             return False
+
+    def publish_log(self, log: KVEventLog) -> None:
+        """Publishes the events `log` recorded since the last call as one batch (nothing when
+        there are none); after a dropped batch, a snapshot of the whole cache instead, until
+        one is queued."""
+        if not (len(log) or self._resync):
+            return
+        events = log.take()
+        if self._resync:
+            events = log.snapshot()  # what the dropped batches told, and everything else
+        self._resync = not self.publish(events)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Waits until every batch queued so far is sent (or dropped by a failed send); False
