@@ -9,6 +9,9 @@ independent encoder byte for byte.
 from __future__ import annotations
 
 import random
+import re
+import subprocess
+import sys
 
 import msgpack
 import pytest
@@ -127,3 +130,12 @@ def test_a_full_queue_drops_and_counts_and_a_snapshot_follows():
         assert publisher._queue.empty()  # owed no more
     finally:
         publisher._close_sockets()
+
+
+def test_without_pyzmq_the_option_names_the_extra_and_the_engine_never_imports_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "zmq", None)  # what `import zmq` meets without pyzmq
+    with pytest.raises(ImportError, match=re.escape('pip install -e ".[serve]"')):
+        KVEventPublisher("tcp://127.0.0.1:5557")
+    code = "import sys; import jaxserve.engine.core; print('zmq' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
