@@ -81,7 +81,8 @@ class Subscriber:
                 hashes, parent, tokens, block_size, lora_id, medium, lora_name = fields
                 assert block_size == PAGE and len(tokens) == len(hashes) * PAGE
                 assert lora_id is None and lora_name is None and medium in ("GPU", "CPU")
-                assert parent is None or 0 <= parent < 2**64
+                # A run continues a page announced before, or starts a sequence.
+                assert parent is None or parent in self.tokens, f"unknown parent {parent}"
                 if parent is None:
                     self.first_pages.add(tuple(tokens[:PAGE]))
                 for i, h in enumerate(hashes):
@@ -111,11 +112,17 @@ def _cache_of(engine: Engine) -> set[tuple[str, int]]:
 
 
 def _socket_fds() -> int:
-    fds = os.listdir("/proc/self/fd")
-    count = 0
-    for fd in fds:
-        with contextlib.suppress(OSError):  # the listing's own fd is closed by now
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    """The process's open sockets, once no socket closed by an earlier test (ZeroMQ closes
+    them on its own threads) is still going: two readings 0.2 s apart agree."""
+    count, deadline = -1, time.monotonic() + 5
+    while time.monotonic() < deadline:
+        last, count = count, 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own fd is closed by now
+                count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        if count == last:
+            break
+        time.sleep(0.2)
     return count
 
 
@@ -164,8 +171,10 @@ def test_events_rebuild_the_prefix_cache_and_replay_fills_a_gap(stories_engine, 
         sub.settle()
         publisher = engine.kv_events
         rng = random.Random(45)
+        every_prompt = []
         for _ in range(3):
             prompts = _workload(engine, rng, 10)
+            every_prompt += prompts
             drain(engine)
             assert publisher.flush()
             sub.receive(publisher.num_sent)
@@ -174,8 +183,14 @@ def test_events_rebuild_the_prefix_cache_and_replay_fills_a_gap(stories_engine, 
         stats, offload = engine.scheduler.kv.stats, engine.scheduler.offload.stats
         assert stats.evictions > 0 and offload.pages_offloaded > 0 and offload.host_evictions > 0
         assert {m for m, _ in sub.held} == {"GPU", "CPU"}
-        # Each prompt's first full page was announced with its tokens and no parent.
-        assert {tuple(p[:PAGE]) for p in prompts if len(p) > PAGE} <= sub.first_pages
+        # Each prompt's first full page was announced with its tokens and no parent, and every
+        # page announced with no parent is the first of some request's tokens.
+        firsts = {tuple(p[:PAGE]) for p in every_prompt if len(p) >= PAGE}
+        assert {tuple(p[:PAGE]) for p in prompts if len(p) >= PAGE} <= sub.first_pages
+        assert all(
+            page in firsts or any(page[: len(p)] == tuple(p) for p in every_prompt)
+            for page in sub.first_pages
+        )
         # New weights drop the cache: one AllBlocksCleared, and the set is empty again.
         engine.update_weights(engine.model.params)
         assert publisher.flush()

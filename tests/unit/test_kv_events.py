@@ -52,10 +52,17 @@ def test_hashes_are_the_low_64_bits_of_the_digest_as_vllm_sends_them():
     assert external_hash(digest) == int.from_bytes(digest, "big") & (2**64 - 1)
 
 
-def _replay(events, held: set) -> None:
-    """A subscriber's state from vLLM's schema, strict: no double store, no unknown removal."""
+def _replay(events, held: set, firsts: set | None = None) -> None:
+    """A subscriber's state from vLLM's schema, strict: no double store, no unknown removal, a
+    run's parent announced before, and a run without one starting a sequence (`firsts`: the
+    hashes of the sequences' first pages)."""
     for tag, *fields in msgpack.unpackb(encode_batch(0.0, events))[1]:
         if tag == "BlockStored":
+            parent = fields[1]
+            if parent is None:
+                assert firsts is None or fields[0][0] in firsts
+            else:
+                assert firsts is None or any(parent == h for _, h in held)
             for h in fields[0]:
                 assert (fields[5], h) not in held
                 held.add((fields[5], h))
@@ -86,11 +93,14 @@ def test_the_log_follows_publishes_evictions_the_host_tier_and_drops(seed):
     hasher = PageHasher(ps)
     stems = [[rng.randrange(50) for _ in range(3 * ps)] for _ in range(3)]
     held: set = set()
+    firsts: set = set()
     for step in range(60):
         tokens = rng.choice(stems)[: ps * rng.randint(0, 3)]
         tokens += [rng.randrange(50) for _ in range(rng.randint(1, 3 * ps))]
         hashes: list[bytes] = []
         hasher.extend(hashes, tokens)
+        if hashes:
+            firsts.add(external_hash(hashes[0]))
         prefix = kv.match(hashes, len(tokens))
         if kv.allocate(f"s{step}", len(tokens), prefix):
             kv.publish(f"s{step}", hashes, len(tokens), lambda a, b, t=tokens: t[a:b])
@@ -98,7 +108,7 @@ def test_the_log_follows_publishes_evictions_the_host_tier_and_drops(seed):
         if rng.random() < 0.05:
             kv.drop_published()
             host.drop_cached()
-        _replay(log.take(), held)
+        _replay(log.take(), held, firsts)
         assert held == _cache(kv, host)
         kv.check_invariants()
         host.check_invariants()
