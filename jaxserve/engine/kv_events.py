@@ -123,7 +123,10 @@ class KVEventPublisher:
             # vLLM's rule, so its command lines mean the same here: a wildcard host, ipc:// and
             # inproc:// bind (routers connect to the engine); a named host connects (to an
             # indexer that binds, as llm-d's does).
-            if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+            binds = (
+                "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            )
+            if binds:
                 self._pub.bind(endpoint)
             else:
                 self._pub.connect(endpoint)
@@ -139,6 +142,13 @@ class KVEventPublisher:
         self._running = True
         self._thread = threading.Thread(target=self._run, name="jaxserve-kv-events", daemon=True)
         self._thread.start()
+        logger.info(
+            "KV events: publishing on %s (%s), replay on %s, topic %r",
+            endpoint,
+            "bound" if binds else "connected",
+            replay_endpoint,
+            topic,
+        )
 
     def publish(self, events: list[KVEvent]) -> bool:
         """Queues one batch for sending, never waiting; False when the queue was full and the
