@@ -149,3 +149,19 @@ def test_without_pyzmq_the_option_names_the_extra_and_the_engine_never_imports_i
     code = "import sys; import jaxserve.engine.core; print('zmq' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_taken_replay_port_fails_at_start_naming_both_endpoints():
+    import zmq
+
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.ROUTER)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(
+            ValueError, match=rf"kv_events_replay_endpoint='tcp://127.0.0.1:{port}'"
+        ):
+            KVEventPublisher("inproc://kv-events-taken", f"tcp://127.0.0.1:{port}")
+    finally:
+        taken.close(linger=0)
+        ctx.term()
