@@ -120,6 +120,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("lora", metavar="NAME=PATH", parse=str, repeat=True),
     Flag("max_loras", metavar="N"),
     Flag("max_lora_rank", metavar="N"),
+    Flag("kv_events_endpoint", metavar="ENDPOINT"),
+    Flag("kv_events_replay_endpoint", metavar="ENDPOINT"),
+    Flag("kv_events_topic", metavar="TOPIC"),
 )
 
 NOT_FLAGS: dict[str, str] = {

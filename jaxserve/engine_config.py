@@ -24,6 +24,34 @@ def default_compilation_cache_dir() -> str | None:
     return os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
 
 
+def _check_kv_events(config) -> None:
+    """Raises ValueError, naming the value, for a KV events endpoint ZeroMQ could not open as
+    meant, or a replay endpoint or topic without one."""
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        value = getattr(config, name)
+        if value is None:
+            continue
+        scheme, sep, rest = value.partition("://") if isinstance(value, str) else ("", "", "")
+        host, colon, port = rest.rpartition(":")
+        if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+            raise ValueError(
+                f"{name}={value!r} must be a ZeroMQ endpoint: tcp://HOST:PORT, tcp://*:PORT, "
+                f"ipc://PATH or inproc://NAME."
+            )
+        if scheme == "tcp" and not (colon and host and port.isdigit() and int(port) < 65536):
+            raise ValueError(
+                f"{name}={value!r} must name a host and a port 0..65535: tcp://HOST:PORT "
+                f"(tcp://127.0.0.1:5557, or tcp://*:5557 to listen on every interface)."
+            )
+    if config.kv_events_endpoint is None and (
+        config.kv_events_replay_endpoint is not None or config.kv_events_topic
+    ):
+        raise ValueError(
+            f"kv_events_replay_endpoint={config.kv_events_replay_endpoint!r} and "
+            f"kv_events_topic={config.kv_events_topic!r} need kv_events_endpoint, which is None."
+        )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How one engine serves one model. Defaults suit the CPU and the embedded model.
@@ -158,6 +186,18 @@ class EngineConfig:
     shed_late: bool = False
     """With slo_scheduling and a TTFT target: refuse (finish reason "refused") a waiting request
     that would miss ttft_slo_s even if started now, rather than spend capacity on one lost."""
+    kv_events_endpoint: str | None = None
+    """Publish the prefix cache's changes as vLLM's KV events on this ZeroMQ PUB endpoint, for a
+    KV-aware router (docs/kv_events.md): tcp://*:PORT binds, tcp://HOST:PORT connects to a
+    subscriber that binds (llm-d's indexer), ipc:// and inproc:// bind. None: off (no socket,
+    nothing recorded). Needs pip install -e ".[serve]"."""
+    kv_events_replay_endpoint: str | None = None
+    """A ZeroMQ ROUTER endpoint, always bound, where a subscriber that missed batches asks for
+    them again from a sequence number (vLLM's replay); None: no replay. Needs
+    kv_events_endpoint."""
+    kv_events_topic: str = ""
+    """The topic frame of every KV events message (llm-d's indexer filters on one such as
+    kv@POD@MODEL); "" : none."""
 
     def __post_init__(self):
         for name in (
@@ -235,6 +275,7 @@ class EngineConfig:
                 f"shed_late needs slo_scheduling and a TTFT target: slo_scheduling="
                 f"{self.slo_scheduling}, ttft_slo_s={self.ttft_slo_s!r}."
             )
+        _check_kv_events(self)
         self.speculative_config  # noqa: B018 - validates the speculative fields (ValueError)
         if self.token_bucket_factor < 2 or self.seq_bucket_factor < 2:
             raise ValueError(

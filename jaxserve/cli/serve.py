@@ -261,6 +261,11 @@ def _follow(config) -> int:
     from checkpoints import ModelLoadError
     from jaxserve.engine.build import build_engine
 
+    # A follower never schedules, so it has no KV events to send; opening the leader's sockets
+    # would only collide with them (docs/kv_events.md).
+    config = config.replace(
+        kv_events_endpoint=None, kv_events_replay_endpoint=None, kv_events_topic=""
+    )
     try:
         engine = build_engine(config)
     except ModelLoadError as e:

@@ -288,6 +288,7 @@ class AsyncEngine:
             logger.exception("saving the cost model's serving scale failed")
         if self._owns_engine:
             self._release_followers()
+            self.engine.close()
 
     def _loop(self) -> None:
         while True:

@@ -157,6 +157,19 @@ class Engine:
         self.scheduler = Scheduler(
             dataclasses.replace(scheduler_config, fork_partial_pages=self.page_copies is not None)
         )
+        # KV events for KV-aware routers (engine/kv_events.py, docs/kv_events.md): the scheduler
+        # records the prefix cache's changes, published once an iteration. Off: no log, no
+        # socket, nothing imported.
+        self.kv_events = self._kv_event_log = None
+        if config.kv_events_endpoint is not None:
+            from jaxserve.engine.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(
+                config.kv_events_endpoint,
+                config.kv_events_replay_endpoint,
+                config.kv_events_topic,
+            )
+            self._kv_event_log = self.scheduler.record_kv_events()
         rc = self.runner.config
         self.input_batch = InputBatch(
             max_seqs=rc.seq_buckets[-1],
@@ -448,6 +461,7 @@ class Engine:
         self.runner.params = self.model.params = new
         self.weights_version += 1
         self.scheduler.reset_prefix_cache(self._prefix_cache_key())
+        self._publish_kv_events()
         self._refresh_gauges()
 
     def _prefix_cache_key(self) -> str:
@@ -471,6 +485,7 @@ class Engine:
             )
         live = _live_bytes()
         self.scheduler.reset_prefix_cache(self._prefix_cache_key())  # their pages go now
+        self._publish_kv_events()
         for leaf in jax.tree.leaves(self.runner.kv):  # the engine's own: deleted at once
             leaf.delete()
         self.runner.kv = None
@@ -550,13 +565,26 @@ class Engine:
         return updates
 
     def _end_iteration(self) -> None:
-        """Gauges, the device timeline, and the iteration's host time by phase."""
+        """KV events, gauges, the device timeline, and the iteration's host time by phase."""
+        self._publish_kv_events()
         self._refresh_gauges()
         self._probe_done()
         if self.kv_transfer is not None:
             self.kv_transfer.poll()  # saves whose bytes reached the host land, without waiting
         self._clock.lap("outputs")
         self.metrics.on_host_step(self._clock.phases)
+
+    def _publish_kv_events(self) -> None:
+        """Hands the prefix cache's events since the last call to the publisher, one batch,
+        without waiting; after a dropped batch, a snapshot of the whole cache instead."""
+        if self._kv_event_log is not None:
+            self.kv_events.publish_log(self._kv_event_log)
+
+    def close(self) -> None:
+        """Releases what the engine holds outside its arrays: the KV events' sockets, if open
+        (their queued batches are sent first)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def _probe_done(self) -> None:
         """Tells the device timeline which steps in flight are done, without waiting for them

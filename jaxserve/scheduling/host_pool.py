@@ -20,6 +20,9 @@ Ordering (why a page is never both reused and in flight): the engine runs a plan
 fixed order, host reads (restores) before host writes (saves), device reads (saves) before
 device writes (restores), all before the step, and host writes land in the order made. So a page
 freed in a plan may be handed out again in the same plan.
+
+With KV events on (`events`, scheduling/kv_events.py) the host tier is the "CPU" medium: a page
+saved into it (`offer`), evicted from it (`_take`) or dropped (`drop_cached`) is recorded there.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
+
+from jaxserve.scheduling.kv_events import MEDIUM_HOST, KVEventLog
 
 
 @dataclasses.dataclass
@@ -60,6 +65,8 @@ class HostPagePool:
         self._swapped: dict[str, list[int]] = {}  # request id -> its saved pages, in table order
         self._num_swapped = 0  # pages in _swapped, kept so the engine's gauges cost nothing
         self.stats = OffloadStats()
+        # The host tier's changes, for KV-aware routers (kv_events.py); None: off.
+        self.events: KVEventLog | None = None
 
     # ---- gauges ---------------------------------------------------------------------------
 
@@ -81,10 +88,16 @@ class HostPagePool:
         """Pages a save may take: free, never used, or cached (evicted for it)."""
         return self.num_pages - self._fresh + len(self._free) + len(self._cached)
 
+    def cached_hashes(self) -> list[bytes]:
+        """The hashes the host tier holds now: the set its KV events tell subscribers of."""
+        return list(self._page_of)
+
     def drop_cached(self) -> int:
         """Frees every host-tier page (their keys and values came from weights no longer
         served, Engine.update_weights); swapped pages stay. Returns the pages dropped."""
         dropped = len(self._cached)
+        if self.events is not None:
+            self.events.removed(list(self._page_of), MEDIUM_HOST)
         self._free.extend(self._cached)
         self._cached.clear()
         self._page_of.clear()
@@ -136,6 +149,8 @@ class HostPagePool:
         page = self._take()
         self._cached[page] = page_hash
         self._page_of[page_hash] = page
+        if self.events is not None:
+            self.events.copied(page_hash, MEDIUM_HOST)
         return page
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
@@ -161,6 +176,8 @@ class HostPagePool:
         page, page_hash = self._cached.popitem(last=False)
         del self._page_of[page_hash]
         self.stats.host_evictions += 1
+        if self.events is not None:
+            self.events.removed([page_hash], MEDIUM_HOST)
         return page
 
     def check_invariants(self) -> None:

@@ -28,6 +28,10 @@ page_copies`), and computes only the tokens past the copied ones. A partial page
 its owner and every child write their own next tokens into it. It stays readable while its owner
 holds it (the slots a partial page publishes are never written again) and, once freed, is cached
 like a published full page, evicted least recently freed first.
+
+With KV events on (`events`, scheduling/kv_events.py) every change of the set of published full
+pages is recorded as it is made: a page published (`publish`), evicted (`_fresh_page`), or all of
+them dropped (`drop_published`). Nothing else changes that set.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import collections
 import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
+
+from jaxserve.scheduling.kv_events import MEDIUM_DEVICE, KVEventLog
 
 # Partial pages a lookup compares, most recent first (`KVCacheManager.match_partial`).
 PARTIAL_CANDIDATES = 16
@@ -124,6 +130,9 @@ class KVCacheManager:
         # Called with (page, hash) as a published page is evicted, before it is handed out
         # again: the host tier saves it there (scheduling/offload.py). None: dropped.
         self.on_evict: Callable[[int, bytes], None] | None = None
+        # What changed in the prefix cache, for KV-aware routers (kv_events.py); None: off, and
+        # nothing is recorded.
+        self.events: KVEventLog | None = None
 
     # ---- gauges ---------------------------------------------------------------------------
 
@@ -140,6 +149,11 @@ class KVCacheManager:
     def num_used_pages(self) -> int:
         return self.num_pages - len(self._free) - len(self._cached)
 
+    def published_hashes(self) -> list[bytes]:
+        """The hashes a lookup may match now, one per published full page: the set the KV
+        events (`events`) tell subscribers of."""
+        return list(self._page_of)
+
     def drop_published(self) -> int:
         """Forgets every published page, for pages computed with weights no longer served
         (Engine.update_weights): cached pages become free and no hash matches again. Only with
@@ -150,6 +164,8 @@ class KVCacheManager:
                 "finish or abort them first."
             )
         dropped = len(self._page_of)
+        if self.events is not None:
+            self.events.cleared()
         self._partial_of.clear()
         self._partials.clear()
         self._free.extend(reversed(self._cached))  # LRU ones last: freed pages go first
@@ -280,6 +296,9 @@ class KVCacheManager:
                 self._hash_of[page] = None
                 if self.on_evict is not None:
                     self.on_evict(page, page_hash)
+                # After the host tier took it, if it did: the log still knows its tokens then.
+                if self.events is not None:
+                    self.events.removed([page_hash], MEDIUM_DEVICE)
         self._refs[page] = 1
         return page
 
@@ -356,12 +375,21 @@ class KVCacheManager:
         self.stats.queries += num_tokens
         self.stats.hits += num_hit_tokens
 
-    def publish(self, seq_id: str, hashes: Sequence[bytes], num_computed_tokens: int) -> None:
+    def publish(
+        self,
+        seq_id: str,
+        hashes: Sequence[bytes],
+        num_computed_tokens: int,
+        tokens: Callable[[int, int], Sequence[int]] | None = None,
+        lora_name: str | None = None,
+    ) -> None:
         """Publishes the sequence's full pages whose keys and values are now computed.
 
         `hashes[i]` names page i. A page whose hash another page already holds (two sequences
         computed the same prefix at once) stays unpublished, freed as a plain page later.
-        Costs one comparison when no page filled up since the last call.
+        Costs one comparison when no page filled up since the last call. `tokens(start, end)`
+        (the sequence's tokens) and its adapter's `lora_name` are read only with KV events on,
+        for the event of each run of pages published.
         """
         done = self._published.get(seq_id)
         if done is None:
@@ -370,12 +398,34 @@ class KVCacheManager:
         if full <= done:
             return
         table = self._tables[seq_id]
+        stored = []  # indices of the pages published now
         for i in range(done, full):
             page, h = table[i], hashes[i]
             if self._hash_of[page] is None and h not in self._page_of:
                 self._hash_of[page] = h
                 self._page_of[h] = page
+                stored.append(i)
         self._published[seq_id] = full
+        if self.events is not None and stored:
+            self._record_stored(hashes, stored, tokens, lora_name)
+
+    def _record_stored(self, hashes, stored: list[int], tokens, lora_name) -> None:
+        """One event per run of consecutive pages published, each after its run's parent."""
+        if tokens is None:
+            raise ValueError("KV events need the tokens of the pages published; pass `tokens`.")
+        ps = self.page_size
+        start = stored[0]
+        for n, i in enumerate(stored):
+            if n + 1 < len(stored) and stored[n + 1] == i + 1:
+                continue  # the run goes on
+            self.events.stored(
+                hashes[start : i + 1],
+                hashes[start - 1] if start else None,
+                tokens(start * ps, (i + 1) * ps),
+                lora_name,
+            )
+            if n + 1 < len(stored):
+                start = stored[n + 1]
 
     def publish_partial(
         self, seq_id: str, index: int, parent: bytes, tokens: Sequence[int]

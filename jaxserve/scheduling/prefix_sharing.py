@@ -167,7 +167,7 @@ class PrefixSharing:
         if full > len(hashes):
             start = len(hashes) * ps
             self.hasher.extend(hashes, req.token_ids(start, full * ps), req.cache_salt)
-        self.kv.publish(req.request_id, hashes, full * ps)
+        self.kv.publish(req.request_id, hashes, full * ps, req.token_ids, req.lora_name)
         # Published now: others take them from the cache. Pages publish in order, so the claims
         # to end are the first ones; the rest of a long request's life costs nothing here.
         mine = self.claims.get(req.request_id)

@@ -49,6 +49,7 @@ from jaxserve.scheduling.batching import batching_of
 from jaxserve.scheduling.bucket_landing import land_on_bucket
 from jaxserve.scheduling.host_pool import HostPagePool
 from jaxserve.scheduling.kv_cache_manager import KVCacheManager, PageHasher
+from jaxserve.scheduling.kv_events import KVEventLog
 from jaxserve.scheduling.lora_slots import LoraSlots
 from jaxserve.scheduling.offload import Offload
 from jaxserve.scheduling.preemption import Preemption
@@ -212,6 +213,16 @@ class Scheduler:
             self.prefix.computing.clear()
             self.prefix.claims.clear()
         return dropped
+
+    def record_kv_events(self) -> KVEventLog:
+        """Records every change of the prefix cache, device pages and host tier, as KV events
+        (kv_events.py) into the log returned, for the engine to publish; call before the first
+        request, while the cache is empty."""
+        if self.kv.num_cached_pages or self.offload.host.num_cached_pages:
+            raise RuntimeError("KV events must be recorded from the start, with the cache empty.")
+        log = KVEventLog(self.config.page_size)
+        self.kv.events = self.offload.host.events = log
+        return log
 
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request of that id, or None."""

@@ -81,6 +81,9 @@ SAMPLE = dict(
     lora=("sql=/adapters/sql", "chat=/adapters/chat"),  # repeated: one --lora each
     max_loras=2,
     max_lora_rank=32,
+    kv_events_endpoint="tcp://127.0.0.1:5557",
+    kv_events_replay_endpoint="tcp://127.0.0.1:5558",
+    kv_events_topic="kv@pod@model",
 )
 
 

@@ -1,0 +1,167 @@
+"""KV events without a model: the wire bytes are vLLM's, and the log follows the cache exactly.
+
+The golden payload below was encoded by msgspec 0.23 from vLLM's own struct declarations
+(vllm/distributed/kv_events.py after `lora_name` was added, before `extra_keys`: array_like,
+omit_defaults, tagged by class name), not by the code under test, so the encoder must match an
+independent encoder byte for byte.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+import sys
+
+import msgpack
+import pytest
+
+from jaxserve.engine.kv_events import KVEventPublisher, encode_batch
+from jaxserve.scheduling.host_pool import HostPagePool
+from jaxserve.scheduling.kv_cache_manager import KVCacheManager, PageHasher
+from jaxserve.scheduling.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventLog,
+    external_hash,
+)
+
+# msgspec.msgpack.encode(KVEventBatch(ts=1765000000.25, events=[...], data_parallel_rank=0)) of
+# the events in test_the_payload_is_what_msgspec_encodes_from_vllms_structs.
+GOLDEN = bytes.fromhex(
+    "93cb41da4cf0d01000009498ab426c6f636b53746f72656492cfffffffffffffffff07c09800017fcc80ccffcd"
+    "0100cdffffce0001000004c0a3475055c098ab426c6f636b53746f726564910907940506070804c0a3435055a3"
+    "73716c93ac426c6f636b52656d6f7665649207cf8000000000000000a347505591b0416c6c426c6f636b73436c"
+    "656172656400"
+)
+
+
+def test_the_payload_is_what_msgspec_encodes_from_vllms_structs():
+    events = [
+        BlockStored((2**64 - 1, 7), None, (0, 1, 127, 128, 255, 256, 65535, 65536), 4, None, "GPU"),
+        BlockStored((9,), 7, (5, 6, 7, 8), 4, "sql", "CPU"),
+        BlockRemoved((7, 2**63), "GPU"),
+        AllBlocksCleared(),
+    ]
+    assert encode_batch(1765000000.25, events, 0) == GOLDEN
+
+
+def test_hashes_are_the_low_64_bits_of_the_digest_as_vllm_sends_them():
+    digest = bytes(range(32))
+    assert external_hash(digest) == int.from_bytes(digest, "big") & (2**64 - 1)
+
+
+def _replay(events, held: set, firsts: set | None = None) -> None:
+    """A subscriber's state from vLLM's schema, strict: no double store, no unknown removal, a
+    run's parent announced before, and a run without one starting a sequence (`firsts`: the
+    hashes of the sequences' first pages)."""
+    for tag, *fields in msgpack.unpackb(encode_batch(0.0, events))[1]:
+        if tag == "BlockStored":
+            parent = fields[1]
+            if parent is None:
+                assert firsts is None or fields[0][0] in firsts
+            else:
+                assert firsts is None or any(parent == h for _, h in held)
+            for h in fields[0]:
+                assert (fields[5], h) not in held
+                held.add((fields[5], h))
+        elif tag == "BlockRemoved":
+            for h in fields[0]:
+                held.remove((fields[1], h))
+        else:
+            held.clear()
+
+
+def _cache(kv: KVCacheManager, host: HostPagePool) -> set:
+    return {("GPU", external_hash(h)) for h in kv.published_hashes()} | {
+        ("CPU", external_hash(h)) for h in host.cached_hashes()
+    }
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_log_follows_publishes_evictions_the_host_tier_and_drops(seed):
+    """Sequences share prefixes in a pool too small for them; evicted pages go to a small host
+    tier, which evicts too. After every change the replayed events equal the cache, and a
+    snapshot alone rebuilds it."""
+    rng = random.Random(seed)
+    ps = 4
+    kv, host = KVCacheManager(12, ps, 8), HostPagePool(6)
+    log = KVEventLog(ps)
+    kv.events = host.events = log
+    kv.on_evict = lambda page, h: host.offer(h)
+    hasher = PageHasher(ps)
+    stems = [[rng.randrange(50) for _ in range(3 * ps)] for _ in range(3)]
+    held: set = set()
+    firsts: set = set()
+    for step in range(60):
+        tokens = rng.choice(stems)[: ps * rng.randint(0, 3)]
+        tokens += [rng.randrange(50) for _ in range(rng.randint(1, 3 * ps))]
+        hashes: list[bytes] = []
+        hasher.extend(hashes, tokens)
+        if hashes:
+            firsts.add(external_hash(hashes[0]))
+        prefix = kv.match(hashes, len(tokens))
+        if kv.allocate(f"s{step}", len(tokens), prefix):
+            kv.publish(f"s{step}", hashes, len(tokens), lambda a, b, t=tokens: t[a:b])
+            kv.free(f"s{step}")
+        if rng.random() < 0.05:
+            kv.drop_published()
+            host.drop_cached()
+        _replay(log.take(), held, firsts)
+        assert held == _cache(kv, host)
+        kv.check_invariants()
+        host.check_invariants()
+    assert kv.stats.evictions and host.stats.host_evictions
+    rebuilt: set = set()
+    _replay(log.snapshot(), rebuilt)
+    assert rebuilt == held
+
+
+def test_a_full_queue_drops_and_counts_and_a_snapshot_follows():
+    """With nothing draining the queue, a batch is dropped, not waited for; the next batch
+    queued is then the whole cache, so a subscriber that lost the dropped one is exact again."""
+    publisher = KVEventPublisher("inproc://kv-events-full", max_queue_batches=1)
+    try:
+        publisher._queue.put(None)  # its thread ends on it: nothing drains the queue now
+        publisher._thread.join(5)
+        log = KVEventLog(2)
+        log.stored([b"a" * 32], None, [1, 2])
+        publisher.publish_log(log)  # queued
+        log.stored([b"b" * 32], b"a" * 32, [3, 4])
+        publisher.publish_log(log)  # dropped: the queue holds one batch
+        assert publisher.num_dropped == 1 and not len(log)
+        _, first = publisher._queue.get_nowait()
+        publisher.publish_log(log)  # no new event, but the snapshot is owed
+        _, second = publisher._queue.get_nowait()
+        assert [type(e) for e in first] == [BlockStored]
+        assert second == log.snapshot() and len(second) == 3  # a clear, then both pages
+        publisher.publish_log(log)
+        assert publisher._queue.empty()  # owed no more
+    finally:
+        publisher._close_sockets()
+
+
+def test_without_pyzmq_the_option_names_the_extra_and_the_engine_never_imports_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "zmq", None)  # what `import zmq` meets without pyzmq
+    with pytest.raises(ImportError, match=re.escape('pip install -e ".[serve]"')):
+        KVEventPublisher("tcp://127.0.0.1:5557")
+    code = "import sys; import jaxserve.engine.core; print('zmq' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_taken_replay_port_fails_at_start_naming_both_endpoints():
+    import zmq
+
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.ROUTER)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(
+            ValueError, match=rf"kv_events_replay_endpoint='tcp://127.0.0.1:{port}'"
+        ):
+            KVEventPublisher("inproc://kv-events-taken", f"tcp://127.0.0.1:{port}")
+    finally:
+        taken.close(linger=0)
+        ctx.term()
