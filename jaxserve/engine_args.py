@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from jaxserve.engine_config import EngineConfig
+from jaxserve.scheduling.kv_events import KV_EVENTS_FORMATS
 from jaxserve.scheduling.types import BATCHING_MODES, POLICIES, PREEMPTION_MODES
 
 
@@ -123,6 +124,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("kv_events_endpoint", metavar="ENDPOINT"),
     Flag("kv_events_replay_endpoint", metavar="ENDPOINT"),
     Flag("kv_events_topic", metavar="TOPIC"),
+    Flag("kv_events_format", choices=KV_EVENTS_FORMATS),
 )
 
 NOT_FLAGS: dict[str, str] = {

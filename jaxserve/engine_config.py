@@ -7,6 +7,7 @@ import math
 import os
 
 from jaxserve.runtime.buckets import bucket_ladder
+from jaxserve.scheduling.kv_events import KV_EVENTS_FORMATS
 from jaxserve.scheduling.speculation import SpeculativeConfig
 from jaxserve.scheduling.types import (
     BATCHING_MODES,
@@ -49,6 +50,12 @@ def _check_kv_events(config) -> None:
         raise ValueError(
             f"kv_events_replay_endpoint={config.kv_events_replay_endpoint!r} and "
             f"kv_events_topic={config.kv_events_topic!r} need kv_events_endpoint, which is None."
+        )
+    if config.kv_events_format not in KV_EVENTS_FORMATS:
+        raise ValueError(
+            f"kv_events_format={config.kv_events_format!r} must be one of "
+            f"{KV_EVENTS_FORMATS}: map for vLLM since vllm-project/vllm#42892, array for "
+            f"vLLM before it (docs/kv_events.md)."
         )
 
 
@@ -198,6 +205,10 @@ class EngineConfig:
     kv_events_topic: str = ""
     """The topic frame of every KV events message (llm-d's indexer filters on one such as
     kv@POD@MODEL); "" : none."""
+    kv_events_format: str = "map"
+    """How each KV event is laid out (docs/kv_events.md): map, keyed by field name, as vLLM
+    publishes since vllm-project/vllm#42892 and its current decoders and llm-d's indexer read;
+    array, positional, as vLLM published before, for consumers that decode only that."""
 
     def __post_init__(self):
         for name in (

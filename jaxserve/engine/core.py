@@ -168,6 +168,7 @@ class Engine:
                 config.kv_events_endpoint,
                 config.kv_events_replay_endpoint,
                 config.kv_events_topic,
+                wire_format=config.kv_events_format,
             )
             self._kv_event_log = self.scheduler.record_kv_events()
         rc = self.runner.config

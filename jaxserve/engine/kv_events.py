@@ -2,17 +2,25 @@
 
 So that a KV-aware router written for vLLM (vLLM's own, llm-d's KV indexer) follows jaxserve's
 prefix cache unchanged, everything on the wire is as vLLM's ZmqEventPublisher sends it
-(vllm/distributed/kv_events.py: its array-like structs, as they were once `lora_name` was
-added and before `extra_keys`; later array-like decoders read them too, as the fields after
-are optional, and earlier ones ignore the trailing fields they do not know):
+(vllm/distributed/kv_events.py, msgspec structs encoded with msgspec.msgpack):
 
 - a PUB socket sends each batch as three frames: the topic, an 8-byte big-endian sequence number
   (0, 1, 2, ... per publisher) and the msgpack payload;
-- the payload is an `EventBatch` as msgspec encodes an `array_like` struct, a msgpack array
-  `[ts, events, data_parallel_rank]`, and each event a tagged `array_like` struct: an array whose
-  first element is the class name, then its fields in declaration order
-  (`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`);
+- the payload is an `EventBatch`, an `array_like` struct in every vLLM version: a msgpack array
+  `[ts, events, data_parallel_rank]`;
+- each event is a tagged struct, laid out one of two ways (`kv_events_format`):
+  - "map" (the default), vLLM's layout since vllm-project/vllm#42892: a msgpack map whose first
+    key is "type" (the class name), then the fields by name in vLLM's declaration order
+    (`{"type": "BlockStored", "block_hashes": ..., "parent_block_hash": ..., "token_ids": ...,
+    "block_size": ..., "lora_id": ..., "medium": ..., "lora_name": ...}`). The fields vLLM
+    gives a default (`extra_keys`, `group_idx`, ...) are left out, as `omit_defaults` leaves
+    them out when they hold it;
+  - "array", vLLM's layout before: an array whose first element is the class name, then the
+    same fields in the same order (`["BlockStored", block_hashes, parent_block_hash, token_ids,
+    block_size, lora_id, medium, lora_name]`, `["BlockRemoved", block_hashes, medium]`,
+    `["AllBlocksCleared"]`), as they were once `lora_name` was added and before `extra_keys`:
+    later array-like decoders read them too, as the fields after are optional, and earlier
+    ones ignore the trailing fields they do not know;
 - an optional ROUTER socket replays: a client sends a start sequence number (8 bytes,
   big-endian) and receives every buffered batch from there as `[seq, payload]`, then
   `[-1 (8 bytes, signed), b""]`.
@@ -36,6 +44,7 @@ import threading
 import time
 
 from jaxserve.scheduling.kv_events import (
+    KV_EVENTS_FORMATS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -71,11 +80,46 @@ def event_fields(event: KVEvent) -> list:
     raise TypeError(f"{event!r} is not a KV event.")
 
 
-def encode_batch(ts: float, events: list[KVEvent], data_parallel_rank: int = 0) -> bytes:
-    """A batch's payload: vLLM's EventBatch, an array-like struct, in msgpack."""
+# The names of each event's fields on the wire, in vLLM's declaration order: the map layout's
+# keys after "type", and the array layout's elements after the tag.
+FIELD_NAMES = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def event_map(event: KVEvent) -> dict:
+    """One event as msgspec encodes vLLM's tagged struct without `array_like`: "type" (msgspec's
+    tag field) holding the class name first, then every field by name in vLLM's order. Fields
+    with a default in vLLM are absent, as `omit_defaults` drops them when they hold it, and
+    jaxserve never sets them."""
+    tag, *values = event_fields(event)
+    return {"type": tag, **dict(zip(FIELD_NAMES[tag], values, strict=True))}
+
+
+def encode_batch(
+    ts: float, events: list[KVEvent], data_parallel_rank: int = 0, wire_format: str = "map"
+) -> bytes:
+    """A batch's payload: vLLM's EventBatch (array-like in every layout) in msgpack, its events
+    laid out as `wire_format` says ("map" or "array", docs/kv_events.md)."""
     import msgpack
 
-    return msgpack.packb([float(ts), [event_fields(e) for e in events], data_parallel_rank])
+    if wire_format == "map":
+        encoded = [event_map(e) for e in events]
+    elif wire_format == "array":
+        encoded = [event_fields(e) for e in events]
+    else:
+        raise ValueError(f"wire_format={wire_format!r} must be one of {KV_EVENTS_FORMATS}.")
+    return msgpack.packb([float(ts), encoded, data_parallel_rank])
 
 
 def _import_zmq():
@@ -102,8 +146,12 @@ class KVEventPublisher:
         max_queue_batches: int = 10_000,
         replay_batches: int = 10_000,
         data_parallel_rank: int = 0,
+        wire_format: str = "map",
     ):
+        if wire_format not in KV_EVENTS_FORMATS:
+            raise ValueError(f"wire_format={wire_format!r} must be one of {KV_EVENTS_FORMATS}.")
         zmq = _import_zmq()
+        self.wire_format = wire_format
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self._topic = topic.encode()
         self._rank = data_parallel_rank
@@ -143,11 +191,12 @@ class KVEventPublisher:
         self._thread = threading.Thread(target=self._run, name="jaxserve-kv-events", daemon=True)
         self._thread.start()
         logger.info(
-            "KV events: publishing on %s (%s), replay on %s, topic %r",
+            "KV events: publishing on %s (%s), replay on %s, topic %r, %s layout",
             endpoint,
             "bound" if binds else "connected",
             replay_endpoint,
             topic,
+            wire_format,
         )
 
     def publish(self, events: list[KVEvent]) -> bool:
@@ -221,7 +270,7 @@ class KVEventPublisher:
                 return
             ts, events = item
             try:
-                payload = encode_batch(ts, events, self._rank)
+                payload = encode_batch(ts, events, self._rank, self.wire_format)
                 seq = next(self._seq)
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
                 self._buffer.append((seq, payload))

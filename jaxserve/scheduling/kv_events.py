@@ -27,6 +27,11 @@ from collections.abc import Sequence
 MEDIUM_DEVICE = "GPU"
 MEDIUM_HOST = "CPU"
 
+# How the events are laid out on the wire (engine/kv_events.py, docs/kv_events.md): "map", each
+# event a map keyed by field name, as vLLM publishes since vllm-project/vllm#42892; "array",
+# each event a positional array, as vLLM published before.
+KV_EVENTS_FORMATS = ("map", "array")
+
 
 def external_hash(page_hash: bytes) -> int:
     """A page hash as events carry it: the low 64 bits of the SHA-256 digest, an unsigned int,

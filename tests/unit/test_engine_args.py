@@ -84,6 +84,7 @@ SAMPLE = dict(
     kv_events_endpoint="tcp://127.0.0.1:5557",
     kv_events_replay_endpoint="tcp://127.0.0.1:5558",
     kv_events_topic="kv@pod@model",
+    kv_events_format="array",
 )
 
 

@@ -1,9 +1,14 @@
 """KV events without a model: the wire bytes are vLLM's, and the log follows the cache exactly.
 
-The golden payload below was encoded by msgspec 0.23 from vLLM's own struct declarations
-(vllm/distributed/kv_events.py after `lora_name` was added, before `extra_keys`: array_like,
-omit_defaults, tagged by class name), not by the code under test, so the encoder must match an
-independent encoder byte for byte.
+The golden payloads below were encoded by msgspec 0.23 from vLLM's own struct declarations, not
+by the code under test, so the encoder must match an independent encoder byte for byte:
+
+- GOLDEN_ARRAY, the array layout: vllm/distributed/kv_events.py after `lora_name` was added and
+  before `extra_keys` (EventBatch and the events array_like, omit_defaults, tagged by class
+  name);
+- GOLDEN_MAP, the map layout: the same file after vllm-project/vllm#42892 (v0.28 and main:
+  EventBatch still array_like; the events without array_like, so tagged maps under "type",
+  omit_defaults, with every field vLLM has added since, all defaulted to None and so left out).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import msgpack
 import pytest
 
 from jaxserve.engine.kv_events import KVEventPublisher, encode_batch
+from jaxserve.engine_config import EngineConfig
 from jaxserve.scheduling.host_pool import HostPagePool
 from jaxserve.scheduling.kv_cache_manager import KVCacheManager, PageHasher
 from jaxserve.scheduling.kv_events import (
@@ -27,24 +33,88 @@ from jaxserve.scheduling.kv_events import (
     external_hash,
 )
 
-# msgspec.msgpack.encode(KVEventBatch(ts=1765000000.25, events=[...], data_parallel_rank=0)) of
-# the events in test_the_payload_is_what_msgspec_encodes_from_vllms_structs.
-GOLDEN = bytes.fromhex(
+# msgspec.msgpack.encode(KVEventBatch(ts=1765000000.25, events=EVENTS, data_parallel_rank=0)),
+# KVEventBatch as vLLM declared it before #42892 (array-like events).
+GOLDEN_ARRAY = bytes.fromhex(
     "93cb41da4cf0d01000009498ab426c6f636b53746f72656492cfffffffffffffffff07c09800017fcc80ccffcd"
     "0100cdffffce0001000004c0a3475055c098ab426c6f636b53746f726564910907940506070804c0a3435055a3"
     "73716c93ac426c6f636b52656d6f7665649207cf8000000000000000a347505591b0416c6c426c6f636b73436c"
     "656172656400"
 )
+# The same batch, KVEventBatch as vLLM declares it since #42892 (events as tagged maps).
+GOLDEN_MAP = bytes.fromhex(
+    "93cb41da4cf0d01000009488a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cfff"
+    "ffffffffffffff07b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f6964739800017fcc80ccff"
+    "cd0100cdffffce00010000aa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3475055a96c"
+    "6f72615f6e616d65c088a474797065ab426c6f636b53746f726564ac626c6f636b5f6861736865739109b17061"
+    "72656e745f626c6f636b5f6861736807a9746f6b656e5f6964739405060708aa626c6f636b5f73697a6504a76c"
+    "6f72615f6964c0a66d656469756da3435055a96c6f72615f6e616d65a373716c83a474797065ac426c6f636b52"
+    "656d6f766564ac626c6f636b5f6861736865739207cf8000000000000000a66d656469756da347505581a47479"
+    "7065b0416c6c426c6f636b73436c656172656400"
+)
+EVENTS = [
+    BlockStored((2**64 - 1, 7), None, (0, 1, 127, 128, 255, 256, 65535, 65536), 4, None, "GPU"),
+    BlockStored((9,), 7, (5, 6, 7, 8), 4, "sql", "CPU"),
+    BlockRemoved((7, 2**63), "GPU"),
+    AllBlocksCleared(),
+]
+
+# vLLM's required fields of each event, in its order (vllm/distributed/kv_events.py), written
+# here rather than taken from the code under test.
+VLLM_FIELDS = {
+    "BlockStored": [
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ],
+    "BlockRemoved": ["block_hashes", "medium"],
+    "AllBlocksCleared": [],
+}
 
 
-def test_the_payload_is_what_msgspec_encodes_from_vllms_structs():
-    events = [
-        BlockStored((2**64 - 1, 7), None, (0, 1, 127, 128, 255, 256, 65535, 65536), 4, None, "GPU"),
-        BlockStored((9,), 7, (5, 6, 7, 8), 4, "sql", "CPU"),
-        BlockRemoved((7, 2**63), "GPU"),
-        AllBlocksCleared(),
-    ]
-    assert encode_batch(1765000000.25, events, 0) == GOLDEN
+def test_the_array_payload_is_what_msgspec_encodes_from_vllms_array_like_structs():
+    assert encode_batch(1765000000.25, EVENTS, 0, "array") == GOLDEN_ARRAY
+
+
+def test_the_map_payload_is_what_msgspec_encodes_from_vllms_current_structs():
+    assert encode_batch(1765000000.25, EVENTS, 0, "map") == GOLDEN_MAP
+    assert encode_batch(1765000000.25, EVENTS) == GOLDEN_MAP  # the default
+
+
+def test_an_unknown_format_is_refused_with_its_value():
+    expected = r"kv_events_format='json' must be one of \('map', 'array'\)"
+    with pytest.raises(ValueError, match=expected):
+        EngineConfig(kv_events_endpoint="tcp://127.0.0.1:5557", kv_events_format="json")
+    with pytest.raises(ValueError, match=r"wire_format='Map' must be one of"):
+        encode_batch(0.0, EVENTS, 0, "Map")
+    assert EngineConfig().kv_events_format == "map"
+
+
+def decode_events(payload: bytes, wire_format: str) -> list[tuple[str, dict]]:
+    """A payload's events as (tag, fields by name), read the way a consumer of `wire_format`
+    reads them, strictly: the batch is [ts, events, rank]; in "map" each event is a map whose
+    first key is "type" and whose other keys are vLLM's fields, in its order; in "array" each
+    is [tag, *those fields]."""
+    ts, events, rank = msgpack.unpackb(payload)
+    assert isinstance(ts, float) and rank == 0
+    decoded = []
+    for event in events:
+        if wire_format == "map":
+            assert isinstance(event, dict), event
+            tag = event["type"]
+            assert list(event) == ["type", *VLLM_FIELDS[tag]], event
+            fields = {k: v for k, v in event.items() if k != "type"}
+        else:
+            assert isinstance(event, list), event
+            tag, *values = event
+            assert len(values) == len(VLLM_FIELDS[tag]), event
+            fields = dict(zip(VLLM_FIELDS[tag], values, strict=True))
+        decoded.append((tag, fields))
+    return decoded
 
 
 def test_hashes_are_the_low_64_bits_of_the_digest_as_vllm_sends_them():
@@ -52,23 +122,23 @@ def test_hashes_are_the_low_64_bits_of_the_digest_as_vllm_sends_them():
     assert external_hash(digest) == int.from_bytes(digest, "big") & (2**64 - 1)
 
 
-def _replay(events, held: set, firsts: set | None = None) -> None:
+def _replay(events, held: set, firsts: set | None = None, wire_format: str = "map") -> None:
     """A subscriber's state from vLLM's schema, strict: no double store, no unknown removal, a
     run's parent announced before, and a run without one starting a sequence (`firsts`: the
     hashes of the sequences' first pages)."""
-    for tag, *fields in msgpack.unpackb(encode_batch(0.0, events))[1]:
+    for tag, f in decode_events(encode_batch(0.0, events, 0, wire_format), wire_format):
         if tag == "BlockStored":
-            parent = fields[1]
+            parent = f["parent_block_hash"]
             if parent is None:
-                assert firsts is None or fields[0][0] in firsts
+                assert firsts is None or f["block_hashes"][0] in firsts
             else:
                 assert firsts is None or any(parent == h for _, h in held)
-            for h in fields[0]:
-                assert (fields[5], h) not in held
-                held.add((fields[5], h))
+            for h in f["block_hashes"]:
+                assert (f["medium"], h) not in held
+                held.add((f["medium"], h))
         elif tag == "BlockRemoved":
-            for h in fields[0]:
-                held.remove((fields[1], h))
+            for h in f["block_hashes"]:
+                held.remove((f["medium"], h))
         else:
             held.clear()
 
@@ -79,8 +149,9 @@ def _cache(kv: KVCacheManager, host: HostPagePool) -> set:
     }
 
 
+@pytest.mark.parametrize("wire_format", ["map", "array"])
 @pytest.mark.parametrize("seed", range(5))
-def test_the_log_follows_publishes_evictions_the_host_tier_and_drops(seed):
+def test_the_log_follows_publishes_evictions_the_host_tier_and_drops(seed, wire_format):
     """Sequences share prefixes in a pool too small for them; evicted pages go to a small host
     tier, which evicts too. After every change the replayed events equal the cache, and a
     snapshot alone rebuilds it."""
@@ -108,13 +179,13 @@ def test_the_log_follows_publishes_evictions_the_host_tier_and_drops(seed):
         if rng.random() < 0.05:
             kv.drop_published()
             host.drop_cached()
-        _replay(log.take(), held, firsts)
+        _replay(log.take(), held, firsts, wire_format)
         assert held == _cache(kv, host)
         kv.check_invariants()
         host.check_invariants()
     assert kv.stats.evictions and host.stats.host_evictions
     rebuilt: set = set()
-    _replay(log.snapshot(), rebuilt)
+    _replay(log.snapshot(), rebuilt, wire_format=wire_format)
     assert rebuilt == held
 
 
