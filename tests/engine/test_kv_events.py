@@ -1,11 +1,13 @@
 """KV events on a real engine over real ZeroMQ sockets on 127.0.0.1 (docs/kv_events.md).
 
-The subscriber here is written from vLLM's published schema (vllm/distributed/kv_events.py,
-the array-like structs), not from jaxserve's code: each message is [topic, 8-byte big-endian
-sequence number, msgpack payload], the payload `[ts, events, data_parallel_rank]`, each event an
-array whose first element is its class name. Replaying the events of a random workload on a
-pool small enough to evict (and a host tier small enough to evict too) must give exactly the
-pages the engine's prefix cache holds, device and host tier, with no sequence number skipped.
+The subscriber here is written from vLLM's published schema (vllm/distributed/kv_events.py),
+not from jaxserve's code: each message is [topic, 8-byte big-endian sequence number, msgpack
+payload], the payload `[ts, events, data_parallel_rank]`, each event laid out as the engine was
+configured: in "map" (vLLM since #42892) a map keyed by field name with the class name under
+"type", in "array" (vLLM before) an array whose first element is the class name. Replaying the
+events of a random workload on a pool small enough to evict (and a host tier small enough to
+evict too) must give exactly the pages the engine's prefix cache holds, device and host tier,
+with no sequence number skipped.
 """
 
 from __future__ import annotations
@@ -37,10 +39,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# vLLM's fields of each event, in its order: the map layout's keys after "type", the array
+# layout's elements after the tag.
+VLLM_FIELDS = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def _named(event, wire_format: str) -> tuple[str, dict]:
+    """One event as (class name, fields by name), read as a consumer of `wire_format` does."""
+    if wire_format == "map":
+        assert isinstance(event, dict), f"a map-layout event must be a map: {event!r}"
+        tag = event.get("type")
+        assert tag in VLLM_FIELDS, f"unknown event {tag!r}"
+        assert tuple(event) == ("type", *VLLM_FIELDS[tag]), event
+        return tag, {k: v for k, v in event.items() if k != "type"}
+    assert isinstance(event, list), f"an array-layout event must be an array: {event!r}"
+    tag, *values = event
+    assert tag in VLLM_FIELDS, f"unknown event {tag!r}"
+    assert len(values) == len(VLLM_FIELDS[tag]), event
+    return tag, dict(zip(VLLM_FIELDS[tag], values, strict=True))
+
+
 class Subscriber:
     """vLLM's KV event consumer, minimal: the set of (medium, block hash) held, per message."""
 
-    def __init__(self, ctx: zmq.Context, port: int):
+    def __init__(self, ctx: zmq.Context, port: int, wire_format: str = "map"):
+        self.wire_format = wire_format
         self.sock = ctx.socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
         # The engine's endpoint names a host, so it connects (vLLM's rule): the subscriber
@@ -76,11 +111,17 @@ class Subscriber:
         ts, events, rank = msgpack.unpackb(payload)
         assert isinstance(ts, float) and abs(ts - time.time()) < 600 and rank == 0
         for event in events:
-            tag, *fields = event
+            tag, f = _named(event, self.wire_format)
             if tag == "BlockStored":
-                hashes, parent, tokens, block_size, lora_id, medium, lora_name = fields
-                assert block_size == PAGE and len(tokens) == len(hashes) * PAGE
-                assert lora_id is None and lora_name is None and medium in ("GPU", "CPU")
+                hashes, parent, tokens, medium = (
+                    f["block_hashes"],
+                    f["parent_block_hash"],
+                    f["token_ids"],
+                    f["medium"],
+                )
+                assert f["block_size"] == PAGE and len(tokens) == len(hashes) * PAGE
+                assert f["lora_id"] is None and f["lora_name"] is None
+                assert medium in ("GPU", "CPU")
                 # A run continues a page announced before, or starts a sequence.
                 assert parent is None or parent in self.tokens, f"unknown parent {parent}"
                 if parent is None:
@@ -92,15 +133,12 @@ class Subscriber:
                     page_tokens = tokens[i * PAGE : (i + 1) * PAGE]
                     assert self.tokens.setdefault(h, page_tokens) == page_tokens
             elif tag == "BlockRemoved":
-                hashes, medium = fields
-                for h in hashes:
+                for h in f["block_hashes"]:
+                    medium = f["medium"]
                     assert (medium, h) in self.held, f"{medium} block {h} removed, never stored"
                     self.held.discard((medium, h))
-            elif tag == "AllBlocksCleared":
-                assert fields == []
+            else:  # AllBlocksCleared: _named checked it has no fields
                 self.held.clear()
-            else:
-                raise AssertionError(f"unknown event {tag!r}")
 
 
 def _cache_of(engine: Engine) -> set[tuple[str, int]]:
@@ -152,9 +190,10 @@ def ctx():
     context.destroy(linger=0)
 
 
-def test_events_rebuild_the_prefix_cache_and_replay_fills_a_gap(stories_engine, ctx):
+@pytest.mark.parametrize("wire_format", ["map", "array"])
+def test_events_rebuild_the_prefix_cache_and_replay_fills_a_gap(stories_engine, ctx, wire_format):
     port, replay_port = _free_port(), _free_port()
-    sub = Subscriber(ctx, port)
+    sub = Subscriber(ctx, port, wire_format)
     engine = Engine(
         EngineConfig(
             num_pages=10,
@@ -163,6 +202,7 @@ def test_events_rebuild_the_prefix_cache_and_replay_fills_a_gap(stories_engine, 
             kv_events_endpoint=f"tcp://127.0.0.1:{port}",
             kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
             kv_events_topic=TOPIC.decode(),
+            kv_events_format=wire_format,
             **TINY,
         ),
         model=stories_engine.model,
@@ -225,6 +265,7 @@ def test_events_rebuild_the_prefix_cache_and_replay_fills_a_gap(stories_engine, 
         assert all(payload == sub.payloads[s] for s, payload in replayed)
         late = Subscriber.__new__(Subscriber)
         late.held, late.tokens, late.first_pages = set(), {}, set()
+        late.wire_format = wire_format
         for seq in range(start):
             late.apply(sub.payloads[seq])
         for _, payload in replayed:
