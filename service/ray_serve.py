@@ -136,9 +136,10 @@ if RequestRouter is not None:
 
     class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """Sends a request to the replica that last served the longest prefix of its prompt,
-        unless that replica's queue is `imbalance` requests longer than the shortest one's;
-        otherwise, and for prompts no replica has seen, the power of two choices (two random
-        replicas, the one with the shorter queue).
+        unless that replica's queue is `imbalance` requests longer than the shortest one's (then
+        the power of two choices: two random replicas, the shorter queue wins). A prompt no
+        replica has served goes to the replica credited with the fewest prefix keys (then the
+        shorter queue), so that new prefixes spread evenly over the caches.
 
         The table maps prefix keys (`Call.prefix_keys`) to a replica, newest first, at most
         `max_keys` of them (the oldest forgotten first, as the replicas' caches forget them);
@@ -151,6 +152,7 @@ if RequestRouter is not None:
             self._imbalance = imbalance
             self._max_keys = max_keys
             self._owner: collections.OrderedDict[bytes, object] = collections.OrderedDict()
+            self._owned: collections.Counter = collections.Counter()  # keys per replica
 
         def _queue_len(self, replica) -> int:
             n = self.replica_queue_len_cache.get(replica.replica_id)
@@ -169,11 +171,15 @@ if RequestRouter is not None:
             call = _call_of(pending_request)
             by_id = {r.replica_id: r for r in candidate_replicas}
             best = None if call is None else self._best_match(call.prefix_keys, by_id)
-            if best is not None:
-                shortest = min(self._queue_len(r) for r in candidate_replicas)
-                if self._queue_len(best) - shortest <= self._imbalance:
-                    rest = [r for r in candidate_replicas if r.replica_id != best.replica_id]
-                    return [[best], rest] if rest else [[best]]
+            shortest = min(self._queue_len(r) for r in candidate_replicas)
+            if best is None and call is not None and call.prefix_keys:
+                best = min(
+                    candidate_replicas,
+                    key=lambda r: (self._owned[r.replica_id], self._queue_len(r)),
+                )
+            if best is not None and self._queue_len(best) - shortest <= self._imbalance:
+                rest = [r for r in candidate_replicas if r.replica_id != best.replica_id]
+                return [[best], rest] if rest else [[best]]
             return [_two_choices(candidate_replicas)]
 
         def on_request_routed(self, pending_request, replica_id, result):
@@ -181,15 +187,22 @@ if RequestRouter is not None:
             if call is None:
                 return
             for key in call.prefix_keys:
+                before = self._owner.get(key)
+                if before != replica_id:
+                    if before is not None:
+                        self._owned[before] -= 1
+                    self._owned[replica_id] += 1
                 self._owner[key] = replica_id
                 self._owner.move_to_end(key)
             while len(self._owner) > self._max_keys:
-                self._owner.popitem(last=False)
+                _, owner = self._owner.popitem(last=False)
+                self._owned[owner] -= 1
 
         def on_replica_actor_died(self, replica_id):
             super().on_replica_actor_died(replica_id)
             for key in [k for k, v in self._owner.items() if v == replica_id]:
                 del self._owner[key]
+            self._owned.pop(replica_id, None)
 
     class PowerOfTwoRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
         """Two random replicas, the shorter queue wins: Serve's default policy, here so that
@@ -220,15 +233,40 @@ def _call_of(pending_request) -> Call | None:
     return None
 
 
+def keep_serve_grpc_on_loopback() -> None:
+    """In a Serve replica's process: its inter-deployment gRPC server binds 127.0.0.1, not every
+    interface ("[::]:0", Ray 2.60's replica.py, with no option for it).
+
+    Only for a cluster on this machine's loopback (jaxserve's local one): on a cluster of several
+    nodes the other nodes' proxies and handles reach replicas at their node's address. It
+    replaces a private name of Ray's; where a Ray lacks it, nothing changes and
+    tests/service/test_ray_serve.py says what listens beyond the loopback."""
+    try:
+        from ray.serve._private import replica
+    except ImportError:
+        return
+    original = getattr(replica, "add_port_to_grpc_server", None)
+    if original is None or getattr(original, "jaxserve_loopback", False):
+        return
+
+    def on_loopback(server, address: str):
+        return original(server, address.replace("[::]", "127.0.0.1", 1))
+
+    on_loopback.jaxserve_loopback = True
+    replica.add_port_to_grpc_server = on_loopback
+
+
 class Replica:
     """One Serve replica: a jaxserve engine and its OpenAI HTTP app on a loopback port."""
 
-    async def __init__(self, config, server_options: dict):
+    async def __init__(self, config, server_options: dict, loopback: bool = True):
         import aiohttp
 
         from jaxserve.engine.async_engine import AsyncEngine
         from service.server import JaxServeServer, ServerOptions
 
+        if loopback:
+            keep_serve_grpc_on_loopback()
         options = ServerOptions(
             **{**server_options, "host": "127.0.0.1", "grpc": False, "http_port": 0},
             metrics_port=None,
@@ -282,7 +320,9 @@ def _ingress_class(serve):
     class Ingress:
         """Serve's HTTP entry: every route of the OpenAI API forwarded to a replica."""
 
-        def __init__(self, replicas):
+        def __init__(self, replicas, loopback: bool = True):
+            if loopback:
+                keep_serve_grpc_on_loopback()
             self._replicas = replicas.options(stream=True)
 
         async def _open(self, call: Call):
@@ -369,8 +409,15 @@ class RayServeOptions:
             raise ValueError(f"--ray-cpus-per-replica {self.cpus_per_replica} must be > 0.")
 
 
-def build_app(config, server_options: dict, options: RayServeOptions, actor_options: dict):
-    """The Serve application: `Ingress` in front of `options.replicas` `Replica`s."""
+def build_app(
+    config,
+    server_options: dict,
+    options: RayServeOptions,
+    actor_options: dict,
+    loopback: bool = True,
+):
+    """The Serve application: `Ingress` in front of `options.replicas` `Replica`s; `loopback`:
+    the cluster is this machine's loopback alone (`keep_serve_grpc_on_loopback`)."""
     serve = _import_serve()
     from ray.serve.config import RequestRouterConfig
 
@@ -394,14 +441,14 @@ def build_app(config, server_options: dict, options: RayServeOptions, actor_opti
         health_check_period_s=2,
         health_check_timeout_s=30,
         **scaling,
-    ).bind(config, server_options)
+    ).bind(config, server_options, loopback)
     ingress = serve.deployment(
         _ingress_class(serve),
         name="JaxserveIngress",
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=100_000,
     )
-    return ingress.bind(replica)
+    return ingress.bind(replica, loopback)
 
 
 def app_builder(args: dict):
@@ -430,7 +477,10 @@ def app_builder(args: dict):
     config = engine_config_from_args(parser.parse_args(argv), show_progress=False)
     ray = import_ray()
     actor = _actor_options(ray, options.devices_per_replica, options.cpus_per_replica)
-    return build_app(config, {}, options, actor)
+    from jaxserve.jobs.ray_replicas import is_loopback
+
+    address = os.environ.get("RAY_ADDRESS")
+    return build_app(config, {}, options, actor, loopback=address is None or is_loopback(address))
 
 
 def serve_on_ray(
@@ -451,6 +501,7 @@ def serve_on_ray(
         _actor_options,
         _check_reachable,
         import_ray,
+        is_loopback,
         local_cluster,
         loopback_only,
     )
@@ -468,7 +519,9 @@ def serve_on_ray(
         actor = _actor_options(ray, options.devices_per_replica, options.cpus_per_replica)
         serve.start(http_options={"host": host, "port": http_port})
         stack.callback(serve.shutdown)
-        serve.run(build_app(config, server_options, options, actor), name="jaxserve")
+        loopback = address is None or is_loopback(address)
+        app = build_app(config, server_options, options, actor, loopback=loopback)
+        serve.run(app, name="jaxserve")
         logger.info(
             "serving %d replica(s) on http://%s:%d (router %s)",
             options.replicas,
