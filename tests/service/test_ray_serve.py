@@ -276,3 +276,28 @@ def test_a_killed_replica_fails_only_its_own_calls_and_is_replaced(cluster):
         time.sleep(0.5)
     assert seen - names, f"no new replica answered; seen {seen}, before {names}"
     assert victim not in seen
+
+
+@needs_serve
+@pytest.mark.slow
+def test_serve_runs_the_app_builder_as_its_cli_would():
+    """`serve run service.ray_serve:app_builder replicas=1 ...` calls the builder with its
+    key=value arguments and runs what it returns: the same here, on a loopback cluster."""
+    from ray import serve
+
+    from jaxserve.jobs.ray_replicas import import_ray, local_cluster
+
+    ray = import_ray()
+    port = _free_port()
+    with local_cluster(ray):
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            app = ray_serve.app_builder(
+                {"replicas": "1", "router": "pow2", "max_num_seqs": "4", "max_model_len": "256"}
+            )
+            serve.run(app, name="built")
+            status, replica, body = _post(port, {"prompt": "Once upon a time", "max_tokens": 5})
+            assert status == 200 and replica
+            assert json.loads(body)["usage"]["completion_tokens"] == 5
+        finally:
+            serve.shutdown()
