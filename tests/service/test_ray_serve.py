@@ -40,6 +40,9 @@ def test_prompts_share_keys_exactly_as_far_as_their_chunks_agree():
     assert ka[3] != kb[3]  # the fourth chunk holds 8 x then different text
     assert all(x != y for x, y in zip(ka[3:], kb[3:], strict=False))  # chained: apart for good
     assert prefix_keys("short", 64) == ()
+    # Chained: texts apart in their first chunk share no key, however alike the rest.
+    c, d = prefix_keys("A" * 64 + "same" * 40, 64), prefix_keys("B" * 64 + "same" * 40, 64)
+    assert not set(c) & set(d)
 
 
 def test_the_text_a_request_is_routed_by():
@@ -133,6 +136,25 @@ def test_the_router_sticks_to_a_prefix_spreads_new_ones_and_yields_to_a_long_que
     lens[first.replica_id] = 3  # at the imbalance: still the owner
     ranks, _ = _choose(router, [a, b], sys_1 + " fourth question")
     assert ranks[0] == [first]
+
+
+@needs_serve
+def test_the_router_prefers_the_longest_match_among_the_replicas_it_may_use():
+    a, b, c = _Replica("a"), _Replica("b"), _Replica("c")
+    router = _router({"a": 0, "b": 0, "c": 0})
+    base = "p" * 200
+    _, short = _choose(router, [a, b, c], base)
+    router.on_request_routed(_Pending(short), "a", None)
+    _, long = _choose(router, [a, b, c], base + "q" * 200)
+    router.on_request_routed(_Pending(long), "b", None)
+    router.on_request_routed(_Pending(short), "a", None)  # the short prompt again, on a
+    # a now holds the first 3 keys, b the 3 after them: the longest match is b's.
+    ranks, _ = _choose(router, [a, b, c], base + "q" * 200 + " and more")
+    assert ranks[0] == [b]
+    ranks, _ = _choose(router, [a, c], base + "q" * 200 + " and more")
+    assert ranks[0] == [a]  # b is not a candidate (busy, or gone): the longest left, a's
+    ranks, _ = _choose(router, [c], base + "q" * 200)
+    assert ranks == [[c]]  # only c may take it: c, though it holds none of it
 
 
 @needs_serve
