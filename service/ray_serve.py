@@ -458,17 +458,17 @@ def app_builder(args: dict):
     import argparse
 
     from jaxserve.engine_args import add_engine_args, engine_config_from_args
-    from jaxserve.jobs.ray_replicas import _actor_options, import_ray
+    from jaxserve.jobs.ray_replicas import _actor_options, import_ray, is_loopback
 
     args = dict(args)
+    max_replicas = args.pop("max_replicas", None)
     options = RayServeOptions(
         replicas=int(args.pop("replicas", 2)),
-        max_replicas=int(args["max_replicas"]) if "max_replicas" in args else None,
+        max_replicas=None if max_replicas is None else int(max_replicas),
         router=args.pop("router", "prefix"),
         cpus_per_replica=float(args.pop("cpus_per_replica", 1)),
         devices_per_replica=int(args.pop("devices_per_replica", 1)),
     )
-    args.pop("max_replicas", None)
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     argv = []
@@ -477,8 +477,6 @@ def app_builder(args: dict):
     config = engine_config_from_args(parser.parse_args(argv), show_progress=False)
     ray = import_ray()
     actor = _actor_options(ray, options.devices_per_replica, options.cpus_per_replica)
-    from jaxserve.jobs.ray_replicas import is_loopback
-
     address = os.environ.get("RAY_ADDRESS")
     return build_app(config, {}, options, actor, loopback=address is None or is_loopback(address))
 
@@ -506,8 +504,8 @@ def serve_on_ray(
         loopback_only,
     )
 
+    serve = _import_serve()  # first: without Ray at all, its message names the serve extra
     ray = import_ray()
-    serve = _import_serve()
     with contextlib.ExitStack() as stack:
         if address is None:
             stack.enter_context(local_cluster(ray))
