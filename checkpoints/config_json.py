@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.models.config import ModelConfig, RopeConfig
+from jaxserve.models.config import ModelConfig, MoeConfig, RopeConfig
 from jaxserve.models.loaded import (
     LoadedModel,
     abstract_params,
@@ -37,4 +37,6 @@ def config_from_json(data: dict) -> ModelConfig:
     data = dict(data)
     data["rope"] = RopeConfig(**data["rope"])
     data["eos_token_ids"] = tuple(data["eos_token_ids"])
+    if data.get("moe") is not None:  # absent in configs written before the experts
+        data["moe"] = MoeConfig(**data["moe"])
     return ModelConfig(**data)

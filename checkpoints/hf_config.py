@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.models.config import ModelConfig, RopeConfig
+from jaxserve.models.config import ModelConfig, MoeConfig, RopeConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -37,8 +39,38 @@ def _rope_config(hf: Any) -> RopeConfig:
     return RopeConfig(**kwargs)
 
 
+def _moe_config(hf: Any, family: str) -> MoeConfig | None:
+    """The experts of a Qwen3-MoE or Mixtral config (None for the dense families)."""
+    if family == "mixtral":
+        return MoeConfig(
+            num_experts=int(hf.num_local_experts),
+            top_k=int(hf.num_experts_per_tok),
+            intermediate_size=int(hf.intermediate_size),
+            normalization="softmax_topk_renorm",  # Mixtral always renormalises its top k
+        )
+    if family != "qwen3_moe":
+        return None
+    experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", 0)
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    only = sorted(getattr(hf, "mlp_only_layers", None) or ())
+    # transformers' Qwen3MoeDecoderLayer keeps a dense MLP where the layer is listed in
+    # mlp_only_layers or (layer + 1) is not a multiple of decoder_sparse_step.
+    if not experts or step != 1 or only:
+        raise UnsupportedModelError(
+            f"Qwen3MoeForCausalLM with dense layers (num_experts={experts}, decoder_sparse_step="
+            f"{step}, mlp_only_layers={only}) is not supported: jaxserve runs mixtures of experts "
+            "whose every layer has experts (as every released Qwen3-MoE)."
+        )
+    return MoeConfig(
+        num_experts=int(experts),
+        top_k=int(hf.num_experts_per_tok),
+        intermediate_size=int(hf.moe_intermediate_size),
+        normalization="softmax_topk_renorm" if hf.norm_topk_prob else "softmax_topk",
+    )
+
+
 def _sliding_window(hf: Any, family: str) -> int | None:
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return getattr(hf, "sliding_window", None)
     if getattr(hf, "use_sliding_window", False):
         raise UnsupportedModelError(
@@ -77,11 +109,12 @@ def model_config_from_hf(hf: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelC
         rope=_rope_config(hf),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or attention_bias,
-        o_bias=attention_bias and family in ("llama", "qwen3"),
+        o_bias=attention_bias and family in ("llama", "qwen3", "qwen3_moe"),
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         sliding_window=_sliding_window(hf, family),
         bos_token_id=getattr(hf, "bos_token_id", None),
         eos_token_ids=tuple(sorted(eos)),
         architecture=family,
+        moe=_moe_config(hf, family),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.models.config import ModelConfig, RopeConfig
+from jaxserve.models.config import ModelConfig, MoeConfig, RopeConfig
 
 NAMED_SHAPES: dict[str, ModelConfig] = {
     "llama-tiny": ModelConfig(
@@ -100,6 +100,63 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
         architecture="qwen3",
     ),
 }
+
+
+# Mixtures of experts. qwen3-moe-tiny-dense has qwen3-moe-tiny's active parameters (a dense MLP as
+# wide as its top_k experts together), the dense model to measure the experts against.
+_QWEN3_MOE_TINY = ModelConfig(
+    vocab_size=2048,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    rope=RopeConfig(theta=1e6),
+    qk_norm=True,
+    eos_token_ids=(2,),
+    bos_token_id=1,
+    architecture="qwen3_moe",
+    moe=MoeConfig(num_experts=8, top_k=2, intermediate_size=128),
+)
+NAMED_SHAPES["qwen3-moe-tiny"] = _QWEN3_MOE_TINY
+NAMED_SHAPES["qwen3-moe-tiny-dense"] = _QWEN3_MOE_TINY.replace(moe=None, architecture="qwen3")
+NAMED_SHAPES["mixtral-tiny"] = ModelConfig(
+    vocab_size=2048,
+    hidden_size=128,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope=RopeConfig(theta=1e6),
+    eos_token_ids=(2,),
+    bos_token_id=1,
+    architecture="mixtral",
+    moe=MoeConfig(num_experts=8, top_k=2, intermediate_size=128),
+)
+# Qwen3-30B-A3B's shape (random weights): 128 experts of width 768, 8 a token, in 48 layers.
+NAMED_SHAPES["qwen3-30b-a3b"] = ModelConfig(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_layers=48,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope=RopeConfig(theta=1000000.0),
+    qk_norm=True,
+    eos_token_ids=(151643, 151645),
+    bos_token_id=None,
+    architecture="qwen3_moe",
+    moe=MoeConfig(num_experts=128, top_k=8, intermediate_size=768),
+)
 
 
 def random_params(abstract_params: dict, seed: int, shardings: dict | None = None) -> dict:

@@ -12,6 +12,13 @@ KV head j, as in HF), k_proj at [..., group, :] and v_proj at [..., group + 1, :
 `gate_up_proj/kernel` [in, 2, intermediate] takes gate_proj at [:, 0] and up_proj at [:, 1].
 Biases likewise. Nothing is concatenated up front: a reader copies each piece's share of the
 slice it is asked for, so a tensor-parallel shard reads only its own heads.
+
+A mixture of experts (Qwen3-MoE's `mlp.experts.{j}.gate_proj`, Mixtral's
+`block_sparse_moe.experts.{j}.w1`, ...) stacks its experts on the first axis of one param:
+`mlp/experts_gate_up` [num_experts, in, 2, intermediate] and `mlp/experts_down`
+[num_experts, intermediate, hidden], each expert's tensors a piece at its index of that axis
+(and gate/up at their range of axis -2), so an expert-parallel shard reads only its experts.
+The router (`mlp.gate`, `block_sparse_moe.gate`) is `mlp/router` [hidden, num_experts].
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class Target:
     path: tuple[str, ...]
     transpose: bool
     piece: slice | None = None  # its range of the param's axis -2 (None: the whole param)
+    expert: int | None = None  # its index of the param's axis 0, the experts' (None: all)
 
 
 # HF suffix under model.layers.{i}. -> its target under params["layers"]
@@ -60,6 +68,20 @@ LAYER_TABLE: dict[str, Target] = {
     "input_layernorm.weight": Target(("input_layernorm", "scale"), False),
     "post_attention_layernorm.weight": Target(("post_attention_layernorm", "scale"), False),
 }
+# HF suffix under model.layers.{i}.{mlp|block_sparse_moe}.experts.{j}. -> its expert's target
+EXPERT_TABLE: dict[str, Target] = {
+    "gate_proj.weight": Target(("mlp", "experts_gate_up"), True, _GATE),  # Qwen3-MoE
+    "up_proj.weight": Target(("mlp", "experts_gate_up"), True, _UP),
+    "down_proj.weight": Target(("mlp", "experts_down"), True),
+    "w1.weight": Target(("mlp", "experts_gate_up"), True, _GATE),  # Mixtral
+    "w3.weight": Target(("mlp", "experts_gate_up"), True, _UP),
+    "w2.weight": Target(("mlp", "experts_down"), True),
+}
+# The routers, under model.layers.{i}.
+ROUTER_TABLE: dict[str, Target] = {
+    "mlp.gate.weight": Target(("mlp", "router"), True),  # Qwen3-MoE
+    "block_sparse_moe.gate.weight": Target(("mlp", "router"), True),  # Mixtral
+}
 TOP_TABLE: dict[str, Target] = {
     "model.embed_tokens.weight": Target(("embed_tokens", "embedding"), False),
     "model.norm.weight": Target(("norm", "scale"), False),
@@ -68,6 +90,7 @@ TOP_TABLE: dict[str, Target] = {
 # Buffers some exporters save that carry no weights of their own.
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_NAME = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(.+)$")
 
 
 def map_name(name: str) -> tuple[Target, int | None] | None:
@@ -76,45 +99,76 @@ def map_name(name: str) -> tuple[Target, int | None] | None:
         return None
     if m := _LAYER_NAME.match(name):
         layer, suffix = int(m.group(1)), m.group(2)
-        if suffix in LAYER_TABLE:
-            target = LAYER_TABLE[suffix]
+        target = LAYER_TABLE.get(suffix) or ROUTER_TABLE.get(suffix)
+        if (e := _EXPERT_NAME.match(suffix)) and e.group(3) in EXPERT_TABLE:
+            expert = int(e.group(2))
+            target = dataclasses.replace(EXPERT_TABLE[e.group(3)], expert=expert)
+        if target is not None:
             return dataclasses.replace(target, path=("layers", *target.path)), layer
     elif name in TOP_TABLE:
         return TOP_TABLE[name], None
     raise KeyError(name)
 
 
-def expected_names(paths, num_layers: int) -> set[str]:
-    """The HF tensor names that fill the params at `paths` (stacked param paths)."""
+def expected_names(paths, num_layers: int, num_experts: int = 0, seen=()) -> set[str]:
+    """The HF tensor names that fill the params at `paths` (stacked param paths). A mixture of
+    experts' names are one family's (Qwen3-MoE's or Mixtral's): the family of the router in
+    `seen`, the names found."""
     names = {name for name, t in TOP_TABLE.items() if t.path in paths}
     for suffix, t in LAYER_TABLE.items():
         if ("layers", *t.path) in paths:
             names |= {f"model.layers.{i}.{suffix}" for i in range(num_layers)}
+    if ("layers", "mlp", "router") in paths:
+        mixtral = any(".block_sparse_moe." in name for name in seen)
+        router = "block_sparse_moe.gate.weight" if mixtral else "mlp.gate.weight"
+        prefix = "block_sparse_moe" if mixtral else "mlp"
+        suffixes = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        for i in range(num_layers):
+            names.add(f"model.layers.{i}.{router}")
+            names |= {
+                f"model.layers.{i}.{prefix}.experts.{j}.{s}.weight"
+                for j in range(num_experts)
+                for s in suffixes
+            }
     return names
 
 
+# A piece's place in its param: (expert, the range of axis -2); None where it spans the axis.
+PieceKey = tuple[int | None, tuple[int, int] | None]
+
+
 class Parts:
-    """One layer's share of one param: a whole mapped tensor, or the pieces of a fused param."""
+    """One layer's share of one param: a whole mapped tensor, or the pieces of a fused param
+    (ranges of axis -2) or of stacked experts (indices of axis 0), or both."""
 
     def __init__(self, shape: tuple[int, ...]):
         self.shape = shape  # the param's shape for one layer
-        self.pieces: dict[tuple[int, int] | None, np.ndarray] = {}  # axis -2 range -> view
+        self.pieces: dict[PieceKey, np.ndarray] = {}  # where it goes -> view
 
     def read(self, index: tuple[slice, ...], out: np.ndarray) -> np.ndarray:
         """Copies `index` of this param into `out` (of the slice's shape, in the target dtype),
         reading only those bytes of the mapped tensors and casting while copying."""
-        if None in self.pieces:
-            out[...] = self.pieces[None][index]
+        if (None, None) in self.pieces:
+            out[...] = self.pieces[(None, None)][index]
             return out
         axis = len(self.shape) - 2
         want = range(self.shape[axis])[index[axis]]
-        for (begin, end), piece in self.pieces.items():
-            lo, hi = max(want.start, begin), min(want.stop, end)
-            if lo < hi:  # this piece holds part of the requested range
-                src, dst = list(index), [slice(None)] * len(index)
+        experts = range(self.shape[0])[index[0]]
+        for (expert, span), piece in self.pieces.items():
+            src, dst = list(index), [slice(None)] * len(index)
+            if span is not None:
+                (begin, end) = span
+                lo, hi = max(want.start, begin), min(want.stop, end)
+                if lo >= hi:  # this piece holds no part of the requested range
+                    continue
                 src[axis] = slice(lo - begin, hi - begin)
                 dst[axis] = slice(lo - want.start, hi - want.start)
-                out[tuple(dst)] = piece[tuple(src)]
+            if expert is not None:  # the piece is one expert's: it has no axis 0
+                if expert not in experts:
+                    continue
+                dst[0] = experts.index(expert)
+                src = src[1:]
+            out[tuple(dst)] = piece[tuple(src)]
         return out
 
 
@@ -169,6 +223,13 @@ def index_hf_tensors(
         value = tensor.T if target.transpose else tensor
         span = None if target.piece is None else range(shape[-2])[target.piece]
         expected = shape if span is None else (*shape[:-2], len(span), shape[-1])
+        if target.expert is not None:  # one expert of the stacked axis 0
+            if not 0 <= target.expert < shape[0]:
+                raise ValueError(
+                    f"Tensor {name!r} is expert {target.expert}, but the model config has "
+                    f"{shape[0]} experts."
+                )
+            expected = expected[1:]
         # A fused piece splits the tensor's last axis (heads, or gate|up), nothing else.
         flat = (*expected[: value.ndim - 1], int(np.prod(expected[value.ndim - 1 :])))
         if value.shape != flat:
@@ -176,11 +237,14 @@ def index_hf_tensors(
                 f"Tensor {name!r} has shape {tuple(tensor.shape)}; expected {flat} "
                 f"(after transpose={target.transpose}) from the model config."
             )
-        parts.pieces[None if span is None else (span.start, span.stop)] = value.reshape(expected)
+        key = (target.expert, None if span is None else (span.start, span.stop))
+        parts.pieces[key] = value.reshape(expected)
         seen.add(name)
     if unexpected:
         raise ValueError(f"{where} holds tensors jaxserve does not know: {unexpected[:8]}.")
-    missing = sorted(expected_names(shapes.keys(), num_layers) - seen)
+    router = shapes.get(("layers", "mlp", "router"))
+    experts = 0 if router is None else router[-1]
+    missing = sorted(expected_names(shapes.keys(), num_layers, experts, seen) - seen)
     if missing:
         raise ValueError(f"{where} lacks weights for {missing[:8]}.")
     return found

@@ -54,9 +54,48 @@ class RopeConfig:
         return inv.astype(np.float32)
 
 
+ROUTER_NORMALIZATIONS = ("softmax_topk", "softmax_topk_renorm")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeConfig:
+    """The mixture-of-experts MLP of Qwen3-MoE and Mixtral: each token's router picks `top_k` of
+    `num_experts` experts (SwiGLU MLPs of width `intermediate_size`) and sums their outputs
+    weighted by its router probabilities.
+
+    `normalization` is the family's: "softmax_topk" keeps the top-k softmax probabilities as they
+    are (Qwen3-MoE with norm_topk_prob false), "softmax_topk_renorm" divides them by their sum
+    (Mixtral always, Qwen3-MoE with norm_topk_prob true). Every decoder layer runs experts: the
+    scanned layer loop and the checkpoints' stacked layers need all layers alike, so Qwen3-MoE's
+    dense layers (mlp_only_layers, decoder_sparse_step > 1; no released Qwen3-MoE has any) are
+    refused at load (checkpoints/hf_config.py)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalization: str = "softmax_topk_renorm"
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoeConfig.{name}={value!r} must be a positive integer.")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoeConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}: a token "
+                "cannot be routed to more experts than there are."
+            )
+        if self.normalization not in ROUTER_NORMALIZATIONS:
+            raise ValueError(
+                f"MoeConfig.normalization={self.normalization!r} is not one of "
+                f"{ROUTER_NORMALIZATIONS}."
+            )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape and switches of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM)."""
+    """Shape and switches of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM),
+    and of the mixtures of experts built on it (Qwen3-MoE, Mixtral: `moe`)."""
 
     vocab_size: int
     hidden_size: int
@@ -77,6 +116,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
+    moe: MoeConfig | None = None  # the experts that replace the MLP (None: a dense model)
 
     def __post_init__(self):
         for name in (

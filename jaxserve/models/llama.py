@@ -57,6 +57,7 @@ from jaxserve.models.attention import (
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages
 from jaxserve.models.lora import lora_delta
+from jaxserve.models.moe import SparseMoe
 from jaxserve.models.sharding import ShardingPlan, attention_over_heads
 from jaxserve.models.step_batch import StepBatch, real_tokens
 from pallas_kernels.ragged_paged_attention import cpu_ffi
@@ -267,17 +268,21 @@ def _lora(block: nn.Module, batch: StepBatch, module: str, layer, x: jax.Array) 
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block; its call signature is the `nn.scan` body (and the unrolled loop's)."""
+    """One pre-norm block; its call signature is the `nn.scan` body (and the unrolled loop's).
+
+    The carry is (hidden [T, hidden_size], the pool, the layer index i32[], and for a mixture of
+    experts the tokens routed to each expert so far, i32[num_layers, num_experts], else None)."""
 
     config: ModelConfig
     attention_backend: str
     dtype: jnp.dtype
     plan: ShardingPlan | None = None
     packed: bool = False  # the kernels in cpu_matmul.cc's panels (`_dense`)
+    sparse: bool = False  # the experts (models/moe.py) in place of the dense MLP
 
     @nn.compact
     def __call__(self, carry, batch: StepBatch, cos, sin):
-        h, kv_pool, layer = carry
+        h, kv_pool, layer, load = carry
         c = self.config
         attention = Attention(
             c, self.attention_backend, self.dtype, self.plan, self.packed, name="self_attn"
@@ -291,10 +296,15 @@ class DecoderLayer(nn.Module):
             sin,
         )
         h = h + attn_out
-        h = h + MLP(c, self.dtype, self.packed, name="mlp")(
-            RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h), batch, layer
-        )
-        return (h, kv_pool, layer + 1), None
+        normed = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h)
+        if self.sparse:
+            out, routed = SparseMoe(c, self.dtype, self.plan, self.packed, name="mlp")(
+                normed, batch
+            )
+            load = load.at[layer].set(routed)
+        else:
+            out = MLP(c, self.dtype, self.packed, name="mlp")(normed, batch, layer)
+        return (h + out, kv_pool, layer + 1, load), None
 
 
 LAYER_LOOPS = ("auto", "scan", "unrolled")
@@ -362,10 +372,12 @@ def layer_weight_bytes(config: ModelConfig, dtype) -> int:
     `resolve_layer_loop`."""
     c = config
     q_kv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    per_layer = c.hidden_size * (q_kv + 3 * c.intermediate_size) + c.num_heads * c.head_dim * (
-        c.hidden_size
-    )
-    return c.num_layers * per_layer * jnp.dtype(dtype).itemsize
+    attention = c.hidden_size * q_kv + c.num_heads * c.head_dim * c.hidden_size
+    dense = 3 * c.hidden_size * c.intermediate_size
+    if c.moe is not None:  # every expert, and the router
+        m = c.moe
+        dense = m.num_experts * (3 * c.hidden_size * m.intermediate_size + c.hidden_size)
+    return c.num_layers * (attention + dense) * jnp.dtype(dtype).itemsize
 
 
 def resolve_layer_loop(
@@ -422,9 +434,10 @@ class LlamaForCausalLM(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=c.num_layers,
-            )(*layer_args)
+            )(*layer_args, sparse=c.moe is not None)
         else:  # params "layers_0" ... "layers_{n-1}", each its own array (see the docstring)
-            self.layers = [DecoderLayer(*layer_args) for _ in range(c.num_layers)]
+            sparse = c.moe is not None
+            self.layers = [DecoderLayer(*layer_args, sparse=sparse) for _ in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = _dense(c.vocab_size, False, self.dtype, "lm_head", self.packed_weights)
@@ -452,18 +465,24 @@ class LlamaForCausalLM(nn.Module):
         freqs = batch.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
         angles = jnp.concatenate([freqs, freqs], axis=-1)  # f32[T, head_dim]
         h = self.embed_tokens(batch.token_ids)
-        carry = (h, kv.kv, jnp.int32(0))
-        h, kv_pool = self._run_layers(carry, batch, jnp.cos(angles), jnp.sin(angles))
+        moe = self.config.moe
+        load = None if moe is None else jnp.zeros((self.config.num_layers, moe.num_experts), "i4")
+        carry = (h, kv.kv, jnp.int32(0), load)
+        h, kv_pool, load = self._run_layers(carry, batch, jnp.cos(angles), jnp.sin(angles))
+        if load is not None:  # read by the step (model_runner.step_impl) with the outputs
+            self.sow("intermediates", "expert_load", load)
         return self.norm(h), KVPages(kv=kv_pool)
 
     def _run_layers(self, carry, batch: StepBatch, cos: jax.Array, sin: jax.Array):
-        """The decoder layers over `carry` (h, kv_pool, layer): scanned or unrolled."""
+        """The decoder layers over `carry` (DecoderLayer's): scanned or unrolled; returns
+        (h, kv_pool, load)."""
         if isinstance(self.layers, nn.Module):  # the scan
             carry, _ = self.layers(carry, batch, cos, sin)
         else:
             for layer in self.layers:
                 carry, _ = layer(carry, batch, cos, sin)
-        return carry[:2]
+        h, kv_pool, _, load = carry
+        return h, kv_pool, load
 
     def init_all(self, kv: KVPages, batch: StepBatch) -> jax.Array:
         """Touches every parameter (the forward and the head), for `init` and `eval_shape`."""

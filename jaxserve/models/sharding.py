@@ -143,6 +143,15 @@ class ShardingPlan:
         kv = kv_split(tp, config.num_kv_heads)
         devices = mesh.devices.reshape(data, kv, tp // kv)
         plan = ShardingPlan(Mesh(devices, ("data", KV_AXIS, REP_AXIS)), config)
+        if tp > 1 and config.moe is not None:
+            logger.info(
+                "tensor parallel %d: %s",
+                tp,
+                f"experts split {tp} ways ({config.moe.num_experts // tp} a device)"
+                if plan.experts_split
+                else f"all {config.moe.num_experts} experts on every device (not a multiple "
+                f"of {tp})",
+            )
         if tp > 1:
             logger.info(
                 "tensor parallel %d: KV heads split %d ways, each replicated %d times; %s",
@@ -156,6 +165,14 @@ class ShardingPlan:
     @property
     def tensor_parallel(self) -> int:
         return self.mesh.shape[KV_AXIS] * self.mesh.shape[REP_AXIS]
+
+    @property
+    def experts_split(self) -> bool:
+        """Whether a mixture of experts' experts are split over the model axis (expert
+        parallelism: each device holds num_experts / tensor_parallel of them, models/moe.py);
+        otherwise every device holds and runs them all."""
+        moe = self.config.moe
+        return moe is not None and moe.num_experts % self.tensor_parallel == 0
 
     @property
     def kv_shards(self) -> int:
@@ -220,6 +237,11 @@ class ShardingPlan:
             # Row-split (input features): the partial sums meet in one all-reduce.
             (r"self_attn/o_proj/kernel", -2, MODEL, heads_split),
             (r"mlp/down_proj/kernel", -2, MODEL, c.intermediate_size % tp == 0),
+            # Expert parallel: a mixture of experts' experts [.., E, ...] split by expert; the
+            # router [hidden, E] is replicated (every device routes every token).
+            (r"mlp/experts_gate_up", -4, MODEL, self.experts_split),
+            (r"mlp/experts_down", -3, MODEL, self.experts_split),
+            (r"mlp/router", None, None, True),
             # Replicated: norms, and biases added after a row-split matmul's all-reduce.
             (r"\w*norm/scale|(o_proj|down_proj)/bias", None, None, True),
             # The CPU's packed copy of a tied head (llama.py): packed only on one device.

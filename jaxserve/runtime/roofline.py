@@ -12,6 +12,12 @@ prediction is held to a floor counted here from the model's shapes:
 - FLOPs: 2 per weight per token for the decoder's matmuls, 2 per head weight per sampled row,
   and attention's Q K^T and P V over the causal pairs.
 
+A mixture of experts reads the router and the experts its tokens route to, taken as the
+expected number of distinct experts T tokens reach when each picks its k uniformly
+(E (1 - (1 - k / E)^T): k for one token, nearly all E for a prefill), and each token runs k
+experts' matmuls. Its experts are split over the model axis where their count divides by it
+(sharding.py, expert parallelism), else every device reads and runs them all.
+
 Both are per device under tensor parallelism, split as jaxserve/models/sharding.py splits the
 model: the fused qkv projection and the KV over the KV-head split, everything else over the
 whole model axis, attention's heads replicated where the KV heads cannot be split. The bucket
@@ -43,13 +49,53 @@ class StepWork:
         return max(self.flops / flops_per_s, self.bytes / bytes_per_s)
 
 
-def layer_weights(model: ModelConfig, tensor_parallel: int = 1) -> float:
-    """Matmul weights (elements) of one decoder layer on one device: q/k/v split with the KV
-    heads (sharding.kv_split), o, gate/up and down over the whole model axis."""
+def experts_touched(model: ModelConfig, num_tokens: int) -> float:
+    """The distinct experts `num_tokens` tokens route to, expected when each picks its top k
+    uniformly: k for one token, approaching all of them as the tokens grow."""
+    e, k = model.moe.num_experts, model.moe.top_k
+    return e * (1.0 - (1.0 - k / e) ** num_tokens)
+
+
+def _expert_split(model: ModelConfig, tensor_parallel: int) -> int:
+    """Over how many devices the experts are split: all of them, or 1 where their count does
+    not divide by the model axis (sharding.ShardingPlan.experts_split)."""
+    return tensor_parallel if model.moe.num_experts % tensor_parallel == 0 else 1
+
+
+def _attention_weights(model: ModelConfig, tensor_parallel: int) -> float:
+    """q/k/v (split with the KV heads, sharding.kv_split) and o (over the model axis)."""
     c, tp = model, tensor_parallel
     qkv = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    rest = c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    return qkv / kv_split(tp, c.num_kv_heads) + rest / tp
+    return qkv / kv_split(tp, c.num_kv_heads) + c.num_heads * c.head_dim * c.hidden_size / tp
+
+
+def layer_weights(model: ModelConfig, tensor_parallel: int = 1, num_tokens: int = 1) -> float:
+    """Matmul weights (elements) of one decoder layer a step of `num_tokens` tokens reads on
+    one device: q/k/v split with the KV heads (sharding.kv_split), o, gate/up and down over the
+    whole model axis; for a mixture of experts the router and the experts the tokens reach
+    (`experts_touched`), split with the experts."""
+    c, tp = model, tensor_parallel
+    attention = _attention_weights(c, tp)
+    if c.moe is None:
+        return attention + 3 * c.hidden_size * c.intermediate_size / tp
+    expert = 3 * c.hidden_size * c.moe.intermediate_size
+    touched = experts_touched(c, num_tokens) / _expert_split(c, tp)
+    return attention + c.hidden_size * c.moe.num_experts + touched * expert
+
+
+def layer_matmul_flops(model: ModelConfig, num_tokens: int, tensor_parallel: int = 1) -> float:
+    """The decoder layer's matmul FLOPs on one device for `num_tokens` tokens: 2 per weight per
+    token, a mixture of experts' tokens passing the router and k experts each."""
+    c, tp = model, tensor_parallel
+    if c.moe is None:
+        return 2 * num_tokens * layer_weights(c, tp)
+    expert = 3 * c.hidden_size * c.moe.intermediate_size
+    per_token = (
+        _attention_weights(c, tp)
+        + c.hidden_size * c.moe.num_experts
+        + c.moe.top_k * expert / _expert_split(c, tp)
+    )
+    return 2 * num_tokens * per_token
 
 
 def _query_heads(model: ModelConfig, tensor_parallel: int) -> float:
@@ -78,7 +124,7 @@ def layer_floor(
             f"A step floor needs num_tokens >= num_seqs >= 1 and context >= 0, got "
             f"{num_tokens=}, {num_seqs=}, {context=}."
         )
-    weights = layer_weights(c, tp)
+    weights = layer_weights(c, tp, num_tokens)
     kv_per_token = 2 * c.num_kv_heads * c.head_dim * itemsize / kv_split(tp, c.num_kv_heads)
     # Written: the step's tokens; read back by attention: each sequence's context and its own.
     kv_bytes = kv_per_token * (num_tokens + num_tokens + num_seqs * context)
@@ -86,7 +132,7 @@ def layer_floor(
     pairs = num_seqs * (q * context + q * (q + 1) / 2)
     attention = 4 * _query_heads(c, tp) * c.head_dim * pairs  # Q K^T and P V, 2 FLOPs a MAC
     return StepWork(
-        flops=2 * num_tokens * weights + attention,
+        flops=layer_matmul_flops(c, num_tokens, tp) + attention,
         bytes=weights * itemsize + kv_bytes,
     )
 

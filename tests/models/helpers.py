@@ -29,6 +29,9 @@ from jaxserve.models.step_batch import SeqChunk, pack_chunks
 from tests.torch_reference import require_torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Mixtures of experts: Qwen3-MoE without and with its top-k renormalised, Mixtral (which always
+# renormalises) with a sliding window shorter than the prompts.
+MOE_FAMILIES = ("qwen3_moe", "qwen3_moe_norm", "mixtral")
 # One token, one sequence, room for 208 tokens: the bucket the stories260k tests decode with.
 STORIES_BUCKET = dict(num_tokens=1, num_seqs=1, page_size=16, pages_per_seq=13, num_pages=32)
 
@@ -93,6 +96,34 @@ _FAMILY = {
         ),
     ),
 }
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+_FAMILY["qwen3_moe"] = (
+    transformers.Qwen3MoeConfig,
+    transformers.Qwen3MoeForCausalLM,
+    dict(
+        _MOE,
+        num_experts=8,
+        norm_topk_prob=False,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        tie_word_embeddings=False,
+    ),
+)
+_FAMILY["qwen3_moe_norm"] = (
+    transformers.Qwen3MoeConfig,
+    transformers.Qwen3MoeForCausalLM,
+    {**_FAMILY["qwen3_moe"][2], "norm_topk_prob": True, "num_experts": 4},
+)
+_FAMILY["mixtral"] = (
+    transformers.MixtralConfig,
+    transformers.MixtralForCausalLM,
+    dict(
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=32,  # Mixtral's experts' width
+        sliding_window=6,
+        tie_word_embeddings=False,
+    ),
+)
 
 
 def build_hf_model(family: str, *, seed: int = 0, **overrides) -> transformers.PreTrainedModel:

@@ -17,7 +17,7 @@ from checkpoints.random_weights import NAMED_SHAPES
 from jaxserve import target as targets
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.loaded import abstract_params, model_for, unstack_layers
-from jaxserve.models.sharding import ShardingPlan, make_mesh
+from jaxserve.models.sharding import ShardingPlan, kv_split, make_mesh
 from jaxserve.runtime import aot
 from jaxserve.runtime.model_runner import RunnerConfig
 from jaxserve.runtime.roofline import StepWork, layer_floor, layer_weights, step_floor
@@ -25,6 +25,9 @@ from pallas_kernels.chips import GPU_CHIPS, TPU_CHIPS
 
 CHIPS = {**TPU_CHIPS, **GPU_CHIPS}
 BF16 = 2  # bytes a weight: every accelerator target's default dtype
+# The dense models: the tests below count every weight as read by every token, which a mixture of
+# experts does not (its own tests are at the end).
+DENSE = sorted(name for name, c in NAMED_SHAPES.items() if c.moe is None)
 # The default engine's buckets of 128 and 256 tokens (32 sequences), and decode at 1 and 32.
 BUCKETS = [(1, 1), (32, 32), (128, 32), (256, 32)]
 
@@ -47,7 +50,7 @@ def _xla_as_scanned(model, num_tokens, num_seqs, tp) -> StepWork:
     return StepWork(floor.flops - missing * layer.flops, floor.bytes - missing * layer.bytes)
 
 
-@pytest.mark.parametrize("name", sorted(NAMED_SHAPES))
+@pytest.mark.parametrize("name", DENSE)
 def test_the_floor_reads_every_weight_of_the_param_tree(name):
     """The floor's weights are the param tree's (less only norms and biases, under 1%)."""
     model = NAMED_SHAPES[name]
@@ -63,7 +66,7 @@ def test_the_floor_reads_every_weight_of_the_param_tree(name):
 
 
 @pytest.mark.parametrize("chip", sorted(CHIPS))
-@pytest.mark.parametrize("name", sorted(NAMED_SHAPES))
+@pytest.mark.parametrize("name", DENSE)
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_no_prediction_beats_the_weights_read_once_or_the_matmuls(name, chip, tp):
     model = NAMED_SHAPES[name]
@@ -100,7 +103,7 @@ def test_no_prediction_beats_the_weights_read_once_or_the_matmuls(name, chip, tp
 
 
 @pytest.mark.parametrize("chip", sorted(CHIPS))
-@pytest.mark.parametrize("name", sorted(NAMED_SHAPES))
+@pytest.mark.parametrize("name", DENSE)
 def test_the_128_and_256_token_buckets_differ(name, chip):
     """Issue 47: on h100 both buckets of qwen3-tiny, and of llama3.2-1b at TP 2, were predicted
     alike. Twice the tokens move twice the KV and do twice the decoder's matmuls: slower, and
@@ -229,3 +232,51 @@ def test_xla_prices_a_scanned_layer_loop_once_and_the_prediction_adds_the_rest()
     assert scan.bytes_accessed / bytes_only[1] < floor_s <= scan.predicted_step_s
     assert scan.predicted_step_s > scan.bytes_accessed / bytes_only[1] + 6 * layer.bytes / 1e9
     assert scan.predicted_step_s <= unrolled.predicted_step_s
+
+
+MOE = sorted(name for name, c in NAMED_SHAPES.items() if c.moe is not None)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_one_token_of_a_mixture_reads_k_experts_and_a_prefill_nearly_all(name):
+    """One token reads its k experts (and the rest of the layer); a 4096-token prefill reads
+    (almost) every expert: the param tree's decoder weights."""
+    model = NAMED_SHAPES[name]
+    m = model.moe
+    total, untied = _tree_bytes(model)
+    table = model.vocab_size * model.hidden_size * BF16
+    per_expert = 3 * model.hidden_size * m.intermediate_size
+    decoder = (total - table - untied) / BF16 / model.num_layers  # elements, norms included
+    one = layer_weights(model, 1, 1)
+    assert one == pytest.approx(decoder - (m.num_experts - m.top_k) * per_expert, rel=0.01)
+    assert layer_weights(model, 1, 4096) == pytest.approx(decoder, rel=0.01)
+
+
+@pytest.mark.parametrize("name", MOE)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_experts_split_over_the_model_axis_share_their_reads_and_flops(name, tp):
+    model = NAMED_SHAPES[name]
+    m = model.moe
+    per_expert = 3 * model.hidden_size * m.intermediate_size
+    c = model
+    qkv = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    attention = qkv / kv_split(tp, c.num_kv_heads) + c.num_heads * c.head_dim * c.hidden_size / tp
+    for tokens in (1, 256):
+        experts = layer_weights(model, tp, tokens) - attention - model.hidden_size * m.num_experts
+        split = tp if m.num_experts % tp == 0 else 1
+        assert experts * split == pytest.approx(
+            per_expert * m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** tokens)
+        )
+    # Each token's k experts' matmuls, shared by the devices holding them.
+    flops = layer_floor(model, 256, 32, BF16, tensor_parallel=tp).flops
+    one = layer_floor(model, 256, 32, BF16, tensor_parallel=1).flops
+    assert flops < one
+
+
+def test_a_mixture_of_experts_decodes_faster_than_its_dense_twin_reads():
+    """qwen3-30b-a3b: one token reads ~3.3B of its 30.5B weights; the floor says so."""
+    model = NAMED_SHAPES["qwen3-30b-a3b"]
+    total, _ = _tree_bytes(model)
+    floor = step_floor(model, 1, 1, BF16)
+    assert 30e9 < total / BF16 < 31e9
+    assert 2.5e9 < floor.bytes / BF16 < 3.5e9
