@@ -214,11 +214,14 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) ->
     return out[0, len(prompt) :].tolist()
 
 
-@functools.partial(jax.jit, static_argnames=("config", "dtype"), donate_argnames=("kv",))
-def paged_step(config: ModelConfig, dtype: str, params: dict, kv: KVPages, batch, lora=None):
+@functools.partial(jax.jit, static_argnames=("config", "dtype", "plan"), donate_argnames=("kv",))
+def paged_step(
+    config: ModelConfig, dtype: str, params: dict, kv: KVPages, batch, lora=None, plan=None
+):
     """One ragged step: logits of every token f32[T, vocab] and the updated pool. `lora`: the
-    adapters' slot arrays (jaxserve.models.lora.empty_slots), read by each token's lora_slot."""
-    model = model_for(config, jnp.dtype(dtype), layer_loop=layer_loop_of(params))
+    adapters' slot arrays (jaxserve.models.lora.empty_slots), read by each token's lora_slot;
+    `plan`: the ShardingPlan the model is split by (None: one device)."""
+    model = model_for(config, jnp.dtype(dtype), plan=plan, layer_loop=layer_loop_of(params))
     batch = dataclasses.replace(batch, lora=lora)
     hidden, kv = model.apply({"params": params}, kv, batch)
     return model.apply({"params": params}, hidden, method="logits"), kv
@@ -249,8 +252,10 @@ class PagedSession:
         num_pages: int = 64,
         seed: int = 0,
         lora: dict | None = None,
+        plan=None,  # a ShardingPlan: the model split over its mesh (tensor parallel)
     ):
         c = loaded.config
+        self.plan = plan
         self.lora = lora  # adapters' slot arrays; each sequence picks one in add_seq
         self.loaded = loaded
         self.bucket = dict(
@@ -260,13 +265,18 @@ class PagedSession:
             pages_per_seq=pages_per_seq,
             num_pages=num_pages,
         )
-        shape = (c.num_layers, num_pages, page_size, kv_lanes(c))
+        lanes = kv_lanes(c) if plan is None else plan.kv_lanes
+        shape = (c.num_layers, num_pages, page_size, lanes)
         # Params and pool committed to one device: orbax restores committed arrays and the HF
         # loader uncommitted ones, and jit compiles each kind apart; committing both shares one.
-        device = jax.devices()[0]
-        self.params = jax.device_put(loaded.params, device)
         nan = np.full(shape, np.nan, loaded.dtype)
-        self.kv = KVPages(kv=jax.device_put(nan, device))
+        if plan is None:
+            device = jax.devices()[0]
+            self.params = jax.device_put(loaded.params, device)
+            self.kv = KVPages(kv=jax.device_put(nan, device))
+        else:
+            self.params = plan.place(loaded.params)
+            self.kv = KVPages(kv=jax.device_put(nan, plan.kv_pages))
         order = np.random.default_rng(seed).permutation(num_pages)
         self._free = [int(p) for p in order if p != 0]
         self._pages_per_seq = pages_per_seq
@@ -296,6 +306,7 @@ class PagedSession:
             self.kv,
             batch,
             self.lora,
+            self.plan,
         )
         logits = np.asarray(logits)
         out = []
@@ -318,7 +329,7 @@ def paged_greedy(
     loaded: LoadedModel, prompts: list[list[int]], n: int, **bucket
 ) -> list[list[int]]:
     """Greedy continuation of every prompt: one ragged prefill step, then batched decode steps."""
-    session = PagedSession(loaded, **bucket)
+    session = PagedSession(loaded, **bucket)  # bucket may hold a plan (PagedSession's)
     ids = [session.add_seq() for _ in prompts]
     logits = session.step(list(zip(ids, prompts, strict=True)))
     out = [[int(lg[-1].argmax())] for lg in logits]
