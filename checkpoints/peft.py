@@ -52,8 +52,15 @@ def load_peft_adapter(
     peft = json.loads(cfg_path.read_text())
     _check_config(name, peft)
     found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    shapes = module_shapes(config)
     for key, tensor in iter_tensors(weights_path):
         m = _KEY.match(key)
+        if config.moe is not None and (m is None or m.group(2) not in shapes) and "lora_" in key:
+            raise AdapterLoadError(
+                f"Adapter {name!r} trains {key!r}, but the base model ({config.architecture}) is "
+                f"a mixture of experts: LoRA on its experts and router is not supported, only "
+                f"on the attention's {', '.join(shapes)}."
+            )
         if m is None or m.group(2) not in TARGET_MODULES:
             raise AdapterLoadError(
                 f"Adapter {name!r} trains {key!r}, which jaxserve cannot serve: LoRA is "
@@ -64,7 +71,6 @@ def load_peft_adapter(
     if not found:
         raise AdapterLoadError(f"Adapter {name!r}: {weights_path} holds no LoRA weights.")
 
-    shapes = module_shapes(config)
     ranks: dict[str, int] = {}
     for (layer, module), parts in found.items():
         where = f"Adapter {name!r}, layer {layer} {module}"

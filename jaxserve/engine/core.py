@@ -749,6 +749,8 @@ class Engine:
             )
         if flight.want_prompt_logprobs:
             self._take_prompt_logprobs(out, seqs)
+        if out.expert_load is not None:  # a mixture of experts: [layers, experts], a few KB
+            self.metrics.on_expert_load(np.asarray(out.expert_load))
         updates = self.scheduler.update(
             plan, StepResult(sampled_token_ids=tokens, logprobs=logprobs), now=time.monotonic()
         )

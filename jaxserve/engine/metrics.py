@@ -12,8 +12,9 @@ import dataclasses
 import functools
 import time
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.outputs import RequestMetrics
 
@@ -78,6 +79,9 @@ class EngineStats:
     # waiting ones (comma-separated names), and the wall time (Unix seconds) they were last
     # set. One tuple, replaced whole, so that a scrape on another thread reads one state.
     lora_adapters: tuple[str, str, float] = ("", "", 0.0)
+    # A mixture of experts: the tokens routed to each expert of each layer since start,
+    # int64[num_layers, num_experts] (None for a dense model).
+    expert_load: np.ndarray | None = None
 
     @property
     def kv_cache_usage_perc(self) -> float:
@@ -193,6 +197,7 @@ class EngineMetrics:
         )
         self._lora = _LoraInfo(self.stats)
         r.register(self._lora)
+        r.register(_ExpertLoad(self.stats))
         self.device = DeviceTimeline(self.stats)
         host = Histogram(
             "jaxserve_host_step_seconds",
@@ -239,6 +244,14 @@ class EngineMetrics:
         self._spec["proposed_tokens"].inc(proposed)
         self._spec["accepted_tokens"].inc(accepted)
         self._spec["verifications"].inc(verifications)
+
+    def on_expert_load(self, load: np.ndarray) -> None:
+        """One step's routing (i32[num_layers, num_experts] real tokens per expert) added to
+        the totals /metrics shows, so an operator sees imbalance."""
+        s = self.stats
+        if s.expert_load is None:
+            s.expert_load = np.zeros(load.shape, np.int64)
+        s.expert_load = s.expert_load + load  # replaced whole: a scrape reads one state
 
     def on_host_step(self, phases: dict[str, float]) -> None:
         """Takes one `Engine.step()`'s host seconds per phase (a `PhaseClock`'s laps)."""
@@ -361,6 +374,46 @@ class _LoraInfo:
         family = GaugeMetricFamily(self.NAME, self.DOC, labels=self.LABELS)
         family.add_metric([str(self.max_loras), running, waiting], updated)
         yield family
+
+
+class _ExpertLoad:
+    """Tokens routed to each expert of each layer of a mixture of experts (a counter per
+    layer and expert), and each layer's imbalance: its busiest expert's tokens over the mean
+    (1 is perfectly even; top_k experts of E taking everything gives E / top_k). Nothing for a
+    dense model. Read from the stats' totals at scrape time: the step only adds an array."""
+
+    TOKENS = "jaxserve_moe_expert_tokens"
+    IMBALANCE = "jaxserve_moe_expert_imbalance"
+
+    def __init__(self, stats: EngineStats):
+        self._stats = stats
+
+    def _families(self) -> tuple[CounterMetricFamily, GaugeMetricFamily]:
+        tokens = CounterMetricFamily(
+            self.TOKENS, "Tokens routed to an expert.", labels=["layer", "expert"]
+        )
+        imbalance = GaugeMetricFamily(
+            self.IMBALANCE, "A layer's busiest expert's tokens over the mean.", labels=["layer"]
+        )
+        return tokens, imbalance
+
+    def describe(self):
+        """The families without samples: the registry checks names against them."""
+        return list(self._families())
+
+    def collect(self):
+        """The totals since start, read once from the stats (replaced whole by the engine)."""
+        load = self._stats.expert_load
+        if load is None:
+            return
+        tokens, imbalance = self._families()
+        for layer, row in enumerate(load.tolist()):
+            for expert, n in enumerate(row):
+                tokens.add_metric([str(layer), str(expert)], n)
+            mean = sum(row) / len(row)
+            imbalance.add_metric([str(layer)], max(row) / mean if mean else 0.0)
+        yield tokens
+        yield imbalance
 
 
 class PhaseClock:

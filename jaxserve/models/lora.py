@@ -48,14 +48,21 @@ DEFAULT_LORA_KERNEL = "dense"
 
 
 def module_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each target module of `config`, as Hugging Face's Linear has them."""
+    """(in, out) features of each target module of `config`, as Hugging Face's Linear has them.
+    A mixture of experts has the attention's alone: adapters on its experts are refused
+    (checkpoints/peft.py), so its MLP holds no slots."""
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    return {
+    shapes = {
         "q_proj": (c.hidden_size, q),
         "k_proj": (c.hidden_size, kv),
         "v_proj": (c.hidden_size, kv),
         "o_proj": (q, c.hidden_size),
+    }
+    if c.moe is not None:
+        return shapes
+    return {
+        **shapes,
         "gate_proj": (c.hidden_size, c.intermediate_size),
         "up_proj": (c.hidden_size, c.intermediate_size),
         "down_proj": (c.intermediate_size, c.hidden_size),

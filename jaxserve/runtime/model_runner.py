@@ -119,7 +119,12 @@ def step_impl(
     batch = dataclasses.replace(
         batch, token_ids=jnp.where(batch.feed_slots >= 0, fed, batch.token_ids), lora=lora
     )
-    hidden, kv = module.apply({"params": params}, kv, batch)
+    expert_load = None
+    if module.config.moe is None:
+        hidden, kv = module.apply({"params": params}, kv, batch)
+    else:  # the experts' load rides back with the step's outputs (EngineMetrics.on_expert_load)
+        (hidden, kv), state = module.apply({"params": params}, kv, batch, mutable="intermediates")
+        (expert_load,) = state["intermediates"]["expert_load"]
     # The head runs for the real rows alone (packed on the CPU), else for the smallest tier of
     # rows that holds them, not for every padding row (jaxserve/models/llama.py's logits_of_rows).
     logits = logits_of_rows(
@@ -148,7 +153,11 @@ def step_impl(
         logits_of, hidden, batch.token_ids, batch.logits_indices, batch.num_seqs, sampling
     )
     out = dataclasses.replace(
-        out, prompt_logprobs=lp, prompt_top_ids=top_ids, prompt_top_logprobs=top_lp
+        out,
+        prompt_logprobs=lp,
+        prompt_top_ids=top_ids,
+        prompt_top_logprobs=top_lp,
+        expert_load=expert_load,
     )
     last = last.at[batch.sample_slots].set(after, mode="drop")
     return out, kv, pen, last

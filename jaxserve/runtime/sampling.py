@@ -154,6 +154,9 @@ class SampleOutput:
     # Speculative verification (`verify`): per sequence row, how many of its proposals the
     # step accepted; None where the batch verifies nothing.
     num_accepted: jax.Array = None  # i32[S]
+    # A mixture of experts' routing: the step's real tokens each expert of each layer ran
+    # (models/moe.py), summed on the device; None for a dense model.
+    expert_load: jax.Array = None  # i32[num_layers, num_experts]
 
 
 jax.tree_util.register_dataclass(
