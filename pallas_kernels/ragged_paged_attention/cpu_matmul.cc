@@ -156,7 +156,8 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> x,
   // Rows past the step's real tokens are its bucket's padding: they come back zero, uncomputed.
   // At these sizes the multiply is bound by the arithmetic, so a decode step of 49 sequences in
   // the 64-row bucket no longer pays for 64.
-  const int64_t M = std::clamp<int64_t>(valid.typed_data()[0], 0, xd[0]);
+  // With K = 0 every sum is empty: every row is 0 (PanelRows would write none of them).
+  const int64_t M = K > 0 ? std::clamp<int64_t>(valid.typed_data()[0], 0, xd[0]) : 0;
   std::fill(out->typed_data() + M * N, out->typed_data() + xd[0] * N, 0.0f);
   if (M == 0 || panels == 0) return ffi::Error::Success();
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
