@@ -8,7 +8,8 @@ and in the loops' own per-trip overhead. The C++ calls read the keys and values 
 or 256: `ragged_available`), `decode_attention` the decode rows alone (any head size; the jnp
 tiles then run the prefill rows). `packed_matmul` multiplies by weights `pack_weight` laid
 out once in panels of 64 columns (the model's `packed_weights`), where XLA's dot repacks them
-on every call. The library is built on first use with the
+on every call; `grouped_packed_matmul` does the same for a mixture of experts' rows sorted by
+expert, each run of rows against its own expert's panels. The library is built on first use with the
 machine's g++ against jaxlib's FFI headers into $JAXSERVE_CACHE_DIR (default
 ~/.cache/jaxserve)/ffi, keyed by the source, the jaxlib version, the compiler flags and the
 CPU's features, so a second process loads the same library without building (about 4 s
@@ -41,6 +42,7 @@ _TARGET = "jaxserve_decode_attention"
 _RAGGED_TARGET = "jaxserve_ragged_attention"
 _FUSED_TARGET = "jaxserve_rope_write_attention"
 _MATMUL_TARGET = "jaxserve_packed_matmul"
+_GROUPED_MATMUL_TARGET = "jaxserve_grouped_packed_matmul"
 # -ffp-contract=off: RoPE's products and sums stay unfused, as XLA:CPU computes them (the kernels'
 # own FMAs are written out as intrinsics).
 _FLAGS = (
@@ -116,6 +118,11 @@ def available() -> bool:
         )
         jax.ffi.register_ffi_target(
             _MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxservePackedMatmul), platform="cpu"
+        )
+        jax.ffi.register_ffi_target(
+            _GROUPED_MATMUL_TARGET,
+            jax.ffi.pycapsule(lib.JaxserveGroupedPackedMatmul),
+            platform="cpu",
         )
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("CPU decode attention falls back to the jnp loop: %s", e)
@@ -321,3 +328,50 @@ def packed_matmul(
         k_block=np.int64(k_block),
     )
     return out.reshape(*lead, p * PANEL)
+
+
+def grouped_packed_matmul(
+    x: jax.Array,  # f32[M, K] rows sorted by group
+    wp: jax.Array,  # f32[G, N / PANEL, K, PANEL] (pack_weight of w f32[G, K, N])
+    group_sizes: jax.Array,  # i32[G] rows of each group in order; rows past their sum: padding
+    k_block: int | None = None,
+) -> jax.Array:  # f32[M, N]: row r of group g is x[r] @ w[g]; rows past the groups are 0
+    """A mixture-of-experts layer's grouped matmul on the CPU: XLA:CPU lowers `jax.lax.ragged_dot`
+    to a dense dot masked per group (G times the multiply-adds), where this call multiplies each
+    row by its own group's weights alone and never reads a group's weights without rows.
+
+    Each element is `packed_matmul`'s chain of fused multiply-adds, so a row's bits are those of
+    `packed_matmul(x[r:r+1], wp[g])`, whatever rows share the call. `group_sizes` is data (the
+    router's counts, known only on the device): a negative size counts as 0 and the runs stop at
+    M. `k_block` as in `packed_matmul`. It runs its vector kernel wherever
+    `packed_matmul_available()` (one library, one CPU check), so it has no check of its own."""
+    if x.ndim != 2 or wp.ndim != 4 or wp.shape[2] != x.shape[1] or wp.shape[3] != PANEL:
+        raise ValueError(
+            f"grouped_packed_matmul takes x [M, K] and weights [G, N / {PANEL}, K, {PANEL}]; "
+            f"got x {tuple(x.shape)} and weights {tuple(wp.shape)}."
+        )
+    groups, panels = wp.shape[:2]
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.shape != (groups,):
+        raise ValueError(
+            f"grouped_packed_matmul takes one size per group of the weights, {groups}; got "
+            f"group_sizes of shape {tuple(group_sizes.shape)}."
+        )
+    if not available():
+        raise RuntimeError(
+            "grouped_packed_matmul needs the CPU kernels' library, which did not load."
+        )
+    k_block = matmul_k_block() if k_block is None else k_block
+    if k_block < 0:
+        raise ValueError(
+            f"grouped_packed_matmul's k_block is 0 (whole-K tiles) or more; got {k_block}."
+        )
+    call = jax.ffi.ffi_call(
+        _GROUPED_MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], panels * PANEL), jnp.float32)
+    )
+    return call(
+        x.astype(jnp.float32),
+        wp.astype(jnp.float32),
+        group_sizes.astype(jnp.int32),
+        k_block=np.int64(k_block),
+    )

@@ -14,6 +14,9 @@
 // Each output element is one chain of fused multiply-adds over k in order, whatever the number
 // of rows or how they are split into blocks and threads: a row's result does not depend on the
 // batch it is in (batch invariance), and it is the same on every run.
+//
+// A grouped variant (GroupedPackedMatmul) runs a mixture of experts' rows, sorted by expert, each
+// run of rows through the same row kernel against its own expert's panels.
 
 #include <algorithm>
 #include <cmath>
@@ -122,20 +125,22 @@ void PanelRows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* p
 }
 #endif
 
+// "[2, 3]": an operand's dimensions, for the messages that refuse it.
+std::string Dims(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
 ffi::Error PackedMatmul(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> valid,
                         ffi::ResultBuffer<ffi::F32> out, int64_t k_block) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[2] != kLanes ||
       wd[1] != xd[1] || od[0] != xd[0] || od[1] != wd[0] * kLanes) {
-    auto dims = [](ffi::Span<const int64_t> d) {
-      std::string s = "[";
-      for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-      return s + "]";
-    };
     return ffi::Error::InvalidArgument(
         "jaxserve_packed_matmul takes x [M, K], packed weights [N / 64, K, 64] and out [M, N]; "
-        "got x " + dims(xd) + ", weights " + dims(wd) + ", out " + dims(od) + ".");
+        "got x " + Dims(xd) + ", weights " + Dims(wd) + ", out " + Dims(od) + ".");
   }
   if (valid.element_count() != 1) {
     return ffi::Error::InvalidArgument("jaxserve_packed_matmul takes the number of real rows as "
@@ -151,7 +156,8 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> x,
   // Rows past the step's real tokens are its bucket's padding: they come back zero, uncomputed.
   // At these sizes the multiply is bound by the arithmetic, so a decode step of 49 sequences in
   // the 64-row bucket no longer pays for 64.
-  const int64_t M = std::clamp<int64_t>(valid.typed_data()[0], 0, xd[0]);
+  // With K = 0 every sum is empty: every row is 0 (PanelRows would write none of them).
+  const int64_t M = K > 0 ? std::clamp<int64_t>(valid.typed_data()[0], 0, xd[0]) : 0;
   std::fill(out->typed_data() + M * N, out->typed_data() + xd[0] * N, 0.0f);
   if (M == 0 || panels == 0) return ffi::Error::Success();
   const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
@@ -176,7 +182,79 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// A mixture-of-experts layer's grouped matmul: x's rows sorted by expert, group g's run of
+// group_sizes[g] rows times expert g's packed weights (w [G, N / 64, K, 64]). XLA:CPU lowers
+// ragged_dot to a dense dot masked per group, G times the multiply-adds; here each row is
+// multiplied by its own expert's weights alone, and an expert without rows (most of them, in a
+// decode step) is never read. The sizes are data: a negative one is 0, and the runs stop at M;
+// the rows after the last run (the bucket's padding) come back 0. Each element is PanelRows's
+// chain of FMAs, so a row's bits are packed_matmul's of that row alone against its expert.
+ffi::Error GroupedPackedMatmul(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> x,
+                               ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> group_sizes,
+                               ffi::ResultBuffer<ffi::F32> out, int64_t k_block) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  const auto gd = group_sizes.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || gd.size() != 1 || wd[3] != kLanes ||
+      wd[2] != xd[1] || od[0] != xd[0] || od[1] != wd[1] * kLanes || gd[0] != wd[0]) {
+    return ffi::Error::InvalidArgument(
+        "jaxserve_grouped_packed_matmul takes x [M, K], packed weights [G, N / 64, K, 64], "
+        "group sizes [G] and out [M, N]; got x " + Dims(xd) + ", weights " + Dims(wd) +
+        ", group sizes " + Dims(gd) + ", out " + Dims(od) + ".");
+  }
+  if (k_block < 0) {
+    return ffi::Error::InvalidArgument("jaxserve_grouped_packed_matmul's k_block is 0 (whole-K "
+                                       "tiles) or the k per block of a panel; got " +
+                                       std::to_string(k_block) + ".");
+  }
+  const int64_t M = xd[0], K = xd[1], G = wd[0], panels = wd[1], N = panels * kLanes;
+  const int32_t* sizes = group_sizes.typed_data();
+  // starts[g]: group g's first row; in int64, so sizes near INT32_MAX do not overflow the sum.
+  std::vector<int64_t> starts(G + 1, 0);
+  for (int64_t g = 0; g < G; ++g)
+    starts[g + 1] = std::min<int64_t>(M, starts[g] + std::max<int32_t>(sizes[g], 0));
+  float* op = out->typed_data();
+  const int64_t used = K > 0 ? starts[G] : 0;  // with K = 0 every sum is empty: 0
+  std::fill(op + used * N, op + M * N, 0.0f);
+  if (used == 0 || panels == 0) return ffi::Error::Success();
+  // Items (group, panel, chunk of kGroupRows rows) in that order, so a thread's consecutive items
+  // share a panel; a group without rows has none.
+  struct Item {
+    int64_t group, panel, m0, m1;
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> cost;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t p = 0; p < panels; ++p)
+      for (int64_t m0 = starts[g]; m0 < starts[g + 1]; m0 += kGroupRows) {
+        const int64_t m1 = std::min(starts[g + 1], m0 + kGroupRows);
+        items.push_back({g, p, m0, m1});
+        cost.push_back((m1 - m0) * K * kLanes / 1024);  // thousands of multiply-adds
+      }
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  const int64_t expert = panels * K * kLanes;  // floats of one group's weights
+  SplitByCost(pool_threads, cost, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      const float* we = wp + it.group * expert;
+      // The prefetch stops at the group's own weights: the next expert's may have no rows.
+      PanelRows(xp, it.m0, it.m1, K, we + it.panel * K * kLanes, op + it.panel * kLanes, N,
+                we + expert, k_block);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedPackedMatmul, GroupedPackedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], sorted by group
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // weights [G, N / 64, K, 64]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [G]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
+                                  .Attr<int64_t>("k_block"));  // 0: whole-K tiles
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmul, PackedMatmul,
                               ffi::Ffi::Bind()

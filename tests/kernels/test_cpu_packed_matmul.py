@@ -89,6 +89,14 @@ def test_rows_past_the_real_ones_come_back_zero_and_the_rest_are_unchanged(valid
     assert not out[cut:].any()
 
 
+def test_no_k_is_zeros():
+    """K = 0: every sum is empty, so every row is 0, not what the output's memory last held (a
+    freed full-size result just before makes that memory likely to be reused)."""
+    cpu_ffi.packed_matmul(jnp.ones((300, 5)), jnp.ones((2, 5, 64))).block_until_ready()
+    out = np.asarray(cpu_ffi.packed_matmul(jnp.ones((300, 0)), jnp.ones((2, 0, 64))))
+    assert out.shape == (300, 128) and not out.any()
+
+
 def test_pack_and_unpack_are_inverse_and_leading_axes_stay():
     w = jnp.arange(3 * 5 * 128, dtype=jnp.float32).reshape(3, 5, 128)  # [layers, K, N]
     wp = cpu_ffi.pack_weight(w)
