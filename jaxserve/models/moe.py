@@ -81,9 +81,8 @@ class SparseMoe(nn.Module):
         c, m = self.config, self.config.moe
         e, h, i = m.num_experts, c.hidden_size, m.intermediate_size
         router = self.param("router", nn.initializers.lecun_normal(), (h, e), self.dtype)
-        grouped = getattr(cpu_ffi, "grouped_packed_matmul", None)  # TODO(issue 42): merge
-        pack_up = grouped is not None and self.packed and (2 * i) % cpu_ffi.PANEL == 0
-        pack_down = grouped is not None and self.packed and h % cpu_ffi.PANEL == 0
+        pack_up = self.packed and (2 * i) % cpu_ffi.PANEL == 0
+        pack_down = self.packed and h % cpu_ffi.PANEL == 0
         up_shape = (e, 2 * i // cpu_ffi.PANEL, h, cpu_ffi.PANEL) if pack_up else (e, h, 2, i)
         down_shape = (e, h // cpu_ffi.PANEL, i, cpu_ffi.PANEL) if pack_down else (e, i, h)
         init = nn.initializers.lecun_normal(batch_axis=(0,))
