@@ -104,13 +104,13 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
 
 # Mixtures of experts. qwen3-moe-tiny-dense has qwen3-moe-tiny's active parameters (a dense MLP as
 # wide as its top_k experts together), the dense model to measure the experts against.
-_QWEN3_MOE_TINY = ModelConfig(
-    vocab_size=2048,
-    hidden_size=128,
-    intermediate_size=256,
+_QWEN3_MOE_TINY = ModelConfig(  # ../shared/peers' tiny, its MLP as 8 experts of a half each
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=768,
     num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
+    num_heads=8,
+    num_kv_heads=4,
     head_dim=32,
     max_position_embeddings=4096,
     rms_norm_eps=1e-6,
@@ -119,7 +119,7 @@ _QWEN3_MOE_TINY = ModelConfig(
     eos_token_ids=(2,),
     bos_token_id=1,
     architecture="qwen3_moe",
-    moe=MoeConfig(num_experts=8, top_k=2, intermediate_size=128),
+    moe=MoeConfig(num_experts=8, top_k=2, intermediate_size=384),
 )
 NAMED_SHAPES["qwen3-moe-tiny"] = _QWEN3_MOE_TINY
 NAMED_SHAPES["qwen3-moe-tiny-dense"] = _QWEN3_MOE_TINY.replace(moe=None, architecture="qwen3")
