@@ -40,13 +40,13 @@ def _max_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.max(np.abs(ours - ref)))
 
 
-@pytest.mark.parametrize("source", ["stories260k", "llama"])
+@pytest.mark.parametrize("source", ["stories260k", "llama", "mixtral"])
 def test_orbax_round_trip(source, tmp_path):
     if source == "stories260k":  # has a tokenizer
         model = checkpoints.load_model(dtype=jnp.float32)
         bucket = STORIES_BUCKET
-    else:  # untied head, q/k/v/o and MLP biases, llama3 RoPE scaling
-        hf_dir = save_hf(build_hf_model("llama"), tmp_path / "hf")
+    else:  # llama: untied head, q/k/v/o and MLP biases, llama3 RoPE scaling; mixtral: experts
+        hf_dir = save_hf(build_hf_model(source), tmp_path / "hf")
         model = checkpoints.load_model(hf_dir, dtype=jnp.float32)
         bucket = {}
     out = checkpoints.save_orbax(model, tmp_path / "orbax")
