@@ -212,3 +212,16 @@ def test_adapters_on_the_experts_are_refused_by_name(tmp_path, moe_folder):
     )
     with pytest.raises(AdapterLoadError, match=r"mixture of experts.*q_proj, k_proj"):
         load_peft_adapter(folder, "experts", model.config, max_rank=8)
+
+
+def test_beam_search_matches_the_brute_force_reference(moe_folder, moe_engine):
+    """Beams fork their parent's pages (copy on write) and run as ordinary requests: width 3
+    over the experts gives transformers' brute-force beams."""
+    from tests.engine.test_beam_search import reference_beam_search
+
+    hf, _ = moe_folder
+    ids = moe_engine.encode(PROMPTS[0])
+    want = reference_beam_search(hf, ids, 3, 8, 1.0, set(moe_engine.model.config.eos_token_ids))
+    (got,) = LLM(engine=moe_engine).beam_search([ids], beam_width=3, max_tokens=8)
+    assert [b.token_ids for b in got] == [w[0] for w in want]
+    np.testing.assert_allclose([b.cumulative_logprob for b in got], [w[1] for w in want], atol=1e-3)
