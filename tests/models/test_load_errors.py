@@ -8,6 +8,7 @@ a checkpoint with a tensor we do not know, and a tensor whose shape disagrees wi
 from __future__ import annotations
 
 import json
+import re
 
 import jax.numpy as jnp
 import pytest
@@ -96,3 +97,52 @@ def test_shape_mismatch(llama_dir, tmp_path):
     with pytest.raises(checkpoints.ModelLoadError, match="has shape") as e:
         checkpoints.load_model(path, dtype=jnp.float32)
     assert "mlp" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return save_hf(build_hf_model("mixtral"), tmp_path_factory.mktemp("mixtral"))
+
+
+def test_missing_expert_is_named(moe_dir, tmp_path):
+    def drop(tensors):
+        del tensors["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+        return tensors
+
+    path = _copy_with_weights(moe_dir, tmp_path / "m", drop)
+    with pytest.raises(checkpoints.ModelLoadError, match="lacks weights") as e:
+        checkpoints.load_model(path, dtype=jnp.float32)
+    assert "model.layers.1.block_sparse_moe.experts.5.w3.weight" in str(e.value)
+    assert "experts.4" not in str(e.value) and "w1" not in str(e.value)
+
+
+def test_an_expert_past_the_configured_count_is_refused(moe_dir, tmp_path):
+    def add(tensors):
+        extra = "model.layers.0.block_sparse_moe.experts.{}.w1.weight"
+        tensors[extra.format(8)] = tensors[extra.format(0)]
+        return tensors
+
+    path = _copy_with_weights(moe_dir, tmp_path / "m", add)
+    with pytest.raises(checkpoints.ModelLoadError, match=r"expert 8.*has 8 experts"):
+        checkpoints.load_model(path, dtype=jnp.float32)
+
+
+def test_a_router_of_the_wrong_width_is_refused(moe_dir, tmp_path):
+    def first_four(tensors):  # experts 0-3 only, as the edited config says; the routers of 8
+        return {k: v for k, v in tensors.items() if not re.search(r"experts\.[4-7]\.", k)}
+
+    path = _copy_with_weights(moe_dir, tmp_path / "m", first_four)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_local_experts": 4}))
+    with pytest.raises(checkpoints.ModelLoadError, match=r"gate\.weight.*has shape"):
+        checkpoints.load_model(path, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("change", [{"decoder_sparse_step": 2}, {"mlp_only_layers": [1]}])
+def test_qwen3_moe_with_dense_layers_is_refused(tmp_path, change):
+    path = save_hf(build_hf_model("qwen3_moe"), tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(checkpoints.ModelLoadError, match="dense layers") as e:
+        checkpoints.load_model(path, dtype=jnp.float32)
+    assert isinstance(e.value.__cause__, checkpoints.UnsupportedModelError)
