@@ -225,3 +225,18 @@ def test_beam_search_matches_the_brute_force_reference(moe_folder, moe_engine):
     (got,) = LLM(engine=moe_engine).beam_search([ids], beam_width=3, max_tokens=8)
     assert [b.token_ids for b in got] == [w[0] for w in want]
     np.testing.assert_allclose([b.cumulative_logprob for b in got], [w[1] for w in want], atol=1e-3)
+
+
+def test_the_experts_run_packed_where_the_cpu_packs(moe_engine):
+    """On one AVX-512 CPU device the step reads the experts in cpu_matmul.cc's panels (the
+    grouped kernel), not XLA's ragged_dot over the canonical layout."""
+    from pallas_kernels.ragged_paged_attention import cpu_ffi
+
+    runner = moe_engine.runner
+    if not runner.module.packed_weights:
+        pytest.skip("this CPU does not pack weights (no AVX-512 or the kernels' library)")
+    c = moe_engine.model.config
+    e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
+    mlp = runner.step_params["layers_0"]["mlp"]
+    assert mlp["experts_gate_up"].shape == (e, 2 * i // cpu_ffi.PANEL, h, cpu_ffi.PANEL)
+    assert mlp["experts_down"].shape == (e, h // cpu_ffi.PANEL, i, cpu_ffi.PANEL)

@@ -10,7 +10,10 @@ holds and runs all of them, still exact.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import numpy as np
 import pytest
 
 import checkpoints
@@ -37,8 +40,10 @@ def case(request, tmp_path_factory):
         if family == "six"
         else build_hf_model(family)
     )
-    loaded = checkpoints.load_model(save_hf(hf, tmp_path_factory.mktemp(family)), dtype="float32")
-    return hf, loaded, ShardingPlan.create(make_mesh(tp), loaded.config)
+    folder = save_hf(hf, tmp_path_factory.mktemp(family))
+    loaded = checkpoints.load_model(folder, dtype="float32")
+    plan = ShardingPlan.create(make_mesh(tp), loaded.config)
+    return hf, dataclasses.replace(loaded, source=str(folder)), plan
 
 
 def _experts(params: dict) -> list[tuple[jax.Array, int]]:
@@ -60,6 +65,24 @@ def test_each_device_holds_its_share_of_the_experts(case):
     for array, axis in _experts(session.params):
         shards = {s.device: s.data.shape[axis] for s in array.addressable_shards}
         assert len(shards) == tp and set(shards.values()) == {want}, shards
+
+
+def test_loaded_onto_the_mesh_each_device_reads_its_own_experts(case):
+    """Loading straight onto the mesh (each device's shard read from the files: its experts
+    only) gives the whole load's values."""
+    _, loaded, plan = case
+    mesh = make_mesh(plan.tensor_parallel)
+    split = checkpoints.load_model(loaded.source, dtype="float32", mesh=mesh)
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(split.params),
+        jax.tree.leaves(loaded.params),
+        strict=True,
+    ):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+    for array, axis in _experts(split.params):
+        sizes = {s.data.shape[axis] for s in array.addressable_shards}
+        e, tp = loaded.config.moe.num_experts, plan.tensor_parallel
+        assert sizes == {e // tp if e % tp == 0 else e}
 
 
 def test_prompts_batched_and_alone(case):

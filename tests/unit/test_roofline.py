@@ -20,7 +20,13 @@ from jaxserve.models.loaded import abstract_params, model_for, unstack_layers
 from jaxserve.models.sharding import ShardingPlan, kv_split, make_mesh
 from jaxserve.runtime import aot
 from jaxserve.runtime.model_runner import RunnerConfig
-from jaxserve.runtime.roofline import StepWork, layer_floor, layer_weights, step_floor
+from jaxserve.runtime.roofline import (
+    StepWork,
+    layer_floor,
+    layer_matmul_flops,
+    layer_weights,
+    step_floor,
+)
 from pallas_kernels.chips import GPU_CHIPS, TPU_CHIPS
 
 CHIPS = {**TPU_CHIPS, **GPU_CHIPS}
@@ -267,10 +273,11 @@ def test_experts_split_over_the_model_axis_share_their_reads_and_flops(name, tp)
         assert experts * split == pytest.approx(
             per_expert * m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** tokens)
         )
-    # Each token's k experts' matmuls, shared by the devices holding them.
-    flops = layer_floor(model, 256, 32, BF16, tensor_parallel=tp).flops
-    one = layer_floor(model, 256, 32, BF16, tensor_parallel=1).flops
-    assert flops < one
+    # Each token's k experts' matmuls, shared by the devices holding them, beside the router's
+    # and the attention's projections.
+    split = tp if m.num_experts % tp == 0 else 1
+    per_token = attention + model.hidden_size * m.num_experts + m.top_k * per_expert / split
+    assert layer_matmul_flops(model, 256, tp) == pytest.approx(2 * 256 * per_token)
 
 
 def test_a_mixture_of_experts_decodes_faster_than_its_dense_twin_reads():
