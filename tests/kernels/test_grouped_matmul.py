@@ -13,6 +13,7 @@ session without them reruns that test in a subprocess with the flag.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -130,10 +131,41 @@ def test_a_case_worked_by_hand(implementation):
     kwargs = dict(implementation=implementation, interpret=implementation == "megablox")
     both = grouped_matmul(lhs, rhs, sizes, **kwargs)
     assert both[:, 0].tolist() == [1, 2, 30, 20, 0]
-    second = grouped_matmul(lhs, rhs[1:], sizes, jnp.int32(1), **kwargs)
+    second = grouped_matmul(lhs, rhs[1:], sizes, 1, **kwargs)  # a static offset, the last valid
     assert second[:, 0].tolist() == [0, 0, 30, 20, 0]
     first = grouped_matmul(lhs, rhs[:1], sizes, 0, **kwargs)  # a static 0: no rolls
     assert first[:, 0].tolist() == [1, 2, 0, 0, 0]
+
+
+def _kernel_tiles(fn, *args) -> list[tuple[int, ...]]:
+    """The block shapes of the Pallas kernel in fn's program: lhs (tm, tk), rhs (tk, tn)."""
+
+    def calls(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn.params["grid_mapping"].block_mappings
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from calls(inner)
+
+    (mappings,) = calls(jax.make_jaxpr(fn)(*args).jaxpr)
+    sizes = [tuple(getattr(d, "block_size", None) for d in m.block_shape) for m in mappings]
+    return [tuple(d for d in shape if d is not None) for shape in sizes[:2]]
+
+
+def test_the_tiles_asked_for_reach_the_kernel():
+    """An explicit tiling is what the kernel gets (the sweeps above rely on SMALL's many grid
+    steps); without one, the chip's: f32 M = 50 is one m tile of 56 rows (50 rounded up to 8);
+    K = 2048 is whole on v6e (its row allows 2048) and halved on the default row (1024)."""
+    args = (jnp.zeros((M, K)), jnp.zeros((G, K, N)), jnp.zeros(G, jnp.int32))
+    small = functools.partial(grouped_matmul, implementation="megablox", tiling=SMALL)
+    assert _kernel_tiles(small, *args) == [(16, 128), (128, 128)]
+    wide = (jnp.zeros((M, 2048)), jnp.zeros((G, 2048, N)), jnp.zeros(G, jnp.int32))
+    v6e = functools.partial(grouped_matmul, implementation="megablox", chip="TPU v6 lite")
+    assert _kernel_tiles(v6e, *wide) == [(56, 2048), (2048, 256)]
+    default = functools.partial(grouped_matmul, implementation="megablox")
+    assert _kernel_tiles(default, *wide) == [(56, 1024), (1024, 256)]
 
 
 def test_bad_arguments_raise_sentences_with_the_values():
