@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.step_batch import StepBatch, real_tokens
-from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul.ops import grouped_matmul
 from pallas_kernels.ragged_paged_attention import cpu_ffi
 
 
