@@ -478,6 +478,7 @@ def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketRe
         analysed,
         tensor_parallel=p.tensor_parallel,
         layer_loop=p.layer_loop,
+        dense_experts=p.target.platform == "gpu",  # XLA:GPU's ragged_dot: a dense masked dot
     )
     report.floor_flops, report.floor_bytes = floor.flops, floor.bytes
     if p.peaks is not None:
@@ -495,16 +496,23 @@ def predict_bucket(
     *,
     tensor_parallel: int = 1,
     layer_loop: str = "scan",
+    dense_experts: bool = False,
 ) -> tuple[StepWork, float | None]:
     """(the floor, the predicted step time or None without peaks) of one bucket on one device.
 
     `analysed` is the compiled cost analysis (None: the compile-only GPU client gives none). XLA
     prices a while loop's body once, so under the scan the other num_layers - 1 layers are
     added at the floor's per-layer work (tests/unit/test_roofline.py measures the undercount).
+    `dense_experts`: a mixture of experts' grouped matmul runs every expert (roofline.py).
     """
-    floor = step_floor(model, num_tokens, num_seqs, itemsize, tensor_parallel=tensor_parallel)
+    tp, dense = tensor_parallel, dense_experts
+    floor = step_floor(
+        model, num_tokens, num_seqs, itemsize, tensor_parallel=tp, dense_experts=dense
+    )
     if peaks is None:
         return floor, None
-    layer = layer_floor(model, num_tokens, num_seqs, itemsize, tensor_parallel=tensor_parallel)
+    layer = layer_floor(
+        model, num_tokens, num_seqs, itemsize, tensor_parallel=tp, dense_experts=dense
+    )
     missing = model.num_layers - 1 if layer_loop == "scan" else 0
     return floor, predict(floor, peaks, analysed, missing_layers=missing, layer=layer)

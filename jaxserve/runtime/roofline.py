@@ -16,7 +16,10 @@ A mixture of experts reads the router and the experts its tokens route to, taken
 expected number of distinct experts T tokens reach when each picks its k uniformly
 (E (1 - (1 - k / E)^T): k for one token, nearly all E for a prefill), and each token runs k
 experts' matmuls. Its experts are split over the model axis where their count divides by it
-(sharding.py, expert parallelism), else every device reads and runs them all.
+(sharding.py, expert parallelism), else every device reads and runs them all. Where the
+grouped matmul is XLA's ragged_dot on a GPU (`dense_experts`), XLA:GPU runs it as a dense masked
+dot (pallas_kernels/grouped_matmul/xla.py): every token passes every local expert and every
+local expert is read, and the floor counts that work, which is what the compiled program does.
 
 Both are per device under tensor parallelism, split as jaxserve/models/sharding.py splits the
 model: the fused qkv projection and the KV over the KV-head split, everything else over the
@@ -69,23 +72,32 @@ def _attention_weights(model: ModelConfig, tensor_parallel: int) -> float:
     return qkv / kv_split(tp, c.num_kv_heads) + c.num_heads * c.head_dim * c.hidden_size / tp
 
 
-def layer_weights(model: ModelConfig, tensor_parallel: int = 1, num_tokens: int = 1) -> float:
+def layer_weights(
+    model: ModelConfig,
+    tensor_parallel: int = 1,
+    num_tokens: int = 1,
+    dense_experts: bool = False,
+) -> float:
     """Matmul weights (elements) of one decoder layer a step of `num_tokens` tokens reads on
     one device: q/k/v split with the KV heads (sharding.kv_split), o, gate/up and down over the
     whole model axis; for a mixture of experts the router and the experts the tokens reach
-    (`experts_touched`), split with the experts."""
+    (`experts_touched`; all of them with `dense_experts`), split with the experts."""
     c, tp = model, tensor_parallel
     attention = _attention_weights(c, tp)
     if c.moe is None:
         return attention + 3 * c.hidden_size * c.intermediate_size / tp
     expert = 3 * c.hidden_size * c.moe.intermediate_size
-    touched = experts_touched(c, num_tokens) / _expert_split(c, tp)
+    touched = c.moe.num_experts if dense_experts else experts_touched(c, num_tokens)
+    touched /= _expert_split(c, tp)
     return attention + c.hidden_size * c.moe.num_experts + touched * expert
 
 
-def layer_matmul_flops(model: ModelConfig, num_tokens: int, tensor_parallel: int = 1) -> float:
+def layer_matmul_flops(
+    model: ModelConfig, num_tokens: int, tensor_parallel: int = 1, dense_experts: bool = False
+) -> float:
     """The decoder layer's matmul FLOPs on one device for `num_tokens` tokens: 2 per weight per
-    token, a mixture of experts' tokens passing the router and k experts each."""
+    token, a mixture of experts' tokens passing the router and k experts each (every expert
+    with `dense_experts`)."""
     c, tp = model, tensor_parallel
     if c.moe is None:
         return 2 * num_tokens * layer_weights(c, tp)
@@ -93,7 +105,7 @@ def layer_matmul_flops(model: ModelConfig, num_tokens: int, tensor_parallel: int
     per_token = (
         _attention_weights(c, tp)
         + c.hidden_size * c.moe.num_experts
-        + c.moe.top_k * expert / _expert_split(c, tp)
+        + (c.moe.num_experts if dense_experts else c.moe.top_k) * expert / _expert_split(c, tp)
     )
     return 2 * num_tokens * per_token
 
@@ -115,6 +127,7 @@ def layer_floor(
     *,
     tensor_parallel: int = 1,
     context: int = 0,
+    dense_experts: bool = False,
 ) -> StepWork:
     """One decoder layer's share of `step_floor`: its weights, its KV written and read, its
     matmuls and its attention, on one device."""
@@ -124,7 +137,7 @@ def layer_floor(
             f"A step floor needs num_tokens >= num_seqs >= 1 and context >= 0, got "
             f"{num_tokens=}, {num_seqs=}, {context=}."
         )
-    weights = layer_weights(c, tp, num_tokens)
+    weights = layer_weights(c, tp, num_tokens, dense_experts)
     kv_per_token = 2 * c.num_kv_heads * c.head_dim * itemsize / kv_split(tp, c.num_kv_heads)
     # Written: the step's tokens; read back by attention: each sequence's context and its own.
     kv_bytes = kv_per_token * (num_tokens + num_tokens + num_seqs * context)
@@ -132,7 +145,7 @@ def layer_floor(
     pairs = num_seqs * (q * context + q * (q + 1) / 2)
     attention = 4 * _query_heads(c, tp) * c.head_dim * pairs  # Q K^T and P V, 2 FLOPs a MAC
     return StepWork(
-        flops=layer_matmul_flops(c, num_tokens, tp) + attention,
+        flops=layer_matmul_flops(c, num_tokens, tp, dense_experts) + attention,
         bytes=weights * itemsize + kv_bytes,
     )
 
@@ -145,12 +158,21 @@ def step_floor(
     *,
     tensor_parallel: int = 1,
     context: int = 0,
+    dense_experts: bool = False,
 ) -> StepWork:
     """The least one device does in a full step of `num_tokens` tokens over `num_seqs`
     sequences with `context` earlier tokens each (weights of `itemsize` bytes): see the module
     docstring for what is counted."""
     c, tp = model, tensor_parallel
-    layer = layer_floor(c, num_tokens, num_seqs, itemsize, tensor_parallel=tp, context=context)
+    layer = layer_floor(
+        c,
+        num_tokens,
+        num_seqs,
+        itemsize,
+        tensor_parallel=tp,
+        context=context,
+        dense_experts=dense_experts,
+    )
     table = c.vocab_size * c.hidden_size / tp  # split by vocabulary rows
     head_bytes = table * itemsize  # the LM head reads all of it, tied or not
     if not c.tie_word_embeddings:  # the input embedding: only the step's rows are gathered

@@ -287,3 +287,22 @@ def test_a_mixture_of_experts_decodes_faster_than_its_dense_twin_reads():
     floor = step_floor(model, 1, 1, BF16)
     assert 30e9 < total / BF16 < 31e9
     assert 2.5e9 < floor.bytes / BF16 < 3.5e9
+
+
+def test_xla_gpu_s_dense_experts_are_priced_as_they_run():
+    """On a GPU the grouped matmul is a dense masked dot: one token pays every expert."""
+    model = NAMED_SHAPES["qwen3-30b-a3b"]
+    m = model.moe
+    sparse = layer_matmul_flops(model, 1)
+    dense = layer_matmul_flops(model, 1, dense_experts=True)
+    per_expert = 3 * model.hidden_size * m.intermediate_size
+    assert dense - sparse == pytest.approx(2 * (m.num_experts - m.top_k) * per_expert)
+    assert layer_weights(model, 1, 1, dense_experts=True) == pytest.approx(
+        layer_weights(model, 1, 100_000)
+    )
+    peaks = aot.chip_peaks(GPU_CHIPS["h200"], jnp.bfloat16)
+    (_, fast), (_, slow) = (
+        aot.predict_bucket(model, 2048, 32, BF16, peaks, None, dense_experts=d)
+        for d in (False, True)
+    )
+    assert slow > 4 * fast  # 16x the experts' FLOPs, where the sparse step is bound by bytes
