@@ -76,6 +76,9 @@ class BucketReport:
     output_bytes: int = 0
     alias_bytes: int = 0  # outputs that reuse donated arguments (the pool)
     pool_copies: int = 0  # ops that materialise the whole (per-device) KV pool again
+    # Pallas kernels the program calls on a TPU (Mosaic custom calls: the attention, and a
+    # mixture of experts' two grouped matmuls, per layer body)
+    mosaic_calls: int = 0
     flops: float | None = None  # per device, the compiled cost analysis (None on the GPU)
     bytes_accessed: float | None = None
     floor_flops: float = 0.0  # per device, the least the step must do (runtime/roofline.py)
@@ -464,7 +467,9 @@ def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketRe
         report.temp_bytes = int(memory.temp_size_in_bytes)
         report.output_bytes = int(memory.output_size_in_bytes)
         report.alias_bytes = int(memory.alias_size_in_bytes)
-    report.pool_copies = len(pool_copies(compiled.as_text(), p.pool_shard_shape))
+    hlo = compiled.as_text()
+    report.pool_copies = len(pool_copies(hlo, p.pool_shard_shape))
+    report.mosaic_calls = hlo.count('custom_call_target="tpu_custom_call"')
     report.flops, report.bytes_accessed = _cost(compiled)
     analysed = None
     if report.flops is not None:

@@ -68,3 +68,14 @@ def test_tensor_parallel_steps_compile_with_the_pallas_kernel_and_no_pool_copy(
     report = compile_one_bucket("v5e:2x2", model, tensor_parallel)
     assert report.num_devices == tensor_parallel
     assert report.buckets[0].pool_copies == 0
+
+
+@pytest.mark.parametrize(("target", "tensor_parallel"), [("v5e:1x1", 1), ("v6e:2x2", 4)])
+def test_a_mixture_of_experts_runs_its_experts_through_megablox(target, tensor_parallel):
+    """qwen3-moe-tiny's step (the scanned layer body) calls three Pallas kernels on a TPU: the
+    attention and megablox's grouped matmul for gate/up and for down, where its dense twin
+    calls the attention alone; at TP 4 each device holds 2 of the 8 experts."""
+    moe = compile_one_bucket(target, "qwen3-moe-tiny", tensor_parallel)
+    dense = compile_one_bucket(target, "qwen3-moe-tiny-dense", tensor_parallel)
+    assert (moe.buckets[0].mosaic_calls, dense.buckets[0].mosaic_calls) == (3, 1)
+    assert moe.buckets[0].pool_copies == 0
