@@ -581,6 +581,8 @@ def _report(spec: SoakSpec, server: ServerProcess, seen: _Observed) -> dict:
         compiles = int(final["jaxserve_compiles_total"] - before)
     mib = lambda b: None if b is None else round(b / 2**20, 1)  # noqa: E731
     middle = min(rss, key=lambda s: abs(s[0] - seen.traffic_s / 2))[1] if rss else None
+    peak = max((b for _, b in rss), default=None)
+    growth = None if peak is None or seen.rss_start is None else peak - seen.rss_start
     failures = []
     if seen.died:
         tail = "\n".join(server.tail)
@@ -612,6 +614,10 @@ def _report(spec: SoakSpec, server: ServerProcess, seen: _Observed) -> dict:
             "num_kv_pages": info.limits.num_kv_pages,
             "flags": list(spec.serve_flags),
             "warmup_s": server.ready_info.get("warmup_s"),
+            # The KV pools as the server's 'serving' line gave them: the host tier's bytes are
+            # what its RSS may grow by as host pages are first used (kv_transfer.py).
+            "kv_bytes": server.ready_info.get("kv_bytes"),
+            "host_kv_bytes": server.ready_info.get("host_kv_bytes"),
         },
         "duration_s": round(seen.traffic_s, 1),
         "capacity_rps": None if seen.capacity is None else round(seen.capacity, 2),
@@ -633,13 +639,29 @@ def _report(spec: SoakSpec, server: ServerProcess, seen: _Observed) -> dict:
             "start": mib(seen.rss_start),
             "middle": mib(middle),
             "end": mib(seen.rss_end),
-            "max": mib(max((b for _, b in rss), default=None)),
+            "max": mib(peak),
+            "growth": mib(growth),
         },
+        "rss_timeline_mib": rss_timeline(rss, RSS_TIMELINE_STEP_S),
         "server_error_logs": {"count": len(server.errors), "examples": server.errors[:10]},
         "server_exit_code": seen.exit_code,
         "failures": failures,
         "ok": not failures,
     }
+
+
+RSS_TIMELINE_STEP_S = 10.0
+
+
+def rss_timeline(samples: list, step_s: float) -> list[list[float]]:
+    """The RSS samples (s since traffic began, bytes) thinned to the first one in each `step_s`
+    of the soak, as [s, MiB] pairs: growth over time, short enough to read in soak.json."""
+    out, next_at = [], 0.0
+    for t, b in samples:
+        if t >= next_at:
+            out.append([round(t, 1), round(b / 2**20, 1)])
+            next_at = (t // step_s + 1) * step_s
+    return out
 
 
 def _labelled(metrics: dict, name: str) -> dict[str, int]:
@@ -675,8 +697,13 @@ def format_report(r: dict) -> str:
     m = r["rss_mib"]
     lines.append(
         f"server RSS MiB: ready {m['ready']}, start {m['start']}, middle {m['middle']}, "
-        f"end {m['end']}, max {m['max']}"
+        f"end {m['end']}, max {m['max']} (growth {m['growth']})"
     )
+    if s.get("host_kv_bytes") is not None:
+        lines.append(
+            f"host KV tier: {s['host_kv_bytes'] / 2**20:.1f} MiB (device pool "
+            f"{(s['kv_bytes'] or 0) / 2**20:.1f} MiB)"
+        )
     lines.append(f"server ERROR log lines: {r['server_error_logs']['count']}")
     lines.append(f"server exit status after SIGTERM: {r['server_exit_code']}")
     lines += [f"FAIL: {f}" for f in r["failures"]] or ["soak: PASS"]
