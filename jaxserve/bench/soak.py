@@ -618,6 +618,9 @@ def _report(spec: SoakSpec, server: ServerProcess, seen: _Observed) -> dict:
             # what its RSS may grow by as host pages are first used (kv_transfer.py).
             "kv_bytes": server.ready_info.get("kv_bytes"),
             "host_kv_bytes": server.ready_info.get("host_kv_bytes"),
+            "host_kv_pages": server.ready_info.get("host_kv_pages"),
+            # Host pages in use once idle: the host tier keeps what the device pool evicted.
+            "host_kv_pages_used_end": _int_or_none(final.get("jaxserve_host_kv_pages_used")),
         },
         "duration_s": round(seen.traffic_s, 1),
         "capacity_rps": None if seen.capacity is None else round(seen.capacity, 2),
@@ -651,6 +654,10 @@ def _report(spec: SoakSpec, server: ServerProcess, seen: _Observed) -> dict:
 
 
 RSS_TIMELINE_STEP_S = 10.0
+
+
+def _int_or_none(value) -> int | None:
+    return None if value is None else int(value)
 
 
 def rss_timeline(samples: list, step_s: float) -> list[list[float]]:
@@ -701,7 +708,8 @@ def format_report(r: dict) -> str:
     )
     if s.get("host_kv_bytes") is not None:
         lines.append(
-            f"host KV tier: {s['host_kv_bytes'] / 2**20:.1f} MiB (device pool "
+            f"host KV tier: {s['host_kv_bytes'] / 2**20:.1f} MiB, {s['host_kv_pages_used_end']} "
+            f"of its {s['host_kv_pages']} pages used once idle (device pool "
             f"{(s['kv_bytes'] or 0) / 2**20:.1f} MiB)"
         )
     lines.append(f"server ERROR log lines: {r['server_error_logs']['count']}")

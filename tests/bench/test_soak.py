@@ -168,14 +168,17 @@ def test_report_gives_rss_over_time_its_growth_and_the_host_kv_tier():
     assert rss_timeline(samples, 10.0) == thinned
     assert rss_timeline([], 10.0) == []
     server = _StoppedServer()
-    server.ready_info = {"kv_bytes": 8 * mib, "host_kv_bytes": 16 * mib}
+    server.ready_info = {"kv_bytes": 8 * mib, "host_kv_bytes": 16 * mib, "host_kv_pages": 64}
+    final = {"jaxserve_host_kv_pages_used": 40.0}
     seen = _Observed(info=info, rss=samples, rss_start=100 * mib, traffic_s=31.0, exit_code=0)
+    seen.final_metrics = final
     report = _report(_spec(), server, seen)
     assert report["rss_mib"]["max"] == 131.0 and report["rss_mib"]["growth"] == 31.0
     assert report["rss_timeline_mib"][-1] == [31.0, 131.0]
     assert (report["server"]["kv_bytes"], report["server"]["host_kv_bytes"]) == (8 * mib, 16 * mib)
     text = format_report(report)
-    assert "(growth 31.0)" in text and "host KV tier: 16.0 MiB (device pool 8.0 MiB)" in text
+    assert "(growth 31.0)" in text
+    assert "host KV tier: 16.0 MiB, 40 of its 64 pages used once idle (device pool 8.0" in text
 
 
 def _spec():
