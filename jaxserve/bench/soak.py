@@ -448,6 +448,8 @@ class _Observed:
     probe: list = dataclasses.field(default_factory=list)  # Outcomes of the capacity probe
     outcomes: list = dataclasses.field(default_factory=list)  # Outcomes of the soak proper
     rss: list = dataclasses.field(default_factory=list)  # (s since traffic began, bytes)
+    # (s since traffic began, jaxserve_host_kv_pages_used), every RSS_TIMELINE_STEP_S
+    host_pages: list = dataclasses.field(default_factory=list)
     rss_ready: int | None = None
     rss_start: int | None = None
     rss_end: int | None = None
@@ -501,10 +503,19 @@ def _drive(spec: SoakSpec, server: ServerProcess, client: _Client, seen: _Observ
     stop_sampling = threading.Event()
 
     def sample_rss():
+        next_scrape = 0.0
         while not stop_sampling.wait(1.0):
-            value = server.rss_bytes()
+            value, t = server.rss_bytes(), time.monotonic() - t0
             if value is not None:
-                seen.rss.append((time.monotonic() - t0, value))
+                seen.rss.append((t, value))
+            if t >= next_scrape:  # what the host tier holds, to read the RSS against
+                next_scrape = t + RSS_TIMELINE_STEP_S
+                try:
+                    used = server.metrics().get("jaxserve_host_kv_pages_used")
+                except OSError:
+                    continue
+                if used is not None:
+                    seen.host_pages.append((round(t, 1), int(used)))
 
     threading.Thread(target=sample_rss, daemon=True).start()
     try:
@@ -646,6 +657,7 @@ def _report(spec: SoakSpec, server: ServerProcess, seen: _Observed) -> dict:
             "growth": mib(growth),
         },
         "rss_timeline_mib": rss_timeline(rss, RSS_TIMELINE_STEP_S),
+        "host_kv_pages_used_timeline": [list(x) for x in seen.host_pages],
         "server_error_logs": {"count": len(server.errors), "examples": server.errors[:10]},
         "server_exit_code": seen.exit_code,
         "failures": failures,
