@@ -448,6 +448,8 @@ class _Observed:
     probe: list = dataclasses.field(default_factory=list)  # Outcomes of the capacity probe
     outcomes: list = dataclasses.field(default_factory=list)  # Outcomes of the soak proper
     rss: list = dataclasses.field(default_factory=list)  # (s since traffic began, bytes)
+    # (s since traffic began, jaxserve_host_kv_pages_used), every RSS_TIMELINE_STEP_S
+    host_pages: list = dataclasses.field(default_factory=list)
     rss_ready: int | None = None
     rss_start: int | None = None
     rss_end: int | None = None
@@ -501,10 +503,19 @@ def _drive(spec: SoakSpec, server: ServerProcess, client: _Client, seen: _Observ
     stop_sampling = threading.Event()
 
     def sample_rss():
+        next_scrape = 0.0
         while not stop_sampling.wait(1.0):
-            value = server.rss_bytes()
+            value, t = server.rss_bytes(), time.monotonic() - t0
             if value is not None:
-                seen.rss.append((time.monotonic() - t0, value))
+                seen.rss.append((t, value))
+            if t >= next_scrape:  # what the host tier holds, to read the RSS against
+                next_scrape = t + RSS_TIMELINE_STEP_S
+                try:
+                    used = server.metrics().get("jaxserve_host_kv_pages_used")
+                except OSError:
+                    continue
+                if used is not None:
+                    seen.host_pages.append((round(t, 1), int(used)))
 
     threading.Thread(target=sample_rss, daemon=True).start()
     try:
@@ -581,6 +592,8 @@ def _report(spec: SoakSpec, server: ServerProcess, seen: _Observed) -> dict:
         compiles = int(final["jaxserve_compiles_total"] - before)
     mib = lambda b: None if b is None else round(b / 2**20, 1)  # noqa: E731
     middle = min(rss, key=lambda s: abs(s[0] - seen.traffic_s / 2))[1] if rss else None
+    peak = max((b for _, b in rss), default=None)
+    growth = None if peak is None or seen.rss_start is None else peak - seen.rss_start
     failures = []
     if seen.died:
         tail = "\n".join(server.tail)
@@ -612,6 +625,13 @@ def _report(spec: SoakSpec, server: ServerProcess, seen: _Observed) -> dict:
             "num_kv_pages": info.limits.num_kv_pages,
             "flags": list(spec.serve_flags),
             "warmup_s": server.ready_info.get("warmup_s"),
+            # The KV pools as the server's 'serving' line gave them: the host tier's bytes are
+            # what its RSS may grow by as host pages are first used (kv_transfer.py).
+            "kv_bytes": server.ready_info.get("kv_bytes"),
+            "host_kv_bytes": server.ready_info.get("host_kv_bytes"),
+            "host_kv_pages": server.ready_info.get("host_kv_pages"),
+            # Host pages in use once idle: the host tier keeps what the device pool evicted.
+            "host_kv_pages_used_end": _int_or_none(final.get("jaxserve_host_kv_pages_used")),
         },
         "duration_s": round(seen.traffic_s, 1),
         "capacity_rps": None if seen.capacity is None else round(seen.capacity, 2),
@@ -633,13 +653,34 @@ def _report(spec: SoakSpec, server: ServerProcess, seen: _Observed) -> dict:
             "start": mib(seen.rss_start),
             "middle": mib(middle),
             "end": mib(seen.rss_end),
-            "max": mib(max((b for _, b in rss), default=None)),
+            "max": mib(peak),
+            "growth": mib(growth),
         },
+        "rss_timeline_mib": rss_timeline(rss, RSS_TIMELINE_STEP_S),
+        "host_kv_pages_used_timeline": [list(x) for x in seen.host_pages],
         "server_error_logs": {"count": len(server.errors), "examples": server.errors[:10]},
         "server_exit_code": seen.exit_code,
         "failures": failures,
         "ok": not failures,
     }
+
+
+RSS_TIMELINE_STEP_S = 10.0
+
+
+def _int_or_none(value) -> int | None:
+    return None if value is None else int(value)
+
+
+def rss_timeline(samples: list, step_s: float) -> list[list[float]]:
+    """The RSS samples (s since traffic began, bytes) thinned to the first one in each `step_s`
+    of the soak, as [s, MiB] pairs: growth over time, short enough to read in soak.json."""
+    out, next_at = [], 0.0
+    for t, b in samples:
+        if t >= next_at:
+            out.append([round(t, 1), round(b / 2**20, 1)])
+            next_at = (t // step_s + 1) * step_s
+    return out
 
 
 def _labelled(metrics: dict, name: str) -> dict[str, int]:
@@ -675,8 +716,14 @@ def format_report(r: dict) -> str:
     m = r["rss_mib"]
     lines.append(
         f"server RSS MiB: ready {m['ready']}, start {m['start']}, middle {m['middle']}, "
-        f"end {m['end']}, max {m['max']}"
+        f"end {m['end']}, max {m['max']} (growth {m['growth']})"
     )
+    if s.get("host_kv_bytes") is not None:
+        lines.append(
+            f"host KV tier: {s['host_kv_bytes'] / 2**20:.1f} MiB, {s['host_kv_pages_used_end']} "
+            f"of its {s['host_kv_pages']} pages used once idle (device pool "
+            f"{(s['kv_bytes'] or 0) / 2**20:.1f} MiB)"
+        )
     lines.append(f"server ERROR log lines: {r['server_error_logs']['count']}")
     lines.append(f"server exit status after SIGTERM: {r['server_exit_code']}")
     lines += [f"FAIL: {f}" for f in r["failures"]] or ["soak: PASS"]

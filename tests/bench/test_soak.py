@@ -15,6 +15,8 @@ from jaxserve.bench.soak import (
     _Observed,
     _report,
     check_answer,
+    format_report,
+    rss_timeline,
 )
 from service.gen.jaxserve.v1 import jaxserve_pb2 as pb
 from tests.service.conftest import SMALL
@@ -156,6 +158,27 @@ def test_report_fails_on_leaks_compiles_unexpected_codes_and_exit_status():
         report = _report(_spec(), server, seen)
         assert not report["ok"] and len(report["failures"]) == 1, (name, report["failures"])
     assert "INVALID_ARGUMENT" in EXPECTED["reuse"] and "INVALID_ARGUMENT" not in EXPECTED["normal"]
+
+
+def test_report_gives_rss_over_time_its_growth_and_the_host_kv_tier():
+    info = pb.ModelInfo(model="m", dtype="float32", context_length=64)
+    mib = 2**20
+    samples = [(t, (100 + t) * mib) for t in (1.0, 2.0, 9.9, 10.0, 10.5, 25.0, 31.0)]
+    thinned = [[1.0, 101.0], [10.0, 110.0], [25.0, 125.0], [31.0, 131.0]]
+    assert rss_timeline(samples, 10.0) == thinned
+    assert rss_timeline([], 10.0) == []
+    server = _StoppedServer()
+    server.ready_info = {"kv_bytes": 8 * mib, "host_kv_bytes": 16 * mib, "host_kv_pages": 64}
+    final = {"jaxserve_host_kv_pages_used": 40.0}
+    seen = _Observed(info=info, rss=samples, rss_start=100 * mib, traffic_s=31.0, exit_code=0)
+    seen.final_metrics = final
+    report = _report(_spec(), server, seen)
+    assert report["rss_mib"]["max"] == 131.0 and report["rss_mib"]["growth"] == 31.0
+    assert report["rss_timeline_mib"][-1] == [31.0, 131.0]
+    assert (report["server"]["kv_bytes"], report["server"]["host_kv_bytes"]) == (8 * mib, 16 * mib)
+    text = format_report(report)
+    assert "(growth 31.0)" in text
+    assert "host KV tier: 16.0 MiB, 40 of its 64 pages used once idle (device pool 8.0" in text
 
 
 def _spec():

@@ -1,6 +1,7 @@
-"""The HTTP front end's pieces that need no server: the bounded JSON parser (service/http/body.py)
-and logprob tokens decoded in context (service/http/token_texts.py), against references that are
-not our code (`json.loads`, the tokenizer's own decode of the whole sequence)."""
+"""The HTTP front end's pieces that need no server: the bounded JSON parser (service/http/body.py),
+the strict JSON every response is written in (service/http/protocol.dumps) and logprob tokens
+decoded in context (service/http/token_texts.py), against references that are not our code
+(`json.loads`, the tokenizer's own decode of the whole sequence)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.http import body
+from service.http import body, protocol
 from service.http.token_texts import TokenTexts
 from service.validation import InvalidRequest
 
@@ -89,6 +90,25 @@ def test_a_lone_surrogate_is_named_by_its_field():
 def _walk(tokenizer, context, ids):
     texts = TokenTexts(tokenizer, context)
     return [texts.step(t)[0] for t in ids]
+
+
+def test_responses_are_compact_utf8_strict_json_and_a_non_finite_value_is_named():
+    """protocol.dumps writes every body and SSE event: compact, UTF-8 as it is (not \\u
+    escapes), and a NaN or infinity anywhere is ResponseNotJson naming where it is."""
+    value = {"text": "é ✓", "ids": [1, 2.5], "nested": {"a": None}}
+    assert protocol.dumps(value) == '{"text":"é ✓","ids":[1,2.5],"nested":{"a":null}}'
+    suffix = " is not a finite number; this is a bug in the server."
+    cases = [
+        (math.nan, "the body=nan"),
+        ({"choices": [{"logprobs": {"top": [0.0, -math.inf]}}]}, "choices[0].logprobs.top[1]=-inf"),
+        ([1, {"x": math.inf}], "[1].x=inf"),
+        ({math.inf: 1}, "a value"),  # a key: json refuses it, the path search looks at values
+    ]
+    for bad, where in cases:
+        with pytest.raises(protocol.ResponseNotJson) as e:
+            protocol.dumps(bad)
+        assert str(e.value) == f"The response is not JSON (RFC 8259): {where}{suffix}"
+        assert isinstance(e.value.__cause__, ValueError)
 
 
 @pytest.mark.parametrize(

@@ -230,12 +230,100 @@ def test_traceparent_makes_the_span_a_child_of_the_callers_over_http_and_grpc(sp
     _check_child(grpc_span)
 
 
+def _finished(reason, prompt, tokens, times, error=None):
+    from jaxserve.outputs import RequestMetrics, RequestOutput
+
+    return RequestOutput(
+        request_id="r",
+        new_token_ids=[],
+        text_delta="",
+        finished=True,
+        finish_reason=reason,
+        num_prompt_tokens=prompt,
+        num_output_tokens=tokens,
+        metrics=RequestMetrics(*times),
+        error=error,
+    )
+
+
+def test_a_call_of_several_choices_sums_them_shows_the_last_slowest_and_an_engine_failure(
+    caplog,
+):
+    """CallSpan with no server behind it: tokens summed (or as the front end counts them),
+    the latencies of the slowest choice (of equals, the last), a reason for each choice, and a
+    request the engine failed makes the span an ERROR even when the call answered."""
+    from jaxserve.sampling_params import SamplingParams
+    from service.tracing import RequestTracer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = RequestTracer(provider)
+    span = tracer.start("text_completion", {})
+    span.request(model="m", params=SamplingParams(max_tokens=8, top_k=0))
+    span.output(_finished("length", 5, 8, (10.0, 10.5, 11.0, 12.0)))
+    span.output(_finished("error", 5, 3, (10.0, 10.2, 10.4, 12.0)), output_tokens=2)
+    span.output(_finished(None, 5, 1, (10.0, None, None, 11.0)), input_tokens=0)
+    span.end()
+    with caplog.at_level("WARNING", logger="opentelemetry"):
+        span.end()  # once: the ended span is not touched again (the SDK would warn)
+    assert not caplog.records
+    (s,) = exporter.get_finished_spans()
+    a = s.attributes
+    assert s.name == "text_completion m" and s.instrumentation_scope.name == "jaxserve.service"
+    assert a["gen_ai.request.n"] == 1 and a["gen_ai.request.max_tokens"] == 8
+    assert "gen_ai.request.top_k" not in a  # 0: off
+    assert a["gen_ai.response.finish_reasons"] == ("length", "error", "unknown")
+    assert a["gen_ai.usage.input_tokens"] == 10 and a["gen_ai.usage.output_tokens"] == 11
+    # The second choice's: as slow as the first, finished after it.
+    assert a["gen_ai.latency.time_in_queue"] == pytest.approx(0.2)
+    assert a["gen_ai.latency.time_to_first_token"] == pytest.approx(0.4)
+    assert a["gen_ai.latency.e2e"] == pytest.approx(2.0)
+    assert s.status.status_code == StatusCode.ERROR and a["error.type"] == "finish_reason_error"
+    assert s.status.description == "The engine failed the request."
+
+    # A choice of unknown e2e (not finished in time) never stands for the call; top_k shown.
+    span = tracer.start("chat", {})
+    span.request(model="m", params=SamplingParams(max_tokens=4, top_k=5), n=2)
+    span.output(_finished("stop", 3, 2, (10.0, 10.1, 10.2, 10.5)))
+    span.output(_finished("error", 3, 0, (10.0, None, None, None), error="boom"))
+    span.end()
+    s = exporter.get_finished_spans()[-1]
+    assert s.attributes["gen_ai.request.top_k"] == 5 and s.attributes["gen_ai.request.n"] == 2
+    assert s.attributes["gen_ai.latency.e2e"] == pytest.approx(0.5)
+    assert s.status.description == "boom"
+    # A call that failed: its error's class, "error" unless the front end names one; a span
+    # never told what was asked keeps the operation's name.
+    tracer.start("chat", {}).end("cancelled")
+    s = exporter.get_finished_spans()[-1]
+    assert s.name == "chat" and s.attributes["error.type"] == "error"
+    assert s.status.description == "cancelled"
+    # A provider the caller owns is flushed, not shut down: its spans keep being exported.
+    tracer.shutdown()
+    tracer.start("chat", {}).end()
+    assert len(exporter.get_finished_spans()) == 4
+    # One built here (to_collector's) is shut down: nothing is exported after it.
+    owned = RequestTracer(provider, owns_provider=True)
+    owned.shutdown()
+    owned.start("chat", {}).end()
+    assert len(exporter.get_finished_spans()) == 4
+
+
 def test_a_bad_endpoint_is_refused_with_a_sentence_showing_it():
-    for bad in ("127.0.0.1:4317", "grpc://127.0.0.1:4317", "http://:4317", "http://host"):
+    bad_ones = ["127.0.0.1:4317", "grpc://127.0.0.1:4317", "http://:4317", "http://host"]
+    # a port that is no number or out of range, a path, a query, a fragment
+    bad_ones += ["http://h:43x7", "http://h:70000", "http://h:4317/v1", "http://h:4317?a=1"]
+    bad_ones += ["http://h:4317#f"]
+    for bad in bad_ones:
         with pytest.raises(ValueError, match="is not an OTLP/gRPC collector's address") as e:
             ServerOptions(otlp_traces_endpoint=bad)
-        assert repr(bad) in str(e.value)
+        assert str(e.value) == (
+            f"otlp_traces_endpoint (--otlp-traces-endpoint) {bad!r} is not an OTLP/gRPC "
+            "collector's address: give http://HOST:PORT (https:// for TLS), e.g. "
+            "http://127.0.0.1:4317."
+        )
     ServerOptions(otlp_traces_endpoint="https://collector.example:4317")  # TLS is fine
+    ServerOptions(otlp_traces_endpoint="http://collector.example:4317/")  # and a bare /
     cli = [sys.executable, "-m", "jaxserve.cli", "serve", "--otlp-traces-endpoint", "localhost"]
     done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2

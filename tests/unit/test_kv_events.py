@@ -17,6 +17,8 @@ import random
 import re
 import subprocess
 import sys
+import time
+import types
 
 import msgpack
 import pytest
@@ -209,6 +211,31 @@ def test_a_full_queue_drops_and_counts_and_a_snapshot_follows():
         assert second == log.snapshot() and len(second) == 3  # a clear, then both pages
         publisher.publish_log(log)
         assert publisher._queue.empty()  # owed no more
+    finally:
+        publisher._close_sockets()
+
+
+def test_dropped_batches_are_counted_and_warned_of_at_most_every_10_s(monkeypatch, caplog):
+    from jaxserve.engine import kv_events
+
+    publisher = KVEventPublisher("inproc://kv-events-warn", max_queue_batches=1)
+    try:
+        publisher._queue.put(None)  # its thread ends on it: nothing drains the queue now
+        publisher._thread.join(5)
+        assert publisher.publish([]) is True  # the one batch the queue holds
+        clock = iter([100.0, 105.0, 110.0, 115.0])  # the publisher's own clock, no one else's
+        fake = types.SimpleNamespace(time=time.time, monotonic=lambda: next(clock))
+        monkeypatch.setattr(kv_events, "time", fake)
+        with caplog.at_level("WARNING", logger=kv_events.logger.name):
+            results = [publisher.publish([BlockRemoved((1,), "GPU")] * n) for n in (3, 1, 2, 1)]
+        assert results == [False] * 4 and publisher.num_dropped == 4
+        # Warned at 100 s and again at 110 s (10 s later), not at 105 or 115.
+        assert [r.getMessage() for r in caplog.records] == [
+            "KV events: the publisher's queue is full (1 batches); dropped a batch of "
+            f"{n} events ({k} batches dropped so far). Subscribers get a snapshot of the "
+            "cache once it drains."
+            for n, k in ((3, 1), (2, 3))
+        ]
     finally:
         publisher._close_sockets()
 

@@ -96,3 +96,45 @@ def test_host_pages_default_from_the_device_pool_or_as_the_flag_says(monkeypatch
     # The flag's size, whatever the device pool; 0 turns the pool off.
     assert kv_transfer.host_pages_for(0.5, 4096, num_device_pages=500) == (GiB // 2) // 4096
     assert kv_transfer.host_pages_for(0, 4096, num_device_pages=500) == 0
+    # Whole pages, an int, where the bytes do not divide into pages.
+    odd = kv_transfer.host_pages_for(0.5, 3000, num_device_pages=500)
+    assert odd == (GiB // 2) // 3000 and isinstance(odd, int)
+    monkeypatch.setattr(kv_transfer, "free_host_bytes", lambda: 400 * 4096)
+    odd = kv_transfer.host_pages_for(None, 3000, num_device_pages=7)  # 42,000 bytes: 14 pages
+    assert odd == 14 and isinstance(odd, int)
+
+
+def test_a_multi_host_mesh_gets_no_host_pool(monkeypatch):
+    """Followers would not run the copies (host_pages_for): 0 pages, whatever the flag."""
+    for processes in (2, 3):
+        monkeypatch.setattr(kv_transfer.jax, "process_count", lambda n=processes: n)
+        assert kv_transfer.host_pages_for(None, 4096, num_device_pages=500) == 0
+        assert kv_transfer.host_pages_for(0.5, 4096, num_device_pages=500) == 0
+
+
+def test_free_memory_is_memavailable_else_the_free_physical_pages(monkeypatch):
+    import io
+    import os
+
+    pages = {"SC_AVPHYS_PAGES": 300, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+
+    def meminfo(text):
+        def fake_open(path, *args, **kwargs):
+            assert path == "/proc/meminfo"
+            return io.StringIO(text)
+
+        return fake_open
+
+    lines = "MemTotal:       16384 kB\nMemFree:         1024 kB\nMemAvailable:    8192 kB\n"
+    monkeypatch.setattr(kv_transfer, "open", meminfo(lines), raising=False)
+    assert kv_transfer.free_host_bytes() == 8192 * 1024
+    # A kernel without MemAvailable, or no /proc: the free pages.
+    monkeypatch.setattr(kv_transfer, "open", meminfo("MemFree: 1024 kB\n"), raising=False)
+    assert kv_transfer.free_host_bytes() == 300 * 4096
+
+    def no_proc(*args, **kwargs):
+        raise FileNotFoundError("/proc/meminfo")
+
+    monkeypatch.setattr(kv_transfer, "open", no_proc, raising=False)
+    assert kv_transfer.free_host_bytes() == 300 * 4096

@@ -25,6 +25,7 @@ from jaxserve.runtime.roofline import (
     layer_floor,
     layer_matmul_flops,
     layer_weights,
+    predict,
     step_floor,
 )
 from pallas_kernels.chips import GPU_CHIPS, TPU_CHIPS
@@ -185,6 +186,61 @@ def test_context_adds_its_kv_reads_and_attention():
 def test_a_step_floor_refuses_a_bucket_with_fewer_tokens_than_sequences():
     with pytest.raises(ValueError, match="num_tokens=4, num_seqs=8"):
         step_floor(NAMED_SHAPES["llama-tiny"], 4, 8, BF16)
+
+
+def test_the_head_reads_its_table_the_untied_rows_and_writes_f32_logits_split_by_tp():
+    """What step_floor adds to its layers, to the byte: the LM head's whole table (split by
+    vocabulary rows), an untied input embedding's gathered rows (no more than the vocabulary
+    has), the f32 logits of every sampled row, and 2 FLOPs per head weight per row."""
+    untied = NAMED_SHAPES["llama-tiny"]  # vocabulary 1024, hidden 64
+    tied = untied.replace(tie_word_embeddings=True)
+    v, h = untied.vocab_size, untied.hidden_size
+    for c in (untied, tied):
+        for tokens, seqs, tp in ((8, 2, 1), (8, 2, 2), (4 * v, 4, 2)):
+            step = step_floor(c, tokens, seqs, BF16, tensor_parallel=tp)
+            layer = layer_floor(c, tokens, seqs, BF16, tensor_parallel=tp)
+            rows = 0 if c.tie_word_embeddings else min(tokens, v)
+            head_bytes = (v * h + rows * h) * BF16 / tp + seqs * v * 4 / tp
+            assert step.bytes - c.num_layers * layer.bytes == pytest.approx(head_bytes)
+            assert step.flops - c.num_layers * layer.flops == pytest.approx(2 * seqs * v * h / tp)
+
+
+def test_query_heads_split_where_the_kv_heads_divide_the_model_axis():
+    """llama-tiny's 2 KV heads over 4 devices: the KV is replicated in pairs, the 4 query
+    heads still split, one a device (only heads that fit neither way are replicated)."""
+    c = NAMED_SHAPES["llama-tiny"]
+    layer = layer_floor(c, 256, 1, BF16, tensor_parallel=4)
+    attention = layer.flops - 2 * 256 * layer_weights(c, 4)
+    assert attention == pytest.approx(4 * (c.num_heads / 4) * c.head_dim * 256 * 257 / 2)
+
+
+def test_the_floors_default_to_one_device_and_refuse_a_negative_context_or_no_sequence():
+    c = NAMED_SHAPES["llama3.2-1b"]
+    assert layer_weights(c) == layer_weights(c, 1) > layer_weights(c, 2)
+    assert layer_floor(c, 32, 4, BF16) == layer_floor(c, 32, 4, BF16, tensor_parallel=1)
+    with pytest.raises(ValueError, match="context=-1"):
+        layer_floor(c, 32, 4, BF16, context=-1)
+    with pytest.raises(ValueError, match="num_seqs=0"):
+        layer_floor(c, 4, 0, BF16)
+
+
+def test_predict_adds_the_missing_layers_to_the_analysis_and_never_goes_below_the_floor():
+    peaks = (1e12, 1e9)  # FLOP/s, B/s
+    floor = StepWork(1e9, 1e6)  # 1 ms either way
+    layer = StepWork(1e9, 1e6)
+    assert predict(floor, peaks) == floor.seconds(peaks)
+    assert predict(floor, peaks, StepWork(1.0, 1.0)) == floor.seconds(peaks)
+    # FLOP-bound and byte-bound analyses: kept as they are unless layers are missing, and a
+    # layer is added only where both the count and the layer are given.
+    for analysed in (StepWork(5e9, 1e6), StepWork(1e9, 5e6)):
+        alone = analysed.seconds(peaks)
+        assert alone == pytest.approx(5e-3)
+        assert predict(floor, peaks, analysed) == alone
+        assert predict(floor, peaks, analysed, layer=layer) == alone  # no count: none missing
+        assert predict(floor, peaks, analysed, missing_layers=2) == alone  # no layer to add
+        added = StepWork(analysed.flops + 2 * layer.flops, analysed.bytes + 2 * layer.bytes)
+        got = predict(floor, peaks, analysed, missing_layers=2, layer=layer)
+        assert got == added.seconds(peaks) == pytest.approx(7e-3)
 
 
 def _cpu_bucket(model: ModelConfig, layer_loop: str, num_tokens: int, peaks) -> aot.BucketReport:
