@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Mutation testing of one module against its own tests, with mutmut 3 (docs/reliability.md).
 #
-#   tools/mutate.sh MODULE.py [MUTANT_GLOB...] -- PYTEST_ARGS...
+#   .ci/mutate.sh MODULE.py [MUTANT_GLOB...] -- PYTEST_ARGS...
 #
-#   tools/mutate.sh jaxserve/runtime/roofline.py -- tests/unit/test_roofline.py
-#   tools/mutate.sh jaxserve/runtime/kv_transfer.py \
+#   .ci/mutate.sh jaxserve/runtime/roofline.py -- tests/unit/test_roofline.py
+#   .ci/mutate.sh jaxserve/runtime/kv_transfer.py \
 #       'jaxserve.runtime.kv_transfer.x_default_host_bytes*' -- tests/unit/test_kv_transfer.py
 #
 # mutmut reads its settings from the repository root and writes mutants/ there, so the run
@@ -18,7 +18,7 @@
 # 2) mutants at a time; MUTATE_ISOLATION=fork is faster where the tests start no gRPC server.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-module="${1:?usage: tools/mutate.sh MODULE.py [MUTANT_GLOB...] -- PYTEST_ARGS...}"
+module="${1:?usage: .ci/mutate.sh MODULE.py [MUTANT_GLOB...] -- PYTEST_ARGS...}"
 shift
 glob=()
 while [[ $# -gt 0 && "$1" != "--" ]]; do glob+=("$1"); shift; done
