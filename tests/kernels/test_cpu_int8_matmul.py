@@ -212,15 +212,20 @@ def test_a_tiny_case_worked_by_hand():
 
 def test_w8a8_rounds_the_activations_half_to_even():
     """A row whose largest value is 127 has sx = 1: its halves round to even (2.5 -> 2, 3.5 -> 4,
-    -0.5 -> 0, 126.5 -> 126). Column 64k's only weight is k's, 127 (scale 1), so it is 127 xq[k]."""
-    x = np.array([[127, 2.5, 3.5, -0.5, -1.5, 0.49, 126.5]], np.float32)
-    w = np.zeros((7, 448), np.float32)
-    w[np.arange(7), np.arange(7) * 64] = 127.0
+    -0.5 -> 0, 126.5 -> 126). Column 64k's only weight is k's, 127 (scale 1), so it is 127 xq[k].
+    K = 23: the halves at k < 16 go through the kernel's 16-lane loop, those after through its
+    scalar tail."""
+    halves = [2.5, 3.5, -0.5, -1.5, 0.49, 126.5, -126.5]
+    want = [2, 4, 0, -2, 0, 126, -126]
+    x = np.zeros((1, 23), np.float32)
+    x[0, 0] = 127
+    x[0, 1:8], x[0, 16:23] = halves, halves
+    w = np.zeros((23, 23 * 64), np.float32)
+    w[np.arange(23), np.arange(23) * 64] = 127.0
     wq, scales = cpu_ffi.pack_weight_int8(jnp.asarray(w))
-    out = _mm(x, wq, scales, activations="int8")[0]
-    np.testing.assert_array_equal(
-        out[np.arange(7) * 64], 127 * np.array([127, 2, 4, 0, -2, 0, 126])
-    )
+    out = _mm(x, wq, scales, activations="int8")[0, np.arange(23) * 64]
+    np.testing.assert_array_equal(out[1:8], 127 * np.array(want))
+    np.testing.assert_array_equal(out[16:23], 127 * np.array(want))
 
 
 def test_w8a8_sums_stay_exact_up_to_the_largest_k():
