@@ -104,12 +104,18 @@ def test_the_packed_layout_is_columns_in_panels_of_64():
 
 
 def test_rounding_is_half_to_even():
-    """A column whose largest weight is 127 has scale 1: its weights' halves round to even."""
+    """A column whose largest weight is 127 has scale 1: its weights' halves round to even.
+    One whose largest is 889 has scale 7, whose reciprocal is inexact: 885.5 / 7 is 126.5 exactly
+    (126), where 885.5 * float32(1 / 7) rounds to just above it (127), so a multiply by the
+    reciprocal in place of the division shows."""
     col = np.array([127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 3.49], np.float32)
-    w = np.tile(col[:, None], (1, 64))
+    w = np.tile(col[:, None], (1, 128))
+    w[:, 64:] *= 7
     wq, scales = cpu_ffi.pack_weight_int8(jnp.asarray(w))
-    assert float(scales[0]) == 1.0
-    np.testing.assert_array_equal(np.asarray(wq)[0, :, 0], [127, 0, 2, 2, 0, -2, -2, 126, 3])
+    np.testing.assert_array_equal(np.asarray(scales)[[0, 64]], [1.0, 7.0])
+    want = [127, 0, 2, 2, 0, -2, -2, 126, 3]
+    np.testing.assert_array_equal(np.asarray(wq)[0, :, 0], want)
+    np.testing.assert_array_equal(np.asarray(wq)[1, :, 0], want)
 
 
 def test_the_round_trip_is_within_half_a_scale():
@@ -212,20 +218,25 @@ def test_a_tiny_case_worked_by_hand():
 
 def test_w8a8_rounds_the_activations_half_to_even():
     """A row whose largest value is 127 has sx = 1: its halves round to even (2.5 -> 2, 3.5 -> 4,
-    -0.5 -> 0, 126.5 -> 126). Column 64k's only weight is k's, 127 (scale 1), so it is 127 xq[k].
+    -0.5 -> 0, 126.5 -> 126). Column 64k's only weight is k's, 127 (scale 1), so it is
+    127 xq[k] sx.
     K = 23: the halves at k < 16 go through the kernel's 16-lane loop, those after through its
     scalar tail."""
-    halves = [2.5, 3.5, -0.5, -1.5, 0.49, 126.5, -126.5]
-    want = [2, 4, 0, -2, 0, 126, -126]
-    x = np.zeros((1, 23), np.float32)
+    halves = [2.5, 3.5, -0.5, -1.5, 124.5, 126.5, -126.5]
+    want = 127 * np.array([2, 4, 0, -2, 124, 126, -126])
+    # Row 1 is row 0 times 7: sx = 7, whose reciprocal is inexact (see the weights' test), so
+    # its quotients are the same halves only if the kernel divides; its outputs are 7 times.
+    x = np.zeros((2, 23), np.float32)
     x[0, 0] = 127
     x[0, 1:8], x[0, 16:23] = halves, halves
+    x[1] = 7 * x[0]
     w = np.zeros((23, 23 * 64), np.float32)
     w[np.arange(23), np.arange(23) * 64] = 127.0
     wq, scales = cpu_ffi.pack_weight_int8(jnp.asarray(w))
-    out = _mm(x, wq, scales, activations="int8")[0, np.arange(23) * 64]
-    np.testing.assert_array_equal(out[1:8], 127 * np.array(want))
-    np.testing.assert_array_equal(out[16:23], 127 * np.array(want))
+    out = _mm(x, wq, scales, activations="int8")[:, np.arange(23) * 64]
+    for row, sx in ((0, 1), (1, 7)):
+        np.testing.assert_array_equal(out[row, 1:8], sx * want, err_msg=f"row {row}")
+        np.testing.assert_array_equal(out[row, 16:23], sx * want, err_msg=f"row {row}")
 
 
 def test_w8a8_sums_stay_exact_up_to_the_largest_k():
