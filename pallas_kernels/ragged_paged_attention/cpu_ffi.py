@@ -9,7 +9,10 @@ or 256: `ragged_available`), `decode_attention` the decode rows alone (any head 
 tiles then run the prefill rows). `packed_matmul` multiplies by weights `pack_weight` laid
 out once in panels of 64 columns (the model's `packed_weights`), where XLA's dot repacks them
 on every call; `grouped_packed_matmul` does the same for a mixture of experts' rows sorted by
-expert, each run of rows against its own expert's panels. The library is built on first use with the
+expert, each run of rows against its own expert's panels. `packed_matmul_int8` and
+`grouped_packed_matmul_int8` (cpu_matmul_int8.cc) multiply by the same panels in int8 with
+per-column scales (`pack_weight_int8`): weight-only for decode, or W8A8 (per-row int8
+activations, VNNI's exact int32 sums) for prefill. The library is built on first use with the
 machine's g++ against jaxlib's FFI headers into $JAXSERVE_CACHE_DIR (default
 ~/.cache/jaxserve)/ffi, keyed by the source, the jaxlib version, the compiler flags and the
 CPU's features, so a second process loads the same library without building (about 4 s
@@ -36,13 +39,15 @@ import jax.numpy as jnp
 import numpy as np
 
 _HERE = pathlib.Path(__file__).parent
-_SOURCES = (_HERE / "cpu_decode.cc", _HERE / "cpu_matmul.cc")
+_SOURCES = (_HERE / "cpu_decode.cc", _HERE / "cpu_matmul.cc", _HERE / "cpu_matmul_int8.cc")
 _HEADERS = (_HERE / "cpu_pool.h",)
 _TARGET = "jaxserve_decode_attention"
 _RAGGED_TARGET = "jaxserve_ragged_attention"
 _FUSED_TARGET = "jaxserve_rope_write_attention"
 _MATMUL_TARGET = "jaxserve_packed_matmul"
 _GROUPED_MATMUL_TARGET = "jaxserve_grouped_packed_matmul"
+_INT8_MATMUL_TARGET = "jaxserve_packed_matmul_int8"
+_GROUPED_INT8_MATMUL_TARGET = "jaxserve_grouped_packed_matmul_int8"
 # -ffp-contract=off: RoPE's products and sums stay unfused, as XLA:CPU computes them (the kernels'
 # own FMAs are written out as intrinsics).
 _FLAGS = (
@@ -122,6 +127,14 @@ def available() -> bool:
         jax.ffi.register_ffi_target(
             _GROUPED_MATMUL_TARGET,
             jax.ffi.pycapsule(lib.JaxserveGroupedPackedMatmul),
+            platform="cpu",
+        )
+        jax.ffi.register_ffi_target(
+            _INT8_MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxservePackedMatmulInt8), platform="cpu"
+        )
+        jax.ffi.register_ffi_target(
+            _GROUPED_INT8_MATMUL_TARGET,
+            jax.ffi.pycapsule(lib.JaxserveGroupedPackedMatmulInt8),
             platform="cpu",
         )
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -374,4 +387,170 @@ def grouped_packed_matmul(
         wp.astype(jnp.float32),
         group_sizes.astype(jnp.int32),
         k_block=np.int64(k_block),
+    )
+
+
+# ---- int8 weights (issue 43): cpu_matmul_int8.cc ----
+
+ACTIVATIONS = ("float", "int8")  # packed_matmul_int8's modes: weight-only, W8A8
+# W8A8's exact int32 sums: |sum_k xq * wq| <= 127 * 127 * K must stay below 2**31.
+W8A8_MAX_K = (2**31 - 1) // (127 * 127)
+
+
+def int8_matmul_available(activations: str = "float") -> bool:
+    """Whether `packed_matmul_int8` runs its vector kernel here for `activations`: weight-only
+    needs AVX-512F, W8A8 also AVX512-BW and AVX512-VNNI (vpdpbusd). Elsewhere the calls are
+    exact but scalar, the same bits, too slow to serve."""
+    flags = _cpu_flags().split()
+    need = {"float": ["avx512f"], "int8": ["avx512f", "avx512bw", "avx512_vnni"]}[activations]
+    return available() and all(f in flags for f in need)
+
+
+def pack_weight_int8(
+    w: jax.Array,  # f32[..., K, N]
+) -> tuple[jax.Array, jax.Array]:  # wq i8[..., N / PANEL, K, PANEL], scales f32[..., N]
+    """`w` quantized for `packed_matmul_int8`: a quarter of float32's bytes, which is what a
+    decode step on the CPU streams from memory. Per output column, symmetric: scale[n] =
+    max_k |w[k, n]| / 127 (a column of zeros: 1) and wq = round-half-even(w / scale), clipped to
+    [-127, 127], so |w - wq * scale| <= scale / 2. wq is packed in `pack_weight`'s panels; leading
+    axes (stacked layers, experts) are kept."""
+    n = w.shape[-1]
+    if n % PANEL:
+        raise ValueError(f"A weight of {n} output columns does not fill panels of {PANEL}.")
+    w = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=-2)  # f32[..., N]
+    scales = _divide(amax, jnp.full(amax.shape, 127, jnp.float32))
+    scales = jnp.where(scales == 0, jnp.float32(1), scales)
+    wq = _divide(w, jnp.broadcast_to(scales[..., None, :], w.shape))
+    return pack_weight(jnp.clip(jnp.round(wq), -127, 127).astype(jnp.int8)), scales
+
+
+def _divide(a: jax.Array, b: jax.Array) -> jax.Array:  # f32[s], f32[s] -> f32[s]
+    """a / b elementwise, each quotient correctly rounded, as numpy's and the kernel's (W8A8's
+    activations) are: XLA rewrites a division by a constant or by a broadcast into a multiply by
+    the reciprocal, whose rounding differs in the last bit (a tie then rounds the other way).
+    The barrier hides what `b` is."""
+    return a / jax.lax.optimization_barrier(b)
+
+
+def dequantize_int8(
+    wq: jax.Array,  # i8[..., P, K, PANEL] (pack_weight_int8)
+    scales: jax.Array,  # f32[..., P * PANEL]
+) -> jax.Array:  # f32[..., K, P * PANEL]
+    """The float32 weights `pack_weight_int8`'s output stands for, wq * scale unpacked: the
+    reference the int8 matmuls are measured against."""
+    return unpack_weight(wq).astype(jnp.float32) * scales[..., None, :].astype(jnp.float32)
+
+
+def _int8_checks(name: str, k: int, activations: str) -> None:
+    """The refusals both int8 calls share: the mode, the library, W8A8's bound on K."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"{name}'s activations is one of {ACTIVATIONS}; got {activations!r}.")
+    if activations == "int8" and k > W8A8_MAX_K:
+        raise ValueError(
+            f"{name} with int8 activations sums in int32, which K = {k} could overflow; "
+            f"K must be at most {W8A8_MAX_K}."
+        )
+    if not available():
+        raise RuntimeError(f"{name} needs the CPU kernels' library, which did not load.")
+
+
+def packed_matmul_int8(
+    x: jax.Array,  # f32[..., K]
+    wq: jax.Array,  # i8[P, K, PANEL] (pack_weight_int8)
+    scales: jax.Array,  # f32[P * PANEL]
+    valid: jax.Array | int | None = None,  # i32[]: rows of x (flattened) that are real
+    activations: str = "float",
+) -> jax.Array:  # f32[..., P * PANEL]
+    """x @ dequantize_int8(wq, scales) with the weights read as int8 (cpu_matmul_int8.cc).
+
+    activations="float" (weight-only, for decode, where the weights' bytes are the bound): each
+    output (sum_k x[k] * float(wq[k])) * scale, one chain of fused multiply-adds over k in order,
+    the scale once at the end; bit for bit `packed_matmul(x, wq.astype(f32), k_block=0) * scales`.
+    activations="int8" (W8A8, for prefill, where the multiply is the bound): each row quantized
+    on the way in, sx = max|x[r]| / 127 (1 for a row of zeros), xq = round-half-even(x / sx),
+    then exact int32 sums (AVX512-VNNI): float32(sum_k xq * wq) * sx * scale, in that order.
+    Either way a row's result does not depend on the rows beside it. `valid` as in
+    `packed_matmul`: rows from it on are padding, not computed, and come back 0."""
+    *lead, k = x.shape
+    if wq.ndim != 3 or wq.shape[1] != k or wq.shape[2] != PANEL:
+        raise ValueError(
+            f"packed_matmul_int8 takes x [..., K] and weights [N / {PANEL}, K, {PANEL}]; got x "
+            f"{tuple(x.shape)} and weights {tuple(wq.shape)}."
+        )
+    p = wq.shape[0]
+    if wq.dtype != jnp.int8:
+        raise ValueError(
+            f"packed_matmul_int8 takes int8 weights (pack_weight_int8); got {wq.dtype}."
+        )
+    if tuple(scales.shape) != (p * PANEL,):
+        raise ValueError(
+            f"packed_matmul_int8 takes one scale per output column, ({p * PANEL},) for weights "
+            f"{tuple(wq.shape)}; got scales {tuple(scales.shape)}."
+        )
+    _int8_checks("packed_matmul_int8", k, activations)
+    rows = math.prod(lead)
+    valid = jnp.asarray(rows if valid is None else valid, jnp.int32)
+    if valid.shape != ():
+        raise ValueError(
+            f"packed_matmul_int8's valid is a count of rows, one int32; got {valid.shape}."
+        )
+    call = jax.ffi.ffi_call(
+        _INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((rows, p * PANEL), jnp.float32)
+    )
+    out = call(
+        x.reshape(rows, k).astype(jnp.float32),
+        wq,
+        scales.astype(jnp.float32),
+        valid,
+        int8_activations=np.int64(activations == "int8"),
+    )
+    return out.reshape(*lead, p * PANEL)
+
+
+def grouped_packed_matmul_int8(
+    x: jax.Array,  # f32[M, K] rows sorted by group
+    wq: jax.Array,  # i8[G, P, K, PANEL] (pack_weight_int8 of w f32[G, K, N])
+    scales: jax.Array,  # f32[G, P * PANEL]
+    group_sizes: jax.Array,  # i32[G] rows of each group in order; rows past their sum: padding
+    activations: str = "float",
+) -> jax.Array:  # f32[M, P * PANEL]: row r of group g is x[r] @ dequantize_int8(wq[g], scales[g])
+    """`grouped_packed_matmul` over int8 experts: each run of rows against its own expert's
+    int8 panels alone, an expert without rows never read. The groups' semantics are
+    grouped_packed_matmul's (a negative size is 0, the runs stop at M, the rows after them are
+    0), the arithmetic `packed_matmul_int8`'s for `activations`: a row's bits are
+    `packed_matmul_int8(x[r:r+1], wq[g], scales[g], activations=...)`'s."""
+    if x.ndim != 2 or wq.ndim != 4 or wq.shape[2] != x.shape[1] or wq.shape[3] != PANEL:
+        raise ValueError(
+            f"grouped_packed_matmul_int8 takes x [M, K] and weights [G, N / {PANEL}, K, "
+            f"{PANEL}]; got x {tuple(x.shape)} and weights {tuple(wq.shape)}."
+        )
+    groups, panels = wq.shape[:2]
+    if wq.dtype != jnp.int8:
+        raise ValueError(
+            f"grouped_packed_matmul_int8 takes int8 weights (pack_weight_int8); got {wq.dtype}."
+        )
+    if tuple(scales.shape) != (groups, panels * PANEL):
+        raise ValueError(
+            f"grouped_packed_matmul_int8 takes one scale per expert and output column, "
+            f"{(groups, panels * PANEL)} for weights {tuple(wq.shape)}; got scales "
+            f"{tuple(scales.shape)}."
+        )
+    group_sizes = jnp.asarray(group_sizes)
+    if group_sizes.shape != (groups,):
+        raise ValueError(
+            f"grouped_packed_matmul_int8 takes one size per group of the weights, {groups}; got "
+            f"group_sizes of shape {tuple(group_sizes.shape)}."
+        )
+    _int8_checks("grouped_packed_matmul_int8", x.shape[1], activations)
+    call = jax.ffi.ffi_call(
+        _GROUPED_INT8_MATMUL_TARGET,
+        jax.ShapeDtypeStruct((x.shape[0], panels * PANEL), jnp.float32),
+    )
+    return call(
+        x.astype(jnp.float32),
+        wq,
+        scales.astype(jnp.float32),
+        group_sizes.astype(jnp.int32),
+        int8_activations=np.int64(activations == "int8"),
     )
