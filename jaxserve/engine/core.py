@@ -37,6 +37,7 @@ from jaxserve.engine.metrics import EngineMetrics, PhaseClock
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.loaded import LoadedModel
+from jaxserve.models.quant import quantize_params
 from jaxserve.outputs import RequestOutput, TokenLogprob
 from jaxserve.runtime import compiles, kv_transfer
 from jaxserve.runtime.buckets import pick_bucket
@@ -445,6 +446,8 @@ class Engine:
                 params = load_params(params, self.model, self.sharding)
             except ModelLoadError as e:  # the caller's folder: a ValueError like the rest
                 raise ValueError(str(e)) from e
+        elif self.model.quant is not None:  # a trainer's float tree, in the served scheme
+            params = quantize_params(params, self.model.quant, self.sharding)
         return place_like(params, self.runner.params)
 
     def swap_weights(self, new: dict) -> None:
