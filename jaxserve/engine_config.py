@@ -70,8 +70,8 @@ class EngineConfig:
 
     model: str | None = None
     """Model folder (Hugging Face, or written by `jaxserve convert`) or named random-weight shape
-    (llama-tiny, qwen3-tiny, smollm2-135m, llama3.2-1b, qwen3-0.6b); None: the embedded
-    stories260k."""
+    (llama-tiny, qwen3-tiny, smollm2-135m, llama3.2-1b, llama3.1-8b, qwen3-0.6b, ...); None: the
+    embedded stories260k."""
     dtype: str | None = None
     """Parameter dtype; None: float32 on the CPU, bfloat16 on accelerators."""
     quantization: str = "none"
