@@ -107,12 +107,12 @@ def test_w8a8_dot_is_the_product_of_both_dequantized_operands(kind):
         assert "xi8>" in text and "-> tensor<6x24xi32>" in text
 
 
-def _logits(model, quant, tokens: list[int]) -> np.ndarray:
-    """f32[len(tokens), vocab] of one sequence's teacher-forced forward (reference attention)."""
+def _logits(model, quant, tokens: list[int], plan=None) -> np.ndarray:
+    """f32[len(tokens), vocab] of one sequence's teacher-forced forward (reference attention),
+    split as `plan` (a ShardingPlan) says where one is given."""
     c = model.config
-    module = model_for(
-        c, model.dtype, "reference", layer_loop=layer_loop_of(model.params), quant=quant
-    )
+    layer_loop = layer_loop_of(model.params)
+    module = model_for(c, model.dtype, "reference", plan, layer_loop=layer_loop, quant=quant)
     pages = -(-len(tokens) // 16)
     batch = pack_chunks(
         [SeqChunk(tokens, 0, list(range(pages)))],
@@ -123,8 +123,13 @@ def _logits(model, quant, tokens: list[int]) -> np.ndarray:
         num_pages=pages,
     )
     kv = KVPages(kv=jnp.zeros((c.num_layers, pages, 16, kv_lanes(c)), model.dtype))
-    hidden, _ = module.apply({"params": model.params}, kv, batch)
-    return np.asarray(module.apply({"params": model.params}, hidden, method=module.logits))
+
+    @jax.jit
+    def forward(params, kv):
+        hidden, _ = module.apply({"params": params}, kv, batch)
+        return module.apply({"params": params}, hidden, method=module.logits)
+
+    return np.asarray(forward(model.params, kv))
 
 
 @pytest.fixture(scope="module")
