@@ -32,6 +32,10 @@ class QuantScheme:
 
     weights: str  # "int8" | "fp8": the stored kernels' type (scales are float32)
     activations: str | None = None  # "int8" | "fp8": dynamic per-token; None: weight-only
+    # The dense kernels stored [*features, in] (`kernel_t`), the contracting axis minor, as
+    # GPUs' fp8 GEMM reads them: stored [in, *features] XLA:GPU transposes each one for it,
+    # and under the scan hoists that copy of every layer (docs/architecture.md).
+    transposed: bool = False
 
     def __post_init__(self):
         if self.weights not in WEIGHT_DTYPES:
@@ -93,7 +97,9 @@ def resolve_quantization(name: str, where) -> tuple[QuantScheme | None, str | No
             )
         return QuantScheme(weights="int8", activations="int8"), None
     if has_fp8_matmuls(where):
-        return QuantScheme(weights="fp8", activations="fp8"), None
+        return QuantScheme(
+            weights="fp8", activations="fp8", transposed=where.platform == "gpu"
+        ), None
     note = (
         f"quantization='fp8' runs weight-only on {kind}: it has no fp8 matmuls (H100, H200 "
         "and TPU7x do), so the e4m3 weights are widened to the compute dtype inside each dot "

@@ -5,7 +5,8 @@
     params = quantize_params(params, scheme, plan)     # a float tree -> the quantized tree
 
 A quantized matmul weight is two param leaves: the kernel in int8 or float8_e4m3fn, its shape
-the float kernel's ([in, *features], stacked [layers, ...] under the scan), and `kernel_scale`,
+the float kernel's ([in, *features], stacked [layers, ...] under the scan; `kernel_t`
+[*features, in] where the scheme is `transposed`: fp8 W8A8 on GPUs), and `kernel_scale`,
 float32 of the kernel's shape without the contracting axis: one scale per output column,
 scale = max|w| over the column / 127 (int8) or / 448 (e4m3), so w ~= q * scale. A column of
 zeros gets scale 0 and q 0. Shapes never depend on the values, so a quantized model's step
@@ -45,6 +46,11 @@ QUANTIZED_PARAMS: dict[tuple[str, ...], int] = {
     ("self_attn", "o_proj", "kernel"): -2,  # [heads * head_dim, hidden]
     ("mlp", "gate_up_proj", "kernel"): -3,  # [hidden, 2, intermediate]
     ("mlp", "down_proj", "kernel"): -2,  # [intermediate, hidden]
+    # QuantScheme.transposed: the dense kernels as [*features, in], named so.
+    ("self_attn", "qkv_proj", "kernel_t"): -1,
+    ("self_attn", "o_proj", "kernel_t"): -1,
+    ("mlp", "gate_up_proj", "kernel_t"): -1,
+    ("mlp", "down_proj", "kernel_t"): -1,
     ("mlp", "experts_gate_up"): -3,  # [E, hidden, 2, intermediate]
     ("mlp", "experts_down"): -2,  # [E, intermediate, hidden]
 }
@@ -96,7 +102,7 @@ def quantize_activations(
 
 def qdot(
     x: jax.Array,  # [..., in] activations in the compute dtype
-    kernel: jax.Array,  # i8 | f8e4m3[in, *features]
+    kernel: jax.Array,  # i8 | f8e4m3[in, *features] ([*features, in] where scheme.transposed)
     scale: jax.Array,  # f32[*features]
     scheme: QuantScheme,
     dtype,  # the compute dtype of the output
@@ -107,7 +113,7 @@ def qdot(
     Weight-only: the kernel is widened to `dtype` inside the dot (one fusion: no float copy of
     the weight is written). W8A8: x is quantized per token and the dot runs in 8 bits,
     int8 -> int32 or e4m3 -> float32, then the token's scale times the column's."""
-    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    dims = (((x.ndim - 1,), (kernel.ndim - 1 if scheme.transposed else 0,)), ((), ()))
     features = kernel.ndim - 1
     if scheme.activations is None:
         y = jax.lax.dot_general(
@@ -137,11 +143,12 @@ class QuantDense(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # x: [..., in]
-        shape = (x.shape[-1], *self.features)
-        kernel = self.param("kernel", nn.initializers.zeros, shape, self.scheme.weight_dtype)
-        scale = self.param(
-            "kernel" + SCALE_SUFFIX, nn.initializers.ones, self.features, jnp.float32
-        )
+        if self.scheme.transposed:  # the contracting axis minor (QuantScheme.transposed)
+            name, shape = "kernel_t", (*self.features, x.shape[-1])
+        else:
+            name, shape = "kernel", (x.shape[-1], *self.features)
+        kernel = self.param(name, nn.initializers.zeros, shape, self.scheme.weight_dtype)
+        scale = self.param(name + SCALE_SUFFIX, nn.initializers.ones, self.features, jnp.float32)
         # float32 models ask for full-precision matmuls (as _dense does for float kernels).
         precision = jax.lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
         y = qdot(x, kernel, scale, self.scheme, self.dtype, precision)
@@ -170,12 +177,23 @@ def quantize_params(params: dict, scheme: QuantScheme, plan=None, *, donate: boo
             elif axis is None or key + SCALE_SUFFIX in tree:
                 out[key] = value
             else:
-                out[key], out[key + SCALE_SUFFIX] = _quantize_leaf(value, scheme, axis, plan, here)
+                name, w = key, value
+                if scheme.transposed and key == "kernel":  # stored [*features, in]
+                    name, w, axis = "kernel_t", _transposed(value, axis), -1
+                out[name], out[name + SCALE_SUFFIX] = _quantize_leaf(
+                    w, scheme, axis, plan, (*path, name)
+                )
                 if donate and isinstance(value, jax.Array):
                     value.delete()
         return out
 
     return walk(params, ())
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _transposed(w: jax.Array, axis: int) -> jax.Array:
+    """w with its contracting `axis` moved last (a float kernel, for QuantScheme.transposed)."""
+    return jnp.moveaxis(w, axis, -1)
 
 
 def _quantize_leaf(value, scheme: QuantScheme, axis: int, plan, path: tuple[str, ...]):

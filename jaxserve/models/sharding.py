@@ -244,6 +244,16 @@ class ShardingPlan:
             # Row-split (input features): the partial sums meet in one all-reduce.
             (r"self_attn/o_proj/kernel", -2, MODEL, heads_split),
             (r"mlp/down_proj/kernel", -2, MODEL, c.intermediate_size % tp == 0),
+            # The same kernels stored [*features, in] (models/quant.py's `kernel_t`, fp8 W8A8 on
+            # GPUs): the same split, its axis counted from the end of that layout; their scales
+            # [*features] as the plain kernels' scales.
+            (r"self_attn/qkv_proj/kernel_t", -4, KV_AXIS, self.kv_shards > 1),
+            (r"self_attn/qkv_proj/kernel_t_scale", -3, KV_AXIS, self.kv_shards > 1),
+            (r"mlp/gate_up_proj/kernel_t", -2, MODEL, c.intermediate_size % tp == 0),
+            (r"mlp/gate_up_proj/kernel_t_scale", -1, MODEL, c.intermediate_size % tp == 0),
+            (r"self_attn/o_proj/kernel_t", -1, MODEL, heads_split),
+            (r"mlp/down_proj/kernel_t", -1, MODEL, c.intermediate_size % tp == 0),
+            (r"(o_proj|down_proj)/kernel_t_scale", None, None, True),
             # Expert parallel: a mixture of experts' experts [.., E, ...] split by expert (their
             # scales [.., E, 2, i] and [.., E, hidden] with them); the router [hidden, E] is
             # replicated (every device routes every token).

@@ -29,6 +29,7 @@ INT8 = QuantScheme(weights="int8")
 FP8 = QuantScheme(weights="fp8")
 W8A8 = QuantScheme(weights="int8", activations="int8")
 FP8_W8A8 = QuantScheme(weights="fp8", activations="fp8")
+FP8_W8A8_T = QuantScheme(weights="fp8", activations="fp8", transposed=True)  # GPUs' layout
 SCHEMES = {"int8": INT8, "fp8": FP8, "int8-w8a8": W8A8, "fp8-w8a8": FP8_W8A8}
 
 
@@ -107,6 +108,23 @@ def test_w8a8_dot_is_the_product_of_both_dequantized_operands(kind):
         assert "xi8>" in text and "-> tensor<6x24xi32>" in text
 
 
+def test_the_transposed_layout_computes_the_same_dot():
+    """fp8 W8A8's [*features, in] kernels (GPUs) give the [in, *features] kernels' output."""
+    x = jax.random.normal(jax.random.key(3), (5, 40))
+    w = _weights((40, 3, 24))
+    q, scale = quantize_weight(w, "fp8", -3)
+    qt, scale_t = quantize_weight(jnp.moveaxis(w, -3, -1), "fp8", -1)
+    np.testing.assert_array_equal(
+        np.asarray(qt, np.float32), np.moveaxis(np.asarray(q, np.float32), 0, -1)
+    )
+    np.testing.assert_array_equal(scale_t, scale)
+    np.testing.assert_allclose(
+        qdot(x, qt, scale_t, FP8_W8A8_T, jnp.float32),
+        qdot(x, q, scale, FP8_W8A8, jnp.float32),
+        rtol=1e-6,
+    )
+
+
 def _logits(model, quant, tokens: list[int], plan=None) -> np.ndarray:
     """f32[len(tokens), vocab] of one sequence's teacher-forced forward (reference attention),
     split as `plan` (a ShardingPlan) says where one is given."""
@@ -160,6 +178,25 @@ def test_quantized_logits_stay_close_to_the_float_model(stories, name):
     assert 0 < diff < MEAN_BOUNDS[name], diff
     # The same greedy choice at most positions: the model still reads the text.
     assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.8
+
+
+def test_the_transposed_tree_serves_the_same_logits(stories):
+    """quantize_params moves the contracting axis last for a transposed scheme (`kernel_t`),
+    and the model reads it so: the logits are the untransposed scheme's."""
+    params = quantize_params(stories.params, FP8_W8A8_T)
+    layer = params["layers"] if "layers" in params else params["layers_0"]
+    c = stories.config
+    assert layer["self_attn"]["qkv_proj"]["kernel_t"].shape[-4:] == (
+        c.num_kv_heads,
+        c.q_per_kv + 2,
+        c.head_dim,
+        c.hidden_size,
+    )
+    assert "kernel" not in layer["mlp"]["down_proj"]
+    got = _logits(dataclasses.replace(stories, params=params, quant=FP8_W8A8_T), FP8_W8A8_T, TOKENS)
+    plain = quantize_params(stories.params, FP8_W8A8)
+    want = _logits(dataclasses.replace(stories, params=plain, quant=FP8_W8A8), FP8_W8A8, TOKENS)
+    np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 def test_the_quantized_tree_holds_8_bit_kernels_and_float_scales_beside_them(stories):

@@ -20,6 +20,7 @@ from jaxserve.quantization import QuantScheme
 from tests.models.test_quant import TOKENS, _logits
 
 INT8 = QuantScheme(weights="int8")
+FP8_T = QuantScheme(weights="fp8", activations="fp8", transposed=True)  # GPUs' fp8 W8A8
 LLAMA = NAMED_SHAPES["llama-tiny"].replace(num_heads=8, num_kv_heads=4, qkv_bias=True)
 
 
@@ -30,11 +31,12 @@ def _flat(tree) -> dict:
     }
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("name", ["llama", "qwen3-moe-tiny", "llama-transposed"])
 @pytest.mark.parametrize("layout", ["scan", "unrolled"])
 def test_each_scale_is_split_as_its_kernel_s_output_columns(name, layout):
-    config = LLAMA if name == "llama" else NAMED_SHAPES[name]
-    shapes = abstract_params(config, jnp.float32, quant=INT8)
+    config = NAMED_SHAPES[name] if name == "qwen3-moe-tiny" else LLAMA
+    scheme = FP8_T if name == "llama-transposed" else INT8
+    shapes = abstract_params(config, jnp.float32, quant=scheme)
     if layout == "unrolled":
         shapes = unstack_layers(shapes)
     specs = {
@@ -56,7 +58,12 @@ def test_each_scale_is_split_as_its_kernel_s_output_columns(name, layout):
         assert specs["layers/mlp/gate_up_proj/kernel_scale"] == P(None, None, MODEL)
         assert specs["layers/self_attn/o_proj/kernel_scale"] == P()
         assert specs["layers/mlp/down_proj/kernel_scale"] == P()
-    if name != "llama" and layout == "scan":  # expert parallel: by expert, with the experts
+    if name == "llama-transposed" and layout == "scan":  # [layers, *features, in]: same splits
+        assert specs["layers/self_attn/qkv_proj/kernel_t"] == P(None, KV_AXIS, None, None, None)
+        assert specs["layers/mlp/gate_up_proj/kernel_t"] == P(None, None, MODEL, None)
+        assert specs["layers/self_attn/o_proj/kernel_t"] == P(None, None, MODEL)
+        assert specs["layers/mlp/down_proj/kernel_t_scale"] == P()
+    if name == "qwen3-moe-tiny" and layout == "scan":  # expert parallel: by expert
         assert specs["layers/mlp/experts_gate_up_scale"] == P(None, MODEL, None, None)
         assert specs["layers/mlp/experts_down_scale"] == P(None, MODEL, None)
 
