@@ -78,6 +78,21 @@ def test_a_zero_column_quantizes_to_zeros_with_no_nan(kind):
     assert bool(jnp.all(jnp.isfinite(y))) and not bool(jnp.any(y[:, 3])) and not bool(jnp.any(y[1]))
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_activations_are_quantized_per_token_within_their_format_s_step(kind):
+    x = jax.random.normal(jax.random.key(4), (6, 40)) * jnp.logspace(-2, 2, 6)[:, None]
+    xq, x_scale = quantize_activations(x, kind)
+    qmax = 127 if kind == "int8" else 448
+    np.testing.assert_allclose(x_scale[:, 0], jnp.max(jnp.abs(x), axis=1) / qmax, rtol=1e-6)
+    back = xq.astype(jnp.float32) * x_scale
+    if kind == "int8":  # rounded: within half a step of the token's scale
+        assert bool(jnp.all(jnp.abs(back - x) <= x_scale / 2 * (1 + 1e-5)))
+    else:  # e4m3: 2^-4 relative, or half a subnormal step near 0
+        bound = jnp.maximum(jnp.abs(x) * 2.0**-4, x_scale * 2.0**-10)
+        assert bool(jnp.all(jnp.abs(back - x) <= bound * (1 + 1e-5)))
+    assert bool(jnp.all(jnp.max(jnp.abs(xq.astype(jnp.float32)), axis=1) == qmax))
+
+
 def test_weight_only_dot_is_the_float_dot_of_the_dequantized_weight():
     """The scale after the dot equals it before (linear), to float32 rounding."""
     x = jax.random.normal(jax.random.key(1), (5, 40))

@@ -96,3 +96,20 @@ def test_a_split_quantized_model_holds_its_shards_and_computes_the_unsplit_logit
     got = _logits(dataclasses.replace(split, params=q_split, quant=INT8), INT8, TOKENS[:12], plan)
     want = _logits(dataclasses.replace(whole, params=q_whole, quant=INT8), INT8, TOKENS[:12])
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+
+
+def test_host_arrays_are_quantized_onto_the_plan_s_shardings():
+    """A trainer's numpy state (Engine.update_weights, builder.load_params) has no sharding of
+    its own: each quantized leaf lands where the plan puts it, split across the devices."""
+    mesh = make_mesh(2)
+    plan = ShardingPlan.create(mesh, LLAMA)
+    shapes = abstract_params(LLAMA, jnp.float32)
+    host = jax.tree.map(lambda a: np.ones(a.shape, a.dtype), shapes)
+    quantized = quantize_params(host, INT8, plan)
+    for path, leaf in _flat(quantized).items():
+        if contracting_axis(tuple(path.split("/"))) is None and not path.endswith(SCALE_SUFFIX):
+            continue  # left as they were (numpy)
+        want = plan.sharding(plan.param_spec(path, leaf.ndim))
+        assert leaf.sharding.is_equivalent_to(want, leaf.ndim), path
+    qkv = _flat(quantized)["layers/self_attn/qkv_proj/kernel"]
+    assert qkv.addressable_shards[0].data.shape[-3] == LLAMA.num_kv_heads // 2
