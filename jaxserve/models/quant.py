@@ -165,13 +165,17 @@ def quantize_params(params: dict, scheme: QuantScheme, plan=None, *, donate: boo
     ShardingPlan; None: where jit puts it), so no more than one float leaf's quantized copy is
     in flight. `donate`: the float leaves are deleted as they are replaced (the caller owns
     them), so the device holds the float tree less what has been quantized, never both.
-    Leaves that are already quantized (a scale beside them) are kept as they are."""
+    Leaves that are already quantized (a scale beside them) are kept as they are. A leaf may
+    be a function of no arguments that returns it (checkpoints' lazy loader): it is called in
+    its turn, so a loader's float leaves are read one at a time, each freed once quantized."""
 
     def walk(tree: dict, path: tuple[str, ...]) -> dict:
         out = {}
         for key, value in tree.items():
             here = (*path, key)
             axis = contracting_axis(here)
+            if callable(value):  # read now, in its turn
+                value = value()
             if isinstance(value, dict):
                 out[key] = walk(value, here)
             elif axis is None or key + SCALE_SUFFIX in tree:

@@ -118,7 +118,11 @@ def build_runner(
         check_cpu_dtype(config.dtype, target.current().platform)
     mesh = engine_mesh(config, devices, mesh)
     owned = model is None  # loaded here: its float leaves may be freed as they are quantized
-    model = model or load_model(config.model, dtype=config.dtype, seed=config.seed, mesh=mesh)
+    if model is None:  # quantized as it loads: the float tree is never whole on the devices
+        scheme, _ = resolve_quantization(config.quantization, target.current())
+        model = load_model(
+            config.model, dtype=config.dtype, seed=config.seed, mesh=mesh, quant=scheme
+        )
     sharding = ShardingPlan.create(mesh, model.config)
     # Params into their shardings (a no-op when loaded there) before free memory is measured.
     model = dataclasses.replace(model, params=sharding.place(model.params))

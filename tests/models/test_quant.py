@@ -308,3 +308,27 @@ def test_every_matmul_of_the_decoder_is_quantized(name, expected):
         else f"layers/mlp/{p}"
         for p in expected
     )
+
+
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_a_folder_loads_quantized_one_param_at_a_time(stories, on_mesh):
+    """load_model(quant=...) of a Hugging Face folder: the tree quantize_params makes of the
+    float load; on a mesh each param is read only when its turn comes (lazy leaves)."""
+    from checkpoints import DEFAULT_MODEL_DIR
+    from checkpoints.weights import place_hf_weights
+    from jaxserve.models.sharding import ShardingPlan, make_mesh
+
+    mesh = make_mesh(1) if on_mesh else None
+    loaded = load_model(DEFAULT_MODEL_DIR, dtype=jnp.float32, mesh=mesh, quant=INT8)
+    assert loaded.quant == INT8
+    want = quantize_params(stories.params, INT8)
+    assert jax.tree.structure(loaded.params) == jax.tree.structure(want)
+    for got, ref in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    if on_mesh:
+        shapes = abstract_params(stories.config, jnp.float32, layer_loop_of(stories.params))
+        plan = ShardingPlan.create(mesh, stories.config)
+        lazy = place_hf_weights(
+            DEFAULT_MODEL_DIR, shapes, plan.params(shapes), tied_embeddings=True, lazy=True
+        )
+        assert all(callable(leaf) for leaf in jax.tree.leaves(lazy))  # nothing read yet
