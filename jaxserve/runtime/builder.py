@@ -217,8 +217,8 @@ def load_params(source, model: LoadedModel, sharding: ShardingPlan) -> dict:
     read by `checkpoints`, each device's shard straight onto the engine's mesh) or a mapping of
     Hugging Face tensor names to arrays (a trainer's state dict; numpy arrays, placed later).
 
-    A quantized model's new weights are float like any checkpoint's and are quantized here in
-    its scheme (models/quant.py).
+    A quantized model's new weights are float like any checkpoint's and are quantized in its
+    scheme as they are read (models/quant.py).
 
     Raises checkpoints.ModelLoadError naming a folder that cannot be read, and ValueError for
     a folder of another model (a config field differs) or arrays that do not fill the model."""
@@ -236,7 +236,9 @@ def load_params(source, model: LoadedModel, sharding: ShardingPlan) -> dict:
     devices = sharding.mesh.devices
     mesh = Mesh(devices.reshape(devices.shape[0], -1), MESH_AXES)
     layer_loop = layer_loop_of(model.params)
-    loaded = load_model(source, dtype=model.dtype, mesh=mesh, layer_loop=layer_loop)
+    loaded = load_model(
+        source, dtype=model.dtype, mesh=mesh, layer_loop=layer_loop, quant=model.quant
+    )
     if loaded.config != model.config:
         differ = {
             f.name: (getattr(loaded.config, f.name), getattr(model.config, f.name))
@@ -247,6 +249,4 @@ def load_params(source, model: LoadedModel, sharding: ShardingPlan) -> dict:
             f"The checkpoint {str(source)!r} is of another model than the one served: "
             f"(its value, the served one's) differ for {differ}."
         )
-    if model.quant is None:
-        return loaded.params
-    return quantize_params(loaded.params, model.quant, sharding, donate=True)
+    return loaded.params

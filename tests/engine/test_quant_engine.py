@@ -96,3 +96,17 @@ def test_float_weights_swapped_into_a_quantized_engine_are_quantized_first(stori
     engine.update_weights(stories_engine.model.params)
     assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids == before  # and the old again
     assert engine.metrics.stats.compiles_after_warmup == 0
+
+
+def test_a_folder_swapped_into_a_quantized_engine_loads_quantized(stories_engine):
+    """update_weights(folder): read and quantized one param at a time, served with no compile."""
+    from checkpoints import DEFAULT_MODEL_DIR
+
+    engine = Engine(EngineConfig(quantization="int8-w8a8", **TINY), model=stories_engine.model)
+    llm = LLM(engine=engine)
+    before = llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
+    engine.update_weights(str(DEFAULT_MODEL_DIR))  # the same weights, from their files
+    kinds = {a.dtype for a in jax.tree.leaves(engine.runner.params)}
+    assert kinds == {jnp.dtype(jnp.int8), jnp.dtype(jnp.float32)}
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids == before
+    assert engine.metrics.stats.compiles_after_warmup == 0
