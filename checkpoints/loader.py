@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from checkpoints.random_weights import NAMED_SHAPES, random_params
 from checkpoints.weights import load_hf_weights, place_hf_weights
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import resolve_layer_loop
+from jaxserve.models.quant import quantize_params
+from jaxserve.quantization import QuantScheme
 
 # The embedded default: stories260k ships inside the package, so nothing is ever downloaded.
 DEFAULT_MODEL_DIR = Path(__file__).parent / "stories260k"
@@ -48,8 +51,15 @@ def load_model(
     seed: int = 0,
     mesh=None,
     layer_loop: str = "auto",
+    quant: QuantScheme | None = None,
 ) -> LoadedModel:
     """Loads a model from a folder (Hugging Face or orbax) or a named random shape.
+
+    `quant` (jaxserve.quantization): the decoder's matmul weights quantized as they load
+    (jaxserve/models/quant.py). A Hugging Face folder on a mesh is read one param at a time,
+    each quantized and its float copy freed before the next is read, so a model whose float
+    weights exceed the device's memory loads where its quantized ones fit; orbax folders and
+    random shapes are quantized leaf by leaf after they load.
 
     `spec` None means the embedded default model. Raises `ModelLoadError` with a one-line reason.
     With `mesh` (jaxserve.models.sharding.make_mesh) each device receives only its shard of the
@@ -72,12 +82,16 @@ def load_model(
         params = random_params(abstract, seed, _shardings(mesh, config, abstract))
         if unrolled(config):  # drawn stacked: one jitted draw of few leaves compiles in seconds
             params = _unstack(params, mesh, config)
-        return LoadedModel(
-            config=config,
-            params=params,
-            tokenizer=None,
-            dtype=dtype,
-            source=f"random:{spec}:seed={seed}",
+        return _quantized(
+            LoadedModel(
+                config=config,
+                params=params,
+                tokenizer=None,
+                dtype=dtype,
+                source=f"random:{spec}:seed={seed}",
+            ),
+            quant,
+            mesh,
         )
     path = Path(spec)
     if not path.exists():
@@ -92,8 +106,8 @@ def load_model(
             model = restore_orbax(path, dtype=dtype, mesh=mesh)
             if unrolled(model.config):
                 model.params = _unstack(model.params, mesh, model.config)
-            return model
-        return _load_hf(path, dtype, mesh, layer_loop)
+            return _quantized(model, quant, mesh)
+        return _load_hf(path, dtype, mesh, layer_loop, quant)
     except (UnsupportedModelError, FileNotFoundError, ValueError, OSError) as e:
         raise ModelLoadError(f"Cannot load model from {str(path)!r}: {e}") from e
 
@@ -134,7 +148,24 @@ def _unstack(params: dict, mesh, config) -> dict:
     return unstack_layers(params, _shardings(mesh, config, target))
 
 
-def _load_hf(path: Path, dtype, mesh=None, layer_loop: str = "scan") -> LoadedModel:
+def _quantized(model: LoadedModel, quant: QuantScheme | None, mesh) -> LoadedModel:
+    """`model` with its float leaves quantized (and freed) one at a time, if `quant`."""
+    if quant is None:
+        return model
+    plan = None if mesh is None else _plan(mesh, model.config)
+    params = quantize_params(model.params, quant, plan, donate=True)
+    return dataclasses.replace(model, params=params, quant=quant)
+
+
+def _plan(mesh, config):
+    from jaxserve.models.sharding import ShardingPlan
+
+    return ShardingPlan.create(mesh, config)
+
+
+def _load_hf(
+    path: Path, dtype, mesh=None, layer_loop: str = "scan", quant: QuantScheme | None = None
+) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     if not (path / "config.json").exists():
@@ -153,12 +184,23 @@ def _load_hf(path: Path, dtype, mesh=None, layer_loop: str = "scan") -> LoadedMo
     tied = config.tie_word_embeddings
     if mesh is None:
         params = jax.device_put(load_hf_weights(path, abstract, tied_embeddings=tied))
+        if quant is not None:
+            params = quantize_params(params, quant, donate=True)
     else:  # each device's shard read from the memory-mapped files
         shardings = _shardings(mesh, config, abstract)
-        params = place_hf_weights(path, abstract, shardings, tied_embeddings=tied)
+        # Quantized: each param read, quantized and freed in turn (`lazy`), never all float.
+        lazy = quant is not None
+        params = place_hf_weights(path, abstract, shardings, tied_embeddings=tied, lazy=lazy)
+        if lazy:
+            params = quantize_params(params, quant, _plan(mesh, config), donate=True)
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return LoadedModel(
-        config=config, params=params, tokenizer=tokenizer, dtype=dtype, source=str(path)
+        config=config,
+        params=params,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        source=str(path),
+        quant=quant,
     )

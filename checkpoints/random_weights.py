@@ -82,6 +82,31 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
         bos_token_id=128000,
         architecture="llama",
     ),
+    # Llama-3.1-8B's shape: 16 GB in bfloat16, more than a v5e chip holds; 8.5 GB with int8
+    # decoder weights (`jaxserve compile --target v5e:1x1 --quantization int8`, issue 43).
+    "llama3.1-8b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(
+            theta=500000.0,
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        tie_word_embeddings=False,
+        eos_token_ids=(128001, 128008, 128009),
+        bos_token_id=128000,
+        architecture="llama",
+    ),
     "qwen3-0.6b": ModelConfig(
         vocab_size=151936,
         hidden_size=1024,

@@ -275,20 +275,31 @@ def load_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings: 
 
 
 def place_hf_weights(
-    model_dir: Path, abstract_params: dict, shardings: dict, *, tied_embeddings: bool
+    model_dir: Path,
+    abstract_params: dict,
+    shardings: dict,
+    *,
+    tied_embeddings: bool,
+    lazy: bool = False,
 ) -> dict:
     """Loads `model_dir` straight into `shardings`: each device's shard is read from the file.
 
     No host or device ever holds more than its own shards (plus one shard in flight), so a
-    model larger than one device loads onto a mesh of them.
+    model larger than one device loads onto a mesh of them. `lazy`: each leaf is a function
+    of no arguments that reads and places it when called, so a consumer that quantizes leaf
+    by leaf (jaxserve/models/quant.py's quantize_params) never holds the whole float tree.
     """
     layout = index_hf_weights(model_dir, abstract_params, tied_embeddings=tied_embeddings)
 
     def place(kp, leaf, sharding):
         path = _path(kp)
-        return jax.make_array_from_callback(
-            leaf.shape, sharding, lambda index: read_slice(layout, path, leaf.dtype, index)
-        )
+
+        def read():
+            return jax.make_array_from_callback(
+                leaf.shape, sharding, lambda index: read_slice(layout, path, leaf.dtype, index)
+            )
+
+        return read if lazy else read()
 
     return jax.tree_util.tree_map_with_path(place, abstract_params, shardings)
 

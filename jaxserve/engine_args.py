@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from jaxserve.engine_config import EngineConfig
+from jaxserve.quantization import QUANTIZATIONS
 from jaxserve.scheduling.kv_events import KV_EVENTS_FORMATS
 from jaxserve.scheduling.types import BATCHING_MODES, POLICIES, PREEMPTION_MODES
 
@@ -74,6 +75,7 @@ class Flag:
 ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("model", metavar="PATH|NAME"),
     Flag("dtype", choices=("float32", "bfloat16")),
+    Flag("quantization", choices=QUANTIZATIONS),
     Flag("max_num_seqs", metavar="N"),
     Flag("max_num_batched_tokens", metavar="N"),
     Flag("max_model_len", metavar="N"),

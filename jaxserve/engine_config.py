@@ -6,6 +6,7 @@ import dataclasses
 import math
 import os
 
+from jaxserve.quantization import QUANTIZATIONS
 from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.scheduling.kv_events import KV_EVENTS_FORMATS
 from jaxserve.scheduling.speculation import SpeculativeConfig
@@ -69,10 +70,16 @@ class EngineConfig:
 
     model: str | None = None
     """Model folder (Hugging Face, or written by `jaxserve convert`) or named random-weight shape
-    (llama-tiny, qwen3-tiny, smollm2-135m, llama3.2-1b, qwen3-0.6b); None: the embedded
-    stories260k."""
+    (llama-tiny, qwen3-tiny, smollm2-135m, llama3.2-1b, llama3.1-8b, qwen3-0.6b, ...); None: the
+    embedded stories260k."""
     dtype: str | None = None
     """Parameter dtype; None: float32 on the CPU, bfloat16 on accelerators."""
+    quantization: str = "none"
+    """8-bit decoder weights, quantized at load from the float checkpoint, one scale per output
+    column (jaxserve/quantization.py): int8 (weight-only), fp8 (e4m3 weights, with per-token
+    e4m3 activations on H100/H200/TPU7x, weight-only elsewhere), int8-w8a8 (int8 weights and
+    per-token int8 activations, an int8 dot: v4/v5e/v5p/v6e and the CPU), or none. The
+    embedding, LM head, norms and a router stay in dtype."""
     seed: int = 0
     """Weight seed of named random shapes."""
     max_num_seqs: int = 32
@@ -225,6 +232,8 @@ class EngineConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"max_num_seqs={self.max_num_seqs}: every running request needs a token a step."
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} must be one of {QUANTIZATIONS}.")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching={self.batching!r} must be one of {BATCHING_MODES}.")
         if self.policy not in POLICIES:

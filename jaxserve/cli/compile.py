@@ -91,16 +91,22 @@ def _ms(seconds: float | None) -> str:
 
 def format_report(report) -> str:
     """The report as a terminal table: one line per bucket, then the pool and the verdict."""
+    by_dtype = ", ".join(
+        f"{name} {_mib(n)}" for name, n in sorted(report.param_bytes_by_dtype.items())
+    )
     lines = [
-        f"{report.model} ({report.dtype}, {report.layer_loop} layers, attention "
-        f"{report.attention_backend}) on {report.target}: {report.num_devices} x "
-        f"{report.device_kind}",
-        f"params {_mib(report.param_bytes_per_device)} MiB a device; KV pool {report.num_pages} "
+        f"{report.model} ({report.dtype}, quantization {report.quantization}, "
+        f"{report.layer_loop} layers, attention {report.attention_backend}) on {report.target}: "
+        f"{report.num_devices} x {report.device_kind}",
+        f"params {_mib(report.param_bytes_per_device)} MiB a device ({by_dtype} MiB); KV pool "
+        f"{report.num_pages} "
         f"pages of {report.page_size} tokens, {_mib(report.pool_bytes_per_device)} MiB a device "
         f"(sized from {_mib(report.hbm_bytes_per_device)} MiB of HBM, after the largest "
         f"bucket's temporaries); layout padding {report.pool_padding:.2f}x",
-        "",
     ]
+    if report.quantization_note:
+        lines.append(report.quantization_note)
+    lines.append("")
     head = (
         "tokens",
         "seqs",
@@ -143,6 +149,11 @@ def format_report(report) -> str:
             "(its bytes again every step; issue 28, defect 3)."
         )
     verdict = "fits" if report.fits else "does NOT fit"
+    if not report.holds_a_sequence:
+        verdict += (
+            f" (the KV pool left beside the params holds {report.num_pages * report.page_size} "
+            f"tokens, less than one {report.max_model_len}-token sequence)"
+        )
     lines.append(
         f"peak {_mib(report.peak_bytes)} MiB a device of {_mib(report.hbm_bytes_per_device)}: "
         f"{verdict}. Step times are a roofline prediction from the compiled cost analysis and "

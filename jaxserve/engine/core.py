@@ -37,6 +37,7 @@ from jaxserve.engine.metrics import EngineMetrics, PhaseClock
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.loaded import LoadedModel
+from jaxserve.models.quant import quantize_params
 from jaxserve.outputs import RequestOutput, TokenLogprob
 from jaxserve.runtime import compiles, kv_transfer
 from jaxserve.runtime.buckets import pick_bucket
@@ -44,7 +45,7 @@ from jaxserve.runtime.builder import build_runner, load_params
 from jaxserve.runtime.input_batch import InputBatch
 from jaxserve.runtime.model_runner import ModelRunner
 from jaxserve.runtime.sampling import SamplingBatch
-from jaxserve.runtime.weight_swap import place_like
+from jaxserve.runtime.weight_swap import match_layout, place_like
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduling.cost_model import work_of
 from jaxserve.scheduling.offload import SwapPricer, prefill_seconds_by
@@ -445,6 +446,11 @@ class Engine:
                 params = load_params(params, self.model, self.sharding)
             except ModelLoadError as e:  # the caller's folder: a ValueError like the rest
                 raise ValueError(str(e)) from e
+        elif self.model.quant is not None:  # a trainer's float tree, in the served scheme
+            # Laid out and placed as at start-up first, so the quantizers compiled then serve
+            # (numpy leaves or another layout would compile them again).
+            params = self.sharding.place(match_layout(params, self.runner.params))
+            params = quantize_params(params, self.model.quant, self.sharding)
         return place_like(params, self.runner.params)
 
     def swap_weights(self, new: dict) -> None:

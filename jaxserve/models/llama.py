@@ -58,8 +58,10 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages
 from jaxserve.models.lora import lora_delta
 from jaxserve.models.moe import SparseMoe
+from jaxserve.models.quant import QuantDense
 from jaxserve.models.sharding import ShardingPlan, attention_over_heads
 from jaxserve.models.step_batch import StepBatch, real_tokens
+from jaxserve.quantization import QuantScheme
 from pallas_kernels.ragged_paged_attention import cpu_ffi
 
 
@@ -92,13 +94,19 @@ def _dense(
     name: str,
     packed: bool = False,
     batch: StepBatch | None = None,
+    quant: QuantScheme | None = None,
 ) -> Callable[[jax.Array], jax.Array]:
     """x [T, in] -> [T, *features]; the kernel is [in, *features], so a fused projection's parts
     (q/k/v heads, gate/up) are axes of one matmul's output, split without a copy. `packed`
     (the runner's CPU layout, `pack_params`): the kernel is in cpu_matmul.cc's panels instead,
     where its outputs fill whole panels, and the rows past `batch`'s real tokens (its bucket's
-    padding) are not computed."""
+    padding) are not computed. `quant`: the kernel is 8-bit with per-column scales
+    (models/quant.py); never packed (the runner packs float32 kernels only)."""
     features = (features,) if isinstance(features, int) else tuple(features)
+    if quant is not None:
+        # On one CPU device this is XLA's dot for now; cpu_matmul.cc's int8 kernel will take
+        # its place here (a packed QuantDense over int8 panels and these scales).
+        return QuantDense(features, use_bias, dtype, quant, name=name)
     if packed and math.prod(features) % cpu_ffi.PANEL == 0:
         dense = PackedDense(features, use_bias, dtype, name=name)
         return dense if batch is None else functools.partial(dense, valid=real_tokens(batch))
@@ -138,6 +146,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     plan: ShardingPlan | None = None  # tensor parallel: attention runs on each device's heads
     packed: bool = False  # the kernels in cpu_matmul.cc's panels (`_dense`)
+    quant: QuantScheme | None = None  # 8-bit q/k/v and o kernels (models/quant.py)
 
     @nn.compact
     def __call__(self, x, kv_pool, layer, batch: StepBatch, cos, sin):
@@ -152,6 +161,7 @@ class Attention(nn.Module):
             "qkv_proj",
             self.packed,
             batch,
+            self.quant,
         )(x)
         split = self.plan is not None and self.plan.tensor_parallel > 1
         if split:
@@ -199,7 +209,9 @@ class Attention(nn.Module):
             )
         else:
             heads, kv_pool = self._attend(q, k, v, kv_pool, layer, batch, cos, sin, backend, split)
-        out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj", self.packed, batch)(heads)
+        out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj", self.packed, batch, self.quant)(
+            heads
+        )
         if batch.lora is not None:
             out = out + _lora(self, batch, "o_proj", layer, heads)
         return out, kv_pool
@@ -240,12 +252,19 @@ class MLP(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
     packed: bool = False  # the kernels in cpu_matmul.cc's panels (`_dense`)
+    quant: QuantScheme | None = None  # 8-bit gate_up and down kernels (models/quant.py)
 
     @nn.compact
     def __call__(self, x, batch: StepBatch | None = None, layer=None):
         c = self.config
         gate_up = _dense(
-            (2, c.intermediate_size), c.mlp_bias, self.dtype, "gate_up_proj", self.packed, batch
+            (2, c.intermediate_size),
+            c.mlp_bias,
+            self.dtype,
+            "gate_up_proj",
+            self.packed,
+            batch,
+            self.quant,
         )(x)
         gate, up = gate_up[:, 0], gate_up[:, 1]
         lora = batch is not None and batch.lora is not None
@@ -253,7 +272,9 @@ class MLP(nn.Module):
             gate = gate + _lora(self, batch, "gate_proj", layer, x)
             up = up + _lora(self, batch, "up_proj", layer, x)
         act = nn.silu(gate) * up
-        out = _dense(c.hidden_size, c.mlp_bias, self.dtype, "down_proj", self.packed, batch)(act)
+        out = _dense(
+            c.hidden_size, c.mlp_bias, self.dtype, "down_proj", self.packed, batch, self.quant
+        )(act)
         return out + _lora(self, batch, "down_proj", layer, act) if lora else out
 
 
@@ -279,13 +300,20 @@ class DecoderLayer(nn.Module):
     plan: ShardingPlan | None = None
     packed: bool = False  # the kernels in cpu_matmul.cc's panels (`_dense`)
     sparse: bool = False  # the experts (models/moe.py) in place of the dense MLP
+    quant: QuantScheme | None = None  # 8-bit matmul kernels (models/quant.py)
 
     @nn.compact
     def __call__(self, carry, batch: StepBatch, cos, sin):
         h, kv_pool, layer, load = carry
         c = self.config
         attention = Attention(
-            c, self.attention_backend, self.dtype, self.plan, self.packed, name="self_attn"
+            c,
+            self.attention_backend,
+            self.dtype,
+            self.plan,
+            self.packed,
+            self.quant,
+            name="self_attn",
         )
         attn_out, kv_pool = attention(
             RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(h),
@@ -298,12 +326,12 @@ class DecoderLayer(nn.Module):
         h = h + attn_out
         normed = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h)
         if self.sparse:
-            out, routed = SparseMoe(c, self.dtype, self.plan, self.packed, name="mlp")(
+            out, routed = SparseMoe(c, self.dtype, self.plan, self.packed, self.quant, name="mlp")(
                 normed, batch
             )
             load = load.at[layer].set(routed)
         else:
-            out = MLP(c, self.dtype, self.packed, name="mlp")(normed, batch, layer)
+            out = MLP(c, self.dtype, self.packed, self.quant, name="mlp")(normed, batch, layer)
         return (h + out, kv_pool, layer + 1, load), None
 
 
@@ -420,13 +448,19 @@ class LlamaForCausalLM(nn.Module):
     # The matmul kernels (and a tied head's packed copy) in cpu_matmul.cc's panels: the params
     # are `pack_params` of the canonical tree. The runner's choice (`packs_weights`), CPU only.
     packed_weights: bool = False
+    # 8-bit decoder matmuls (models/quant.py): the params are `quantize_params` of the float
+    # tree. The embedding, the head, the norms and a router stay in `dtype`.
+    quant: QuantScheme | None = None
 
     def setup(self):
         c = self.config
         self.embed_tokens = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype
         )
+        if self.quant is not None and self.packed_weights:
+            raise ValueError("Quantized kernels are not packed: packed_weights must be False.")
         layer_args = (c, self.attention_backend, self.dtype, self.plan, self.packed_weights)
+        quant = self.quant
         if resolve_layer_loop(self.layer_loop, c, self.dtype) == "scan":
             self.layers = nn.scan(
                 DecoderLayer,
@@ -434,10 +468,12 @@ class LlamaForCausalLM(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=c.num_layers,
-            )(*layer_args, sparse=c.moe is not None)
+            )(*layer_args, sparse=c.moe is not None, quant=quant)
         else:  # params "layers_0" ... "layers_{n-1}", each its own array (see the docstring)
             sparse = c.moe is not None
-            self.layers = [DecoderLayer(*layer_args, sparse=sparse) for _ in range(c.num_layers)]
+            self.layers = [
+                DecoderLayer(*layer_args, sparse=sparse, quant=quant) for _ in range(c.num_layers)
+            ]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = _dense(c.vocab_size, False, self.dtype, "lm_head", self.packed_weights)

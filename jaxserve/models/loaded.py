@@ -19,6 +19,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages, kv_lanes
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
+from jaxserve.quantization import QuantScheme
 from pallas_kernels.ragged_paged_attention.cpu_ffi import pack_weight
 
 
@@ -31,6 +32,8 @@ class LoadedModel:
     tokenizer: Any | None
     dtype: jnp.dtype
     source: str  # where it came from, for logs and GetModelInfo
+    # The params' 8-bit matmul kernels (models/quant.py); None: float params of `dtype`.
+    quant: QuantScheme | None = None
 
 
 def model_for(
@@ -40,9 +43,11 @@ def model_for(
     plan=None,
     layer_loop: str = "auto",
     packed_weights: bool = False,
+    quant: QuantScheme | None = None,
 ):
     """The flax module of `config`; `plan` (a jaxserve.models.sharding.ShardingPlan) splits it;
-    `packed_weights`: its matmuls read `pack_params` trees (the runner's choice on the CPU).
+    `packed_weights`: its matmuls read `pack_params` trees (the runner's choice on the CPU);
+    `quant`: its decoder matmuls read `quantize_params` trees (models/quant.py).
 
     `layer_loop` decides the param tree's layout (see `unstack_layers`); loaders use the same
     "auto" default, so a loaded model and the runner's module agree on each platform.
@@ -54,22 +59,33 @@ def model_for(
         plan=plan,
         layer_loop=layer_loop,
         packed_weights=packed_weights,
+        quant=quant,
     )
 
 
 def abstract_params(
-    config: ModelConfig, dtype, layer_loop: str = "scan", packed: bool = False
+    config: ModelConfig,
+    dtype,
+    layer_loop: str = "scan",
+    packed: bool = False,
+    quant: QuantScheme | None = None,
 ) -> dict:
     """Shapes and dtypes of the param tree, traced without allocating any weights.
 
     The default is the stacked layout every loader reads and writes; pass "auto" for the layout
     the platform's module runs (`unstack_layers` turns one into the other), `packed` for the
-    tree of the packed module (`pack_params`).
+    tree of the packed module (`pack_params`), `quant` for the quantized module's
+    (`quantize_params`: 8-bit kernels and their float32 scales).
     """
     # The reference attention: a param's shape never depends on the attention, and no kernel may
     # refuse this one-token, one-slot pool (issue 28, defect 4: the auto choice refused it).
     model = model_for(
-        config, dtype, attention_backend="reference", layer_loop=layer_loop, packed_weights=packed
+        config,
+        dtype,
+        attention_backend="reference",
+        layer_loop=layer_loop,
+        packed_weights=packed,
+        quant=quant,
     )
     kv_shape = (config.num_layers, 1, 1, kv_lanes(config))
     kv = KVPages(kv=jax.ShapeDtypeStruct(kv_shape, dtype))

@@ -37,7 +37,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.quant import SCALE_SUFFIX
 from jaxserve.models.step_batch import StepBatch, real_tokens
+from jaxserve.quantization import QuantScheme
 from pallas_kernels.grouped_matmul.ops import grouped_matmul
 from pallas_kernels.ragged_paged_attention import cpu_ffi
 
@@ -75,19 +77,33 @@ class SparseMoe(nn.Module):
     dtype: jnp.dtype
     plan: object | None = None  # jaxserve.models.sharding.ShardingPlan
     packed: bool = False  # the experts in cpu_matmul.cc's panels (one CPU device)
+    # 8-bit experts (models/quant.py), weight-only whatever the scheme's activations: the
+    # grouped matmul widens them to `dtype` and each row's expert's scales follow it.
+    quant: QuantScheme | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, batch: StepBatch | None = None):  # x: [T, hidden]
         c, m = self.config, self.config.moe
         e, h, i = m.num_experts, c.hidden_size, m.intermediate_size
         router = self.param("router", nn.initializers.lecun_normal(), (h, e), self.dtype)
-        pack_up = self.packed and (2 * i) % cpu_ffi.PANEL == 0
-        pack_down = self.packed and h % cpu_ffi.PANEL == 0
+        quant = self.quant
+        pack_up = self.packed and quant is None and (2 * i) % cpu_ffi.PANEL == 0
+        pack_down = self.packed and quant is None and h % cpu_ffi.PANEL == 0
         up_shape = (e, 2 * i // cpu_ffi.PANEL, h, cpu_ffi.PANEL) if pack_up else (e, h, 2, i)
         down_shape = (e, h // cpu_ffi.PANEL, i, cpu_ffi.PANEL) if pack_down else (e, i, h)
         init = nn.initializers.lecun_normal(batch_axis=(0,))
-        gate_up = self.param("experts_gate_up", init, up_shape, self.dtype)
-        down = self.param("experts_down", init, down_shape, self.dtype)
+        kind = self.dtype if quant is None else quant.weight_dtype
+        if quant is not None:
+            init = nn.initializers.zeros
+        gate_up = self.param("experts_gate_up", init, up_shape, kind)
+        down = self.param("experts_down", init, down_shape, kind)
+        scales = ()
+        if quant is not None:  # one per expert and output column: f32[E, 2, i], f32[E, h]
+            ones = nn.initializers.ones
+            scales = (
+                self.param("experts_gate_up" + SCALE_SUFFIX, ones, (e, 2, i), jnp.float32),
+                self.param("experts_down" + SCALE_SUFFIX, ones, (e, h), jnp.float32),
+            )
 
         logits = jax.lax.dot(
             x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
@@ -97,18 +113,26 @@ class SparseMoe(nn.Module):
         weights, order, sizes, inverse = route(logits, m.top_k, renorm, valid)
         rows = x[order // m.top_k]  # [T * k, hidden], sorted by expert
 
-        def experts(rows, gate_up, down, sizes, offset):
-            """The rows of experts [offset, offset + local) through their MLPs; others 0."""
+        def experts(rows, gate_up, down, sizes, offset, *scales):
+            """The rows of experts [offset, offset + local) through their MLPs; others 0.
+            `scales`: the local experts' (gate_up f32[local, 2, i], down f32[local, h]) when
+            quantized, each row's expert's scales applied to its outputs."""
+            row_scale = _row_scales(sizes, offset, rows.shape[0], gate_up.shape[0])
             if pack_up:
                 up = cpu_ffi.grouped_packed_matmul(rows, gate_up, sizes)
             else:
-                flat = gate_up.reshape(gate_up.shape[0], h, 2 * i)
+                flat = gate_up.reshape(gate_up.shape[0], h, 2 * i).astype(self.dtype)
                 up = grouped_matmul(rows, flat, sizes, offset, precision=self._precision())
+            if scales:
+                up = up * row_scale(scales[0].reshape(-1, 2 * i))
             up = up.reshape(-1, 2, i)
             act = (nn.silu(up[:, 0].astype(jnp.float32)) * up[:, 1]).astype(self.dtype)
             if pack_down:
                 return cpu_ffi.grouped_packed_matmul(act, down, sizes)
-            return grouped_matmul(act, down, sizes, offset, precision=self._precision())
+            out = grouped_matmul(
+                act, down.astype(self.dtype), sizes, offset, precision=self._precision()
+            )
+            return out * row_scale(scales[1]) if scales else out
 
         plan = self.plan
         if plan is not None and plan.tensor_parallel > 1 and plan.experts_split:
@@ -116,25 +140,37 @@ class SparseMoe(nn.Module):
 
             local = e // plan.tensor_parallel
 
-            def shard(rows, gate_up, down, sizes, inverse, weights):
+            def shard(rows, gate_up, down, sizes, inverse, weights, *scales):
                 offset = jax.lax.axis_index(MODEL) * local
-                part = experts(rows, gate_up, down, sizes, offset)
+                part = experts(rows, gate_up, down, sizes, offset, *scales)
                 return jax.lax.psum(_combine(part, inverse, weights, m.top_k), MODEL)
 
             out = jax.shard_map(
                 shard,
                 mesh=plan.mesh,
-                in_specs=(P(), P(MODEL), P(MODEL), P(), P(), P()),
+                in_specs=(P(), P(MODEL), P(MODEL), P(), P(), P(), *[P(MODEL)] * len(scales)),
                 out_specs=P(),
                 check_vma=False,  # Pallas kernels carry no varying-axes types
-            )(rows, gate_up, down, sizes, inverse, weights)
+            )(rows, gate_up, down, sizes, inverse, weights, *scales)
         else:
-            out = _combine(experts(rows, gate_up, down, sizes, None), inverse, weights, m.top_k)
+            part = experts(rows, gate_up, down, sizes, None, *scales)
+            out = _combine(part, inverse, weights, m.top_k)
         return out.astype(self.dtype), sizes
 
     def _precision(self):
         # float32 models ask for full-precision matmuls so accelerators do not drop to TF32.
         return jax.lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
+
+
+def _row_scales(sizes: jax.Array, offset, num_rows: int, num_local: int):
+    """A function of per-expert scales f32[local, N] -> f32[num_rows, N], each sorted row's
+    expert's (sizes: i32[E] rows per expert; offset: the first local expert or None). Rows of
+    other devices' experts and padding rows take some local expert's: the grouped matmul gave
+    them 0, which any scale keeps 0."""
+    ends = jnp.cumsum(sizes)
+    expert = jnp.searchsorted(ends, jnp.arange(num_rows, dtype=ends.dtype), side="right")
+    local = jnp.clip(expert - (0 if offset is None else offset), 0, num_local - 1)
+    return lambda scales: scales[local]
 
 
 def _combine(

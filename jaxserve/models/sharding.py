@@ -232,18 +232,39 @@ class ShardingPlan:
             # Column-split (output features; biases follow their kernel's columns). The fused
             # qkv [.., num_kv_heads, group + 2, head_dim] is split by KV head: a device holds its
             # KV heads' k, v and whole q groups (see the module docstring for replicated KV heads).
-            (r"self_attn/qkv_proj/(kernel|bias)", -3, KV_AXIS, self.kv_shards > 1),
-            (r"mlp/gate_up_proj/(kernel|bias)", -1, MODEL, c.intermediate_size % tp == 0),
+            # A quantized kernel's scales (models/quant.py: [..., *features], one per output
+            # column) are split as its columns are: at the same axis from the end.
+            (r"self_attn/qkv_proj/(kernel|bias|kernel_scale)", -3, KV_AXIS, self.kv_shards > 1),
+            (
+                r"mlp/gate_up_proj/(kernel|bias|kernel_scale)",
+                -1,
+                MODEL,
+                c.intermediate_size % tp == 0,
+            ),
             # Row-split (input features): the partial sums meet in one all-reduce.
             (r"self_attn/o_proj/kernel", -2, MODEL, heads_split),
             (r"mlp/down_proj/kernel", -2, MODEL, c.intermediate_size % tp == 0),
-            # Expert parallel: a mixture of experts' experts [.., E, ...] split by expert; the
-            # router [hidden, E] is replicated (every device routes every token).
+            # The same kernels stored [*features, in] (models/quant.py's `kernel_t`, fp8 W8A8 on
+            # GPUs): the same split, its axis counted from the end of that layout; their scales
+            # [*features] as the plain kernels' scales.
+            (r"self_attn/qkv_proj/kernel_t", -4, KV_AXIS, self.kv_shards > 1),
+            (r"self_attn/qkv_proj/kernel_t_scale", -3, KV_AXIS, self.kv_shards > 1),
+            (r"mlp/gate_up_proj/kernel_t", -2, MODEL, c.intermediate_size % tp == 0),
+            (r"mlp/gate_up_proj/kernel_t_scale", -1, MODEL, c.intermediate_size % tp == 0),
+            (r"self_attn/o_proj/kernel_t", -1, MODEL, heads_split),
+            (r"mlp/down_proj/kernel_t", -1, MODEL, c.intermediate_size % tp == 0),
+            (r"(o_proj|down_proj)/kernel_t_scale", None, None, True),
+            # Expert parallel: a mixture of experts' experts [.., E, ...] split by expert (their
+            # scales [.., E, 2, i] and [.., E, hidden] with them); the router [hidden, E] is
+            # replicated (every device routes every token).
             (r"mlp/experts_gate_up", -4, MODEL, self.experts_split),
             (r"mlp/experts_down", -3, MODEL, self.experts_split),
+            (r"mlp/experts_gate_up_scale", -3, MODEL, self.experts_split),
+            (r"mlp/experts_down_scale", -2, MODEL, self.experts_split),
             (r"mlp/router", None, None, True),
-            # Replicated: norms, and biases added after a row-split matmul's all-reduce.
-            (r"\w*norm/scale|(o_proj|down_proj)/bias", None, None, True),
+            # Replicated: norms, biases added after a row-split matmul's all-reduce, and the
+            # scales of a row-split kernel (its output columns are whole on every device).
+            (r"\w*norm/scale|(o_proj|down_proj)/(bias|kernel_scale)", None, None, True),
             # The CPU's packed copy of a tied head (llama.py): packed only on one device.
             (r"packed_head", None, None, True),
         ):

@@ -31,8 +31,10 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages, padded_bytes, pool_padding
 from jaxserve.models.llama import resolve_layer_loop
 from jaxserve.models.loaded import abstract_params, layer_loop_of, model_for, unstack_layers
+from jaxserve.models.quant import contracting_axis, weight_bytes_by_dtype
 from jaxserve.models.sharding import ShardingPlan, make_mesh
 from jaxserve.models.step_batch import pack_chunks, to_words
+from jaxserve.quantization import resolve_quantization
 from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.runtime.model_runner import RunnerConfig, step_words
 from jaxserve.runtime.roofline import StepWork, layer_floor, predict, step_floor
@@ -59,7 +61,8 @@ class _StepProgram:
     model: ModelConfig
     tensor_parallel: int
     layer_loop: str  # "scan" or "unrolled", as the params are laid out
-    itemsize: int  # bytes of one weight
+    itemsize: int  # bytes of one weight (and of one KV element)
+    weight_itemsize: int  # bytes of one decoder matmul weight (1 where quantized)
 
 
 @dataclasses.dataclass
@@ -113,6 +116,11 @@ class CompileReport:
     param_bytes_per_device: int
     hbm_bytes_per_device: int | None
     buckets: list[BucketReport]
+    quantization: str = "none"  # the resolved scheme's label ("int8 weight-only", ...)
+    quantization_note: str | None = None  # where the scheme falls back on this target, why
+    max_model_len: int = 0  # the longest sequence served: the pool must hold one to serve it
+    # The params' bytes on one device by dtype ({"bfloat16": ..., "int8": ..., "float32": ...})
+    param_bytes_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -134,12 +142,25 @@ class CompileReport:
         )
 
     @property
+    def holds_a_sequence(self) -> bool:
+        """Whether the KV pool holds one sequence of max_model_len tokens: a model whose
+        weights leave the pool a page or two compiles and fits, yet serves nothing long."""
+        return self.num_pages * self.page_size >= self.max_model_len
+
+    @property
     def fits(self) -> bool:
-        return self.hbm_bytes_per_device is None or self.peak_bytes <= self.hbm_bytes_per_device
+        """The largest step fits the device's HBM and the pool beside it holds a sequence."""
+        hbm = self.hbm_bytes_per_device
+        return (hbm is None or self.peak_bytes <= hbm) and self.holds_a_sequence
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
-        out.update(ok=self.ok, fits=self.fits, peak_bytes=self.peak_bytes)
+        out.update(
+            ok=self.ok,
+            fits=self.fits,
+            peak_bytes=self.peak_bytes,
+            holds_a_sequence=self.holds_a_sequence,
+        )
         return out
 
 
@@ -296,7 +317,8 @@ def compile_for_target(
         mesh = make_mesh(config.tensor_parallel, config.mesh_shape, devices=where.devices)
         sharding = ShardingPlan.create(mesh, model)
         layer_loop = resolve_layer_loop("auto", model, dtype)
-        shapes = abstract_params(model, dtype)
+        scheme, note = resolve_quantization(config.quantization, where)
+        shapes = abstract_params(model, dtype, quant=scheme)
         if layer_loop == "unrolled":
             shapes = unstack_layers(shapes)
         param_shardings = sharding.params(shapes)
@@ -304,13 +326,16 @@ def compile_for_target(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, param_shardings
         )
         param_bytes = _bytes_per_device(shapes, param_shardings)
+        by_dtype = weight_bytes_by_dtype(shapes, param_shardings)
         max_model_len = min(
             config.max_model_len or min(model.max_position_embeddings, 4096),
             model.max_position_embeddings,
         )
         hbm = _hbm_per_device(where)
         page_bytes = pool_page_bytes(model, config.page_size, dtype, sharding)
-        module = model_for(model, dtype, config.attention_backend, sharding, layer_loop=layer_loop)
+        module = model_for(
+            model, dtype, config.attention_backend, sharding, layer_loop=layer_loop, quant=scheme
+        )
 
         def program_of(num_pages: int) -> _StepProgram:
             runner = RunnerConfig(
@@ -370,6 +395,10 @@ def compile_for_target(
         param_bytes_per_device=param_bytes,
         hbm_bytes_per_device=hbm,
         buckets=reports,
+        quantization="none" if scheme is None else scheme.label,
+        quantization_note=note,
+        max_model_len=max_model_len,
+        param_bytes_by_dtype=by_dtype,
     )
 
 
@@ -380,7 +409,7 @@ def step_program(
     arrays) laid out as `param_shardings`, the pool and the penalty state as shapes on
     `sharding`'s mesh, compiled for target `where`."""
     mc = sharding.config
-    dtype = jax.tree.leaves(params)[0].dtype
+    dtype = params["embed_tokens"]["embedding"].dtype  # the model's (and the pool's) dtype
     params = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, param_shardings
     )
@@ -409,7 +438,17 @@ def step_program(
         tensor_parallel=sharding.tensor_parallel,
         layer_loop=layer_loop_of(params),
         itemsize=jnp.dtype(dtype).itemsize,
+        weight_itemsize=_matmul_itemsize(params),
     )
+
+
+def _matmul_itemsize(params) -> int:
+    """Bytes of one element of the decoder's matmul kernels (1 when quantized)."""
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        path = tuple(str(getattr(k, "key", k)) for k in keypath)
+        if contracting_axis(path) is not None:
+            return jnp.dtype(leaf.dtype).itemsize
+    return jnp.dtype(params["embed_tokens"]["embedding"].dtype).itemsize
 
 
 def step_memory(module, params, runner: RunnerConfig, sharding: ShardingPlan) -> BucketReport:
@@ -484,6 +523,7 @@ def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketRe
         tensor_parallel=p.tensor_parallel,
         layer_loop=p.layer_loop,
         dense_experts=p.target.platform == "gpu",  # XLA:GPU's ragged_dot: a dense masked dot
+        weight_itemsize=p.weight_itemsize,
     )
     report.floor_flops, report.floor_bytes = floor.flops, floor.bytes
     if p.peaks is not None:
@@ -502,6 +542,7 @@ def predict_bucket(
     tensor_parallel: int = 1,
     layer_loop: str = "scan",
     dense_experts: bool = False,
+    weight_itemsize: int | None = None,
 ) -> tuple[StepWork, float | None]:
     """(the floor, the predicted step time or None without peaks) of one bucket on one device.
 
@@ -509,15 +550,16 @@ def predict_bucket(
     prices a while loop's body once, so under the scan the other num_layers - 1 layers are
     added at the floor's per-layer work (tests/unit/test_roofline.py measures the undercount).
     `dense_experts`: a mixture of experts' grouped matmul runs every expert (roofline.py).
+    `weight_itemsize`: bytes of a decoder matmul weight where quantized (None: `itemsize`).
     """
-    tp, dense = tensor_parallel, dense_experts
-    floor = step_floor(
-        model, num_tokens, num_seqs, itemsize, tensor_parallel=tp, dense_experts=dense
+    kw = dict(
+        tensor_parallel=tensor_parallel,
+        dense_experts=dense_experts,
+        weight_itemsize=weight_itemsize,
     )
+    floor = step_floor(model, num_tokens, num_seqs, itemsize, **kw)
     if peaks is None:
         return floor, None
-    layer = layer_floor(
-        model, num_tokens, num_seqs, itemsize, tensor_parallel=tp, dense_experts=dense
-    )
+    layer = layer_floor(model, num_tokens, num_seqs, itemsize, **kw)
     missing = model.num_layers - 1 if layer_loop == "scan" else 0
     return floor, predict(floor, peaks, analysed, missing_layers=missing, layer=layer)

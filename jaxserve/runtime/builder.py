@@ -8,6 +8,7 @@ needs the runner alone (a benchmark of steps, a follower process) builds it the 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -22,12 +23,16 @@ from jaxserve import target
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import free_device_bytes, pages_that_fit
-from jaxserve.models.loaded import layer_loop_of, model_for
+from jaxserve.models.loaded import abstract_params, layer_loop_of, model_for
+from jaxserve.models.quant import quantize_params
 from jaxserve.models.sharding import MESH_AXES, ShardingPlan, make_mesh
+from jaxserve.quantization import resolve_quantization
 from jaxserve.runtime import aot
 from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.runtime.model_runner import ModelRunner, RunnerConfig, enable_compilation_cache
 from jaxserve.runtime.multihost import agree_min
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -112,10 +117,16 @@ def build_runner(
     if model is None:
         check_cpu_dtype(config.dtype, target.current().platform)
     mesh = engine_mesh(config, devices, mesh)
-    model = model or load_model(config.model, dtype=config.dtype, seed=config.seed, mesh=mesh)
+    owned = model is None  # loaded here: its float leaves may be freed as they are quantized
+    if model is None:  # quantized as it loads: the float tree is never whole on the devices
+        scheme, _ = resolve_quantization(config.quantization, target.current())
+        model = load_model(
+            config.model, dtype=config.dtype, seed=config.seed, mesh=mesh, quant=scheme
+        )
     sharding = ShardingPlan.create(mesh, model.config)
     # Params into their shardings (a no-op when loaded there) before free memory is measured.
     model = dataclasses.replace(model, params=sharding.place(model.params))
+    model = quantize_model(config.quantization, model, sharding, donate=owned)
     max_model_len = max_model_len_for(config, model.config)
     pages_per_seq = math.ceil(max_model_len / config.page_size)
     runner_config = RunnerConfig(
@@ -142,6 +153,30 @@ def build_runner(
     return runner_class(model, runner_config, sharding)
 
 
+def quantize_model(
+    name: str, model: LoadedModel, sharding: ShardingPlan, *, donate: bool = False
+) -> LoadedModel:
+    """`model` with its decoder matmuls quantized as `name` (EngineConfig.quantization) asks on
+    the target in use, onto `sharding`'s devices; the model itself for "none" or when it is
+    already in that scheme. Logs the scheme, and the sentence saying where it falls back to
+    weight-only. `donate`: the float leaves are freed as they are replaced (the caller owns
+    them). Raises ValueError for a scheme the target refuses, or a model already quantized
+    otherwise."""
+    scheme, note = resolve_quantization(name, target.current())
+    if note:
+        logger.warning(note)
+    if scheme is None or model.quant == scheme:
+        return model
+    if model.quant is not None:
+        raise ValueError(
+            f"The model's weights are already {model.quant.label}; quantization={name!r} "
+            "cannot requantize them: load the float checkpoint."
+        )
+    params = quantize_params(model.params, scheme, sharding, donate=donate)
+    logger.info("Decoder matmul weights quantized at load: %s.", scheme.label)
+    return dataclasses.replace(model, params=params, quant=scheme)
+
+
 def step_reserved_bytes(model: LoadedModel, runner_config, sharding, cap: int) -> int:
     """Device memory the largest bucket's step needs besides the params and the pool: its
     temporaries and its outputs that do not alias a donated input, from the memory analysis of
@@ -164,6 +199,7 @@ def step_reserved_bytes(model: LoadedModel, runner_config, sharding, cap: int) -
         runner_config.attention_backend,
         sharding,
         layer_loop=layer_loop_of(model.params),
+        quant=model.quant,
     )
     probe = dataclasses.replace(runner_config, num_pages=cap)
     report = aot.step_memory(module, model.params, probe, sharding)
@@ -181,20 +217,28 @@ def load_params(source, model: LoadedModel, sharding: ShardingPlan) -> dict:
     read by `checkpoints`, each device's shard straight onto the engine's mesh) or a mapping of
     Hugging Face tensor names to arrays (a trainer's state dict; numpy arrays, placed later).
 
+    A quantized model's new weights are float like any checkpoint's and are quantized in its
+    scheme as they are read (models/quant.py).
+
     Raises checkpoints.ModelLoadError naming a folder that cannot be read, and ValueError for
     a folder of another model (a config field differs) or arrays that do not fill the model."""
     if isinstance(source, Mapping):
-        return hf_arrays_to_params(
-            source,
-            jax.eval_shape(lambda: model.params),
-            tied_embeddings=model.config.tie_word_embeddings,
+        if model.quant is None:
+            shapes = jax.eval_shape(lambda: model.params)
+        else:  # the float tree the names fill, quantized after
+            shapes = abstract_params(model.config, model.dtype, layer_loop_of(model.params))
+        params = hf_arrays_to_params(
+            source, shapes, tied_embeddings=model.config.tie_word_embeddings
         )
+        return params if model.quant is None else quantize_params(params, model.quant, sharding)
     # The loader's ("data", "model") mesh over the plan's devices: the same devices in the same
     # order, so each shard is read onto the device that serves it.
     devices = sharding.mesh.devices
     mesh = Mesh(devices.reshape(devices.shape[0], -1), MESH_AXES)
     layer_loop = layer_loop_of(model.params)
-    loaded = load_model(source, dtype=model.dtype, mesh=mesh, layer_loop=layer_loop)
+    loaded = load_model(
+        source, dtype=model.dtype, mesh=mesh, layer_loop=layer_loop, quant=model.quant
+    )
     if loaded.config != model.config:
         differ = {
             f.name: (getattr(loaded.config, f.name), getattr(model.config, f.name))

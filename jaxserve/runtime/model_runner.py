@@ -171,14 +171,17 @@ def step_words(module, params, kv: KVPages, words: jax.Array, pen, last, mask, l
     return step_impl(module, params, kv, batch, sampling, pen, last, mask, lora)
 
 
-def packs_weights(dtype, sharding: ShardingPlan) -> bool:
+def packs_weights(dtype, sharding: ShardingPlan, quant=None) -> bool:
     """Whether the step runs on weights packed for cpu_matmul.cc (LlamaForCausalLM's
     `packed_weights`): float32 on one CPU device with AVX-512 and the kernels' library, unless
     $JAXSERVE_CPU_PACKED_WEIGHTS=0. The runner then holds both trees: the canonical params (what
     update_weights, sleep and trainers read) and their packed kernels, a second copy of the
-    matmul weights in host memory."""
+    matmul weights in host memory. Quantized weights (`quant`, models/quant.py) are not packed:
+    their matmuls are XLA's dot until cpu_matmul.cc has an int8 kernel, which will plug in
+    here (its panels packed by `pack_params`) and in llama.py's `_dense`."""
     return (
-        os.environ.get("JAXSERVE_CPU_PACKED_WEIGHTS", "1") != "0"
+        quant is None
+        and os.environ.get("JAXSERVE_CPU_PACKED_WEIGHTS", "1") != "0"
         and jnp.dtype(dtype) == jnp.float32
         and sharding.platform == "cpu"
         and sharding.mesh.size == 1
@@ -198,7 +201,7 @@ class ModelRunner:
         # (jaxserve/models/sharding.py).
         self.sharding = sharding or ShardingPlan.create(make_mesh(1), model.config)
         import_kernels(config.attention_backend)  # before the first trace: see its docstring
-        packed = packs_weights(model.dtype, self.sharding)
+        packed = packs_weights(model.dtype, self.sharding, model.quant)
         self.module = model_for(
             model.config,
             model.dtype,
@@ -206,6 +209,7 @@ class ModelRunner:
             self.sharding,
             layer_loop=layer_loop_of(model.params),  # the loop the params were laid out for
             packed_weights=packed,
+            quant=model.quant,
         )
         if packed:
             logger.info("The matmuls run on weights packed for the CPU (cpu_matmul.cc).")

@@ -21,6 +21,10 @@ grouped matmul is XLA's ragged_dot on a GPU (`dense_experts`), XLA:GPU runs it a
 dot (pallas_kernels/grouped_matmul/xla.py): every token passes every local expert and every
 local expert is read, and the floor counts that work, which is what the compiled program does.
 
+Quantized decoder weights (`weight_itemsize` 1: int8 or e4m3, jaxserve/models/quant.py) are
+read at their own size; the embedding, the head and the KV keep the model dtype's `itemsize`
+(their per-column float32 scales are not counted: the floor only ever errs low).
+
 Both are per device under tensor parallelism, split as jaxserve/models/sharding.py splits the
 model: the fused qkv projection and the KV over the KV-head split, everything else over the
 whole model axis, attention's heads replicated where the KV heads cannot be split. The bucket
@@ -128,9 +132,10 @@ def layer_floor(
     tensor_parallel: int = 1,
     context: int = 0,
     dense_experts: bool = False,
+    weight_itemsize: float | None = None,
 ) -> StepWork:
-    """One decoder layer's share of `step_floor`: its weights, its KV written and read, its
-    matmuls and its attention, on one device."""
+    """One decoder layer's share of `step_floor`: its weights (of `weight_itemsize` bytes,
+    None: `itemsize`), its KV written and read, its matmuls and its attention, on one device."""
     c, tp = model, tensor_parallel
     if num_tokens < num_seqs or num_seqs < 1 or context < 0:
         raise ValueError(
@@ -146,7 +151,7 @@ def layer_floor(
     attention = 4 * _query_heads(c, tp) * c.head_dim * pairs  # Q K^T and P V, 2 FLOPs a MAC
     return StepWork(
         flops=layer_matmul_flops(c, num_tokens, tp, dense_experts) + attention,
-        bytes=weights * itemsize + kv_bytes,
+        bytes=weights * (itemsize if weight_itemsize is None else weight_itemsize) + kv_bytes,
     )
 
 
@@ -159,10 +164,12 @@ def step_floor(
     tensor_parallel: int = 1,
     context: int = 0,
     dense_experts: bool = False,
+    weight_itemsize: float | None = None,
 ) -> StepWork:
     """The least one device does in a full step of `num_tokens` tokens over `num_seqs`
-    sequences with `context` earlier tokens each (weights of `itemsize` bytes): see the module
-    docstring for what is counted."""
+    sequences with `context` earlier tokens each (weights of `itemsize` bytes, the decoder's
+    matmul weights of `weight_itemsize` where quantized): see the module docstring for what
+    is counted."""
     c, tp = model, tensor_parallel
     layer = layer_floor(
         c,
@@ -172,6 +179,7 @@ def step_floor(
         tensor_parallel=tp,
         context=context,
         dense_experts=dense_experts,
+        weight_itemsize=weight_itemsize,
     )
     table = c.vocab_size * c.hidden_size / tp  # split by vocabulary rows
     head_bytes = table * itemsize  # the LM head reads all of it, tied or not

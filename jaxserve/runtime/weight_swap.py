@@ -19,18 +19,24 @@ def _path(keys) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
 
 
+def match_layout(new: dict, current: dict) -> dict:
+    """`new` in `current`'s layer layout: the trainer may hold the stacked layout checkpoints
+    use while the engine runs the unrolled loop's (or the reverse): the same weights, another
+    tree."""
+    if is_unstacked(current) and not is_unstacked(new):
+        return unstack_layers(new)
+    if not is_unstacked(current) and is_unstacked(new):
+        return stack_layers(new)
+    return new
+
+
 def place_like(new: dict, current: dict) -> dict:
     """`new` (a flax param tree, stacked or one subtree per layer) laid out, checked and placed
     as `current` (the engine's params on their shardings).
 
     Raises ValueError naming the first path whose presence, shape or dtype differs.
     """
-    # The trainer may hold the stacked layout checkpoints use while the engine runs the
-    # unrolled loop's (or the reverse): the same weights, another tree.
-    if is_unstacked(current) and not is_unstacked(new):
-        new = unstack_layers(new)
-    elif not is_unstacked(current) and is_unstacked(new):
-        new = stack_layers(new)
+    new = match_layout(new, current)
     want = dict(jax.tree_util.tree_flatten_with_path(current)[0])
     got = dict(jax.tree_util.tree_flatten_with_path(new)[0])
     missing = [_path(k) for k in want if k not in got]

@@ -135,3 +135,47 @@ def test_compile_sizes_the_pool_again_from_the_measured_reserved_bytes(monkeypat
     assert 0 < reserved < first_pages * page_bytes
     assert first_pages == int(free // page_bytes)
     assert pages == report.num_pages == int((free - reserved) // page_bytes) < first_pages
+
+
+@needs_libtpu
+def test_int8_weights_are_reported_by_dtype_and_priced_at_their_size(tmp_path):
+    """`--quantization int8`: the params by dtype (int8 kernels, f32 scales, the bf16 embedding
+    and head), and a batch-1 floor below the bf16 model's by the decoder's saved bytes."""
+    common = ("--target", "v5e:1x1", "--model", "llama-tiny", "--max-num-seqs", "4",
+              "--max-num-batched-tokens", "16", "--buckets", "1")  # fmt: skip
+    proc, bf16 = _compile(*common, tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, int8 = _compile(*common, "--quantization", "int8", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int8["quantization"] == "int8 weight-only" and bf16["quantization"] == "none"
+    by_dtype = int8["param_bytes_by_dtype"]
+    assert set(by_dtype) == {"bfloat16", "int8", "float32"} and "int8" in proc.stdout
+    from checkpoints import NAMED_SHAPES
+    from jaxserve.runtime.roofline import layer_weights
+
+    model = NAMED_SHAPES["llama-tiny"]
+    decoder = model.num_layers * layer_weights(model)  # elements of the quantized kernels
+    assert by_dtype["int8"] == decoder
+    assert by_dtype["bfloat16"] == bf16["param_bytes_per_device"] - 2 * decoder
+    saved = bf16["buckets"][0]["floor_bytes"] - int8["buckets"][0]["floor_bytes"]
+    assert saved == pytest.approx(decoder)  # 2 bytes a weight -> 1
+
+
+def test_a_pool_that_cannot_hold_one_sequence_does_not_fit():
+    """The weights may fit while the pool beside them holds less than one max_model_len
+    sequence (bf16 Llama-3.1-8B on a v5e: 1 page): not a model that serves."""
+    from jaxserve.runtime.aot import BucketReport, CompileReport
+
+    def report(num_pages):
+        bucket = BucketReport(num_tokens=1, num_seqs=1, compiled=True, argument_bytes=10)
+        return CompileReport(
+            target="v5e:1x1", platform="tpu", device_kind="TPU v5 lite", num_devices=1,
+            model="m", dtype="bfloat16", attention_backend="pallas_tpu", layer_loop="scan",
+            num_pages=num_pages, page_size=16, pool_bytes_per_device=0, pool_padding=1.0,
+            param_bytes_per_device=0, hbm_bytes_per_device=100, buckets=[bucket],
+            max_model_len=4096,
+        )  # fmt: skip
+
+    assert not report(255).fits and not report(255).ok and not report(255).holds_a_sequence
+    assert report(256).fits and report(256).ok
+    assert report(256).to_json()["holds_a_sequence"] is True

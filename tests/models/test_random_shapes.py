@@ -56,3 +56,10 @@ def test_abstract_param_count(name, count):
     assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16)}
     assert sum(int(np.prod(leaf.shape)) for leaf in leaves) == count
     assert "lm_head" not in params  # tied
+
+
+def test_llama31_8b_has_the_published_count_and_an_untied_head():
+    """Llama-3.1-8B: 8,030,261,248 parameters, the head its own [4096, 128256] table."""
+    params = abstract_params(checkpoints.NAMED_SHAPES["llama3.1-8b"], jnp.bfloat16)
+    assert sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params)) == 8_030_261_248
+    assert params["lm_head"]["kernel"].shape == (4096, 128256)

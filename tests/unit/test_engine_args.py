@@ -40,6 +40,7 @@ COMMANDS = {
 SAMPLE = dict(
     model="llama-tiny",
     dtype="bfloat16",
+    quantization="int8-w8a8",
     max_num_seqs=8,
     max_num_batched_tokens=64,
     max_model_len=512,
