@@ -16,22 +16,15 @@ import numpy as np
 import pytest
 
 import checkpoints
+from tests.models import test_parity as parity
 from tests.models.helpers import (
     MOE_FAMILIES,
     PagedSession,
     build_hf_model,
-    hf_greedy,
     hf_logits,
-    paged_greedy,
     save_hf,
 )
-from tests.models.test_parity import (
-    DECODE_STEPS,
-    GREEDY_TOKENS,
-    PROMPTS,
-    assert_close,
-    chunked_prefill,
-)
+from tests.models.test_parity import PROMPTS, assert_close
 
 
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
@@ -85,12 +78,7 @@ def test_experts_hold_their_own_weights(pair):
 
 
 def test_whole_prompt_prefill(pair):
-    hf, loaded = pair
-    session = PagedSession(loaded)
-    ids = [session.add_seq() for _ in PROMPTS]
-    logits = session.step(list(zip(ids, PROMPTS, strict=True)))
-    for i, (ours, prompt) in enumerate(zip(logits, PROMPTS, strict=True)):
-        assert_close(ours, hf_logits(hf, prompt), f"prompt {i}, whole-prompt prefill")
+    parity.test_whole_prompt_prefill(pair)
 
 
 def test_each_prompt_alone(pair):
@@ -103,29 +91,12 @@ def test_each_prompt_alone(pair):
 
 
 def test_chunked_prefill(pair):
-    hf, loaded = pair
-    _, logits = chunked_prefill(PagedSession(loaded), PROMPTS)
-    for i, (ours, prompt) in enumerate(zip(logits, PROMPTS, strict=True)):
-        assert_close(ours, hf_logits(hf, prompt), f"prompt {i}, prefill in chunks of 3")
+    parity.test_chunked_prefill(pair)
 
 
 def test_decode_steps(pair):
-    hf, loaded = pair
-    session = PagedSession(loaded)
-    ids, logits = chunked_prefill(session, PROMPTS)
-    next_tokens = [int(lg[-1].argmax()) for lg in logits]
-    for step in range(DECODE_STEPS):
-        chunks = [(s, [t]) for s, t in zip(ids, next_tokens, strict=True)]
-        logits = session.step(chunks)
-        for s, ours in zip(ids, logits, strict=True):
-            ref = hf_logits(hf, session.seqs[s].tokens)[-1:]
-            assert_close(ours, ref, f"sequence {s}, decode step {step}")
-        next_tokens = [int(lg[-1].argmax()) for lg in logits]
+    parity.test_decode_steps(pair)
 
 
 def test_greedy_matches_generate(pair):
-    hf, loaded = pair
-    ours = paged_greedy(loaded, list(PROMPTS), GREEDY_TOKENS)
-    for i, prompt in enumerate(PROMPTS):
-        ref = hf_greedy(hf, prompt, GREEDY_TOKENS)
-        assert ours[i] == ref, f"prompt {i}: greedy tokens differ from generate()"
+    parity.test_greedy_matches_generate(pair)
