@@ -22,7 +22,7 @@ import pytest
 from checkpoints.random_weights import NAMED_SHAPES
 from jaxserve.models.kv_pool import init_kv_pages
 from jaxserve.models.loaded import abstract_params, model_for, pack_params
-from jaxserve.models.quant import quantize_params
+from jaxserve.models.quant import quantize_params, quantize_weight
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
 from jaxserve.quantization import QuantScheme
 from pallas_kernels.ragged_paged_attention import cpu_ffi
@@ -216,6 +216,38 @@ def test_the_packed_int8_model_computes_the_quantized_one(name, layer_loop, acti
     tol = 1e-5 if activations is None else 2e-4
     np.testing.assert_allclose(packed_hidden, hidden, rtol=tol, atol=tol)
     np.testing.assert_allclose(packed_logits, logits, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("scheme", [None, QuantScheme(weights="int8")], ids=["float32", "int8"])
+def test_a_packed_projection_leaves_the_bucket_s_padding_rows_uncomputed(scheme):
+    """`_dense` over packed panels computes the step's real tokens alone: the bucket's padding
+    rows come back 0 (the work a padded bucket skips), the real ones as the unpacked layer's."""
+    from jaxserve.models.llama import _dense
+
+    if scheme is not None and not cpu_ffi.int8_matmul_available():
+        pytest.skip("this CPU has no AVX-512: the int8 kernel is not used")
+    batch = pack_chunks(
+        [SeqChunk(list(range(3, 8)), 0, [0, 1])],
+        page_size=4,
+        num_tokens=8,
+        num_seqs=2,
+        pages_per_seq=2,
+        num_pages=4,
+    )  # 5 real tokens, 3 of padding
+    x = jax.random.normal(jax.random.key(2), (8, 64))
+    plain = _dense(128, False, jnp.float32, "p", quant=scheme)
+    w = 0.1 * jax.random.normal(jax.random.key(3), (64, 128))
+    params = {"kernel": w}
+    if scheme is not None:
+        params = dict(zip(("kernel", "kernel_scale"), quantize_weight(w, "int8", -2), strict=True))
+    packed = _dense(128, False, jnp.float32, "p", packed=True, batch=batch, quant=scheme)
+    packed_params = {"kernel": cpu_ffi.pack_weight(params["kernel"])}
+    if scheme is not None:
+        packed_params["kernel_scale"] = params["kernel_scale"]
+    got = packed.func.apply({"params": packed_params}, x, **packed.keywords)
+    want = plain.apply({"params": params}, x)
+    np.testing.assert_allclose(got[:5], want[:5], rtol=1e-5, atol=1e-5)
+    assert bool(jnp.all(got[5:] == 0)) and bool(jnp.all(want[5:] != 0))
 
 
 def _runner():
