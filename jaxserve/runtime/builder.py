@@ -165,7 +165,10 @@ def quantize_model(
     scheme, note = resolve_quantization(name, target.current())
     if note:
         logger.warning(note)
-    if scheme is None or model.quant == scheme:
+    if scheme is None:
+        return model
+    if model.quant == scheme:  # a folder read quantized, param by param (load_model's quant)
+        logger.info("Decoder matmul weights quantized as they loaded: %s.", scheme.label)
         return model
     if model.quant is not None:
         raise ValueError(

@@ -217,7 +217,10 @@ class ModelRunner:
             quant=model.quant,
         )
         if packed:
-            logger.info("The matmuls run on weights packed for the CPU (cpu_matmul.cc).")
+            logger.info(
+                "The matmuls run on weights packed for the CPU (%s).",
+                "cpu_matmul.cc" if model.quant is None else "int8, cpu_matmul_int8.cc",
+            )
         # Jitted once: packing new weights (a swap, a wake-up) compiles nothing after the first.
         self._pack = (
             jax.jit(

@@ -120,3 +120,17 @@ def test_a_folder_swapped_into_a_quantized_engine_loads_quantized(stories_engine
     assert kinds == {jnp.dtype(jnp.int8), jnp.dtype(jnp.float32)}
     assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids == before
     assert engine.metrics.stats.compiles_after_warmup == 0
+
+
+def test_an_engine_loading_its_folder_quantized_says_so(caplog):
+    """The default folder read quantized param by param: the log names the scheme (it said
+    nothing when the weights were quantized as they loaded) and the int8 kernel they run on."""
+    from jaxserve.engine.build import build_engine
+
+    with caplog.at_level("INFO", logger="jaxserve"):
+        engine = build_engine(EngineConfig(quantization="int8", **TINY))
+    assert engine.model.quant is not None and engine.model.quant.label == "int8 weight-only"
+    said = [r.getMessage() for r in caplog.records]
+    assert "Decoder matmul weights quantized as they loaded: int8 weight-only." in said
+    if cpu_ffi.int8_matmul_available():
+        assert "The matmuls run on weights packed for the CPU (int8, cpu_matmul_int8.cc)." in said
