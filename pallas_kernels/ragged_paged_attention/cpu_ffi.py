@@ -455,11 +455,12 @@ def _int8_checks(name: str, k: int, activations: str) -> None:
         raise RuntimeError(f"{name} needs the CPU kernels' library, which did not load.")
 
 
-def _weight_kind(name: str, wq: jax.Array, activations: str) -> bool:
-    """Whether `wq` holds e4m3 weights (else int8); refuses any other dtype, and e4m3 with int8
-    activations (the e4m3 path is weight-only)."""
+def _check_weight_kind(name: str, wq: jax.Array, activations: str) -> None:
+    """Refuses weights neither int8 nor e4m3, and e4m3 with int8 activations (the e4m3 path is
+    weight-only). The kernel reads the dtype itself: no bitcast, which XLA:CPU would run as a
+    copy of the whole weight every call."""
     if wq.dtype == jnp.int8:
-        return False
+        return
     if wq.dtype != jnp.float8_e4m3fn:
         raise ValueError(
             f"{name} takes int8 (pack_weight_int8) or float8_e4m3fn weights; got {wq.dtype}."
@@ -469,12 +470,6 @@ def _weight_kind(name: str, wq: jax.Array, activations: str) -> bool:
             f"{name} runs e4m3 weights weight-only (activations='float'); got "
             f"activations={activations!r}."
         )
-    return True
-
-
-def _as_bytes(wq: jax.Array) -> jax.Array:  # i8 | f8e4m3[...] -> i8[...], the same bytes
-    """The weights' bytes as int8, what the kernels' buffers are typed: a free bitcast."""
-    return wq if wq.dtype == jnp.int8 else jax.lax.bitcast_convert_type(wq, jnp.int8)
 
 
 def packed_matmul_int8(
@@ -503,7 +498,7 @@ def packed_matmul_int8(
             f"{tuple(x.shape)} and weights {tuple(wq.shape)}."
         )
     p = wq.shape[0]
-    fp8 = _weight_kind("packed_matmul_int8", wq, activations)
+    _check_weight_kind("packed_matmul_int8", wq, activations)
     if tuple(scales.shape) != (p * PANEL,):
         raise ValueError(
             f"packed_matmul_int8 takes one scale per output column, ({p * PANEL},) for weights "
@@ -521,11 +516,10 @@ def packed_matmul_int8(
     )
     out = call(
         x.reshape(rows, k).astype(jnp.float32),
-        _as_bytes(wq),
+        wq,
         scales.astype(jnp.float32),
         valid,
         int8_activations=np.int64(activations == "int8"),
-        fp8_weights=np.int64(fp8),
     )
     return out.reshape(*lead, p * PANEL)
 
@@ -548,7 +542,7 @@ def grouped_packed_matmul_int8(
             f"{PANEL}]; got x {tuple(x.shape)} and weights {tuple(wq.shape)}."
         )
     groups, panels = wq.shape[:2]
-    fp8 = _weight_kind("grouped_packed_matmul_int8", wq, activations)
+    _check_weight_kind("grouped_packed_matmul_int8", wq, activations)
     if tuple(scales.shape) != (groups, panels * PANEL):
         raise ValueError(
             f"grouped_packed_matmul_int8 takes one scale per expert and output column, "
@@ -568,9 +562,8 @@ def grouped_packed_matmul_int8(
     )
     return call(
         x.astype(jnp.float32),
-        _as_bytes(wq),
+        wq,
         scales.astype(jnp.float32),
         group_sizes.astype(jnp.int32),
         int8_activations=np.int64(activations == "int8"),
-        fp8_weights=np.int64(fp8),
     )

@@ -25,8 +25,7 @@
 // Rows past `valid` (a bucket's padding) come back 0, uncomputed, as in cpu_matmul.cc; grouped
 // variants run a mixture of experts' rows sorted by expert against each expert's panels.
 //
-// The weight-only path also takes float8 e4m3 weights (`fp8_weights`: the same panels holding
-// e4m3 bytes), widened to float32 exactly in registers by bit arithmetic: XLA:CPU widens an
+// The weight-only path also takes float8 e4m3 weights (the same panels, typed float8_e4m3fn), widened to float32 exactly in registers by bit arithmetic: XLA:CPU widens an
 // e4m3 operand element by element into a float32 copy of the whole weight before its dot, which
 // made fp8 decode 7-15x slower than float32 (docs/benchmarks.md).
 
@@ -74,21 +73,21 @@ inline __m512 WidenInt8(const __m128i* b) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b)));
 }
 
-// 16 e4m3 weights (bytes s eeee mmm, exponent bias 7, no infinities) as floats, exactly: a
-// normal value's 7 magnitude bits shifted into float32's exponent and mantissa make
-// 2^(e - 127) (1 + m / 8), rebiased by 2^120; a subnormal (e = 0) is m * 2^-9, computed from
-// the integer so that a flush-to-zero mode cannot touch it; the sign bit goes back on last.
-// e4m3's NaN (s 1111 111) is never stored: quantization clips to +-448.
-inline __m512 WidenE4m3(const __m128i* b) {
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(b));
-  const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7F));
-  const __m512 normal = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)),
-                                      _mm512_set1_ps(0x1p120f));
-  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f));
-  const __mmask16 tiny = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
-  const __m512 value = _mm512_mask_blend_ps(tiny, normal, subnormal);
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign));
+// 32 e4m3 weights (bytes s eeee mmm, exponent bias 7, no infinities) as two vectors of 16
+// floats, each 2^-8 times the weight's value, exactly: the byte's magnitude bits moved into a
+// float16's exponent and mantissa (bias 15, so every e4m3 value, its subnormals included, is
+// 2^-8 times a float16 that vcvtph2ps widens exactly, in hardware) and the sign into bit 15.
+// The 2^8 goes into the column's scale after the chain (TileW8's `unit`), so the widening is
+// integer shifts and one conversion per 16 weights: a float multiply here would meet the
+// subnormal floats small bytes make, each a microcode assist. e4m3's NaN (s 1111 111) is never
+// stored: quantization clips to +-448.
+inline void WidenE4m3(const __m256i* b, __m512& lo, __m512& hi) {
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(b));
+  const __m512i mag = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x7F)), 7);
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
+  const __m512i half = _mm512_or_si512(mag, sign);
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
 }
 
 template <int MR, bool FP8>
@@ -98,11 +97,18 @@ inline void TileW8(const float* a, int64_t lda, const int8_t* panel, int64_t K,
   for (int r = 0; r < MR; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const __m128i* b = reinterpret_cast<const __m128i*>(panel + k * kLanes);
-    const __m512 b0 = FP8 ? WidenE4m3(b) : WidenInt8(b);
-    const __m512 b1 = FP8 ? WidenE4m3(b + 1) : WidenInt8(b + 1);
-    const __m512 b2 = FP8 ? WidenE4m3(b + 2) : WidenInt8(b + 2);
-    const __m512 b3 = FP8 ? WidenE4m3(b + 3) : WidenInt8(b + 3);
+    __m512 b0, b1, b2, b3;
+    if constexpr (FP8) {
+      const __m256i* b = reinterpret_cast<const __m256i*>(panel + k * kLanes);
+      WidenE4m3(b, b0, b1);
+      WidenE4m3(b + 1, b2, b3);
+    } else {
+      const __m128i* b = reinterpret_cast<const __m128i*>(panel + k * kLanes);
+      b0 = WidenInt8(b);
+      b1 = WidenInt8(b + 1);
+      b2 = WidenInt8(b + 2);
+      b3 = WidenInt8(b + 3);
+    }
     for (int r = 0; r < MR; ++r) {
       const __m512 av = _mm512_set1_ps(a[r * lda + k]);
       acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
@@ -111,8 +117,10 @@ inline void TileW8(const float* a, int64_t lda, const int8_t* panel, int64_t K,
       acc[r][3] = _mm512_fmadd_ps(av, b3, acc[r][3]);
     }
   }
+  // The e4m3 widening's 2^-8 (WidenE4m3), undone exactly on the way out.
+  const __m512 unit = _mm512_set1_ps(FP8 ? 256.0f : 1.0f);
   for (int i = 0; i < 4; ++i) {
-    const __m512 s = _mm512_loadu_ps(scale + 16 * i);
+    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * i), unit);
     for (int r = 0; r < MR; ++r)
       _mm512_storeu_ps(out + r * ldc + 16 * i, _mm512_mul_ps(acc[r][i], s));
   }
@@ -346,6 +354,22 @@ std::string Dims(ffi::Span<const int64_t> d) {
   return s + "]";
 }
 
+// The weights' type: int8, or e4m3 (weight-only: its bytes are widened, never multiplied as
+// integers).
+ffi::Error CheckWeights(const ffi::AnyBuffer& w, bool w8a8) {
+  const ffi::DataType t = w.element_type();
+  if (t != ffi::DataType::S8 && t != ffi::DataType::F8E4M3FN) {
+    return ffi::Error::InvalidArgument(
+        "jaxserve's 8-bit matmuls take int8 or float8_e4m3fn weights; got element type " +
+        std::to_string(static_cast<int>(t)) + ".");
+  }
+  if (t == ffi::DataType::F8E4M3FN && w8a8) {
+    return ffi::Error::InvalidArgument(
+        "float8_e4m3fn weights run weight-only here: int8_activations must be 0.");
+  }
+  return ffi::Error::Success();
+}
+
 // One work item: rows [m0, m1) against panel `panel` of one matrix (an expert's, when grouped).
 struct Item {
   int64_t matrix, panel, m0, m1;
@@ -408,10 +432,9 @@ void Prepare(ffi::ThreadPool& pool, Operands& o, int64_t used, bool w8a8,
   o.sx = sx.data();
 }
 
-ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scales,
-                            ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> out,
-                            int64_t int8_activations, int64_t fp8_weights) {
+ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> valid,
+                            ffi::ResultBuffer<ffi::F32> out, int64_t int8_activations) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scales.dimensions();
   const auto od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 1 || od.size() != 2 || wd[2] != kLanes ||
@@ -431,13 +454,10 @@ ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t M = K > 0 ? std::clamp<int64_t>(valid.typed_data()[0], 0, xd[0]) : 0;
   std::fill(out->typed_data() + M * N, out->typed_data() + xd[0] * N, 0.0f);
   if (M == 0 || panels == 0) return ffi::Error::Success();
-  const bool w8a8 = int8_activations != 0, fp8 = fp8_weights != 0;
-  if (w8a8 && fp8) {
-    return ffi::Error::InvalidArgument(
-        "e4m3 weights run weight-only here: int8_activations and fp8_weights exclude each other.");
-  }
-  Operands o{x.typed_data(), nullptr, nullptr, w.typed_data(), scales.typed_data(),
-             out->typed_data(), K, panels};
+  const bool w8a8 = int8_activations != 0, fp8 = w.element_type() == ffi::DataType::F8E4M3FN;
+  if (ffi::Error e = CheckWeights(w, w8a8); e.failure()) return e;
+  Operands o{x.typed_data(), nullptr, nullptr, static_cast<const int8_t*>(w.untyped_data()),
+             scales.typed_data(), out->typed_data(), K, panels};
   std::vector<uint8_t> q;
   std::vector<float> sx;
   Prepare(pool, o, M, w8a8, q, sx);
@@ -455,10 +475,9 @@ ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // (scales [G, N]). A negative size is 0, the runs stop at M, the rows after them are 0; an
 // expert without rows is never read. A row's bits are PackedMatmulInt8's of that row alone.
 ffi::Error GroupedPackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                                   ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scales,
+                                   ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scales,
                                    ffi::Buffer<ffi::S32> group_sizes,
-                                   ffi::ResultBuffer<ffi::F32> out, int64_t int8_activations,
-                                   int64_t fp8_weights) {
+                                   ffi::ResultBuffer<ffi::F32> out, int64_t int8_activations) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scales.dimensions();
   const auto gd = group_sizes.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 4 || sd.size() != 2 || gd.size() != 1 || od.size() != 2 ||
@@ -479,13 +498,10 @@ ffi::Error GroupedPackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x
   const int64_t used = K > 0 ? starts[G] : 0;  // with K = 0 every sum is empty: 0
   std::fill(out->typed_data() + used * N, out->typed_data() + M * N, 0.0f);
   if (used == 0 || panels == 0) return ffi::Error::Success();
-  const bool w8a8 = int8_activations != 0, fp8 = fp8_weights != 0;
-  if (w8a8 && fp8) {
-    return ffi::Error::InvalidArgument(
-        "e4m3 weights run weight-only here: int8_activations and fp8_weights exclude each other.");
-  }
-  Operands o{x.typed_data(), nullptr, nullptr, w.typed_data(), scales.typed_data(),
-             out->typed_data(), K, panels};
+  const bool w8a8 = int8_activations != 0, fp8 = w.element_type() == ffi::DataType::F8E4M3FN;
+  if (ffi::Error e = CheckWeights(w, w8a8); e.failure()) return e;
+  Operands o{x.typed_data(), nullptr, nullptr, static_cast<const int8_t*>(w.untyped_data()),
+             scales.typed_data(), out->typed_data(), K, panels};
   std::vector<uint8_t> q;
   std::vector<float> sx;
   Prepare(pool, o, used, w8a8, q, sx);
@@ -505,20 +521,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmulInt8, PackedMatmulInt8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // weights [N / 64, K, 64] (or e4m3)
+                                  .Arg<ffi::AnyBuffer>()  // i8 | f8e4m3 weights [N / 64, K, 64]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // real rows [] (the rest: 0)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
-                                  .Attr<int64_t>("int8_activations")  // 1: W8A8
-                                  .Attr<int64_t>("fp8_weights"));  // 1: the bytes are e4m3
+                                  .Attr<int64_t>("int8_activations"));  // 1: W8A8
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedPackedMatmulInt8, GroupedPackedMatmulInt8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], sorted by group
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // weights [G, N / 64, K, 64] (or e4m3)
+                                  .Arg<ffi::AnyBuffer>()  // i8 | f8e4m3 weights [G, N / 64, K, 64]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [G, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [G]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
-                                  .Attr<int64_t>("int8_activations")  // 1: W8A8
-                                  .Attr<int64_t>("fp8_weights"));  // 1: the bytes are e4m3
+                                  .Attr<int64_t>("int8_activations"));  // 1: W8A8

@@ -341,7 +341,7 @@ def test_bad_shapes_are_sentences_naming_them():
         mm(big_x, big_w, s, activations="int8")
 
 
-MODE = {"int8_activations": np.int64(0), "fp8_weights": np.int64(0)}
+MODE = {"int8_activations": np.int64(0)}
 
 
 def test_the_kernel_refuses_bad_shapes_itself_naming_them():
@@ -360,9 +360,11 @@ def test_the_kernel_refuses_bad_shapes_itself_naming_them():
             v,
             **{**MODE, "int8_activations": np.int64(1)},
         )
-    both = {"int8_activations": np.int64(1), "fp8_weights": np.int64(1)}
-    with pytest.raises(Exception, match=r"int8_activations and fp8_weights exclude each other"):
-        call(x, jnp.zeros((1, 8, 64), jnp.int8), jnp.ones(64), v, **both)
+    w8 = jnp.zeros((1, 8, 64), jnp.float8_e4m3fn)
+    with pytest.raises(Exception, match=r"weight-only here: int8_activations must be 0\."):
+        call(x, w8, jnp.ones(64), v, int8_activations=np.int64(1))
+    with pytest.raises(Exception, match=r"take int8 or float8_e4m3fn weights; got element type"):
+        call(x, jnp.zeros((1, 8, 64), jnp.int16), jnp.ones(64), v, **MODE)
 
 
 # ---- e4m3 weights (weight-only) ----
