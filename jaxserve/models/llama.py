@@ -1,5 +1,9 @@
 """The Llama family in Flax, as one functional step over a ragged batch and a paged KV pool.
 
+Gemma 2 and 3 are this model with ModelConfig's switches (docs/architecture.md, "Gemma"):
+(1 + w) sandwich norms, GeGLU, embeddings times sqrt(hidden), query_pre_attn_scalar, per-layer
+windows and RoPE (the unrolled loop), soft caps on attention logits and on the final logits.
+
     hidden, kv = model.apply({"params": params}, kv, batch)          # hidden: [T, hidden_size]
     logits = model.apply({"params": params}, hidden[rows], method="logits")
 
