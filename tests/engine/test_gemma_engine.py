@@ -52,3 +52,15 @@ def test_mixed_workload_never_compiles_after_warmup(served):
     drain(engine)
     assert engine.runner.num_compiles == before
     assert compiles.serving() == serving, f"compiled after warm-up: {compiles.recent()}"
+
+
+def test_served_packed_where_the_cpu_packs(served):
+    """On one AVX-512 CPU device the step reads Gemma's kernels and tied head in
+    cpu_matmul.cc's panels, and the final soft cap is applied after the packed head."""
+    _, engine = served
+    runner = engine.runner
+    if not runner.module.packed_weights:
+        pytest.skip("this CPU does not pack weights (no AVX-512 or the kernels' library)")
+    params = runner.step_params
+    assert "packed_head" in params
+    assert params["layers_0"]["mlp"]["gate_up_proj"]["kernel"].ndim == 3  # [N / 64, K, 64]
