@@ -224,10 +224,12 @@ def write_kv(
     rows_sharding: jax.sharding.Sharding | None = None,  # ShardingPlan.kv_rows, split over a mesh
 ) -> jax.Array:
     """Scatters this step's keys and values into their slots, one [lanes] row per token (keys
-    and values side by side, `common.fuse_kv`); padding rows are dropped."""
+    and values side by side, `common.fuse_kv`); padding rows are dropped. Into a quantized pool
+    (int8 / e4m3) each token's keys and values are quantized per KV head first, their scale
+    exponents in the same row, so the one scatter writes them too."""
     page_size, lanes = kv_pool.shape[2], kv_pool.shape[3]
     page, offset = slot_mapping // page_size, slot_mapping % page_size
-    rows = common.fuse_kv(k.astype(kv_pool.dtype), v.astype(kv_pool.dtype), lanes, shards)
+    rows = common.fuse_kv(k, v, lanes, shards, kv_pool.dtype)
     if rows_sharding is not None:
         # Rows split as the pool's lanes are. Left to itself XLA may split them finer where KV
         # heads are replicated (over model_rep too), then split the pool that way for the
