@@ -1,0 +1,202 @@
+"""The 8-bit KV cache (--kv-cache-dtype int8 | fp8) at the kernels: the quantization, the pool
+layout with its scale lanes, the write, and every attention path on quantized pages against the
+reference over the dequantized pool (the float pool of the very same keys and values).
+
+Unused slots of a quantized pool hold random bytes (scale exponents that overflow to inf, e4m3
+NaNs), the quantized counterpart of the float tests' NaN: a read of a slot no query sees shows
+up in the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.models.attention import write_kv
+from pallas_kernels.ragged_paged_attention import common, cpu_ffi, reference, xla_blocked
+from tests.kernels.test_ragged_paged_attention import CASES, Case, make_inputs
+
+KV_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+QMAX = {"int8": 127.0, "fp8": 448.0}
+
+
+def quantized_inputs(case: Case, kv_dtype, seed: int = 0, shards: int = 1) -> tuple:
+    """make_inputs(case) with its pool quantized to `kv_dtype` (scale lanes, the case's lane
+    alignment) and every slot the float pool left NaN filled with random bytes."""
+    args = make_inputs(dataclasses.replace(case, dtype=jnp.float32), seed)
+    q, pool = args[0].astype(case.dtype), np.asarray(args[1])
+    hkv, d = case.num_kv_heads, case.head_dim
+    k, v = common.split_kv(jnp.asarray(pool), hkv, d)
+    lanes = common.kv_lanes(hkv, d, shards, case.lane_align, quantized=True)
+    qpool = np.array(common.fuse_kv(k, v, lanes, shards, kv_dtype))
+    unused = np.isnan(pool[..., 0])
+    rng = np.random.default_rng(seed + 1)
+    garbage = rng.integers(0, 256, size=(int(unused.sum()), lanes), dtype=np.uint8)
+    qpool.view(np.uint8)[unused] = garbage
+    return (q, jnp.asarray(qpool), *args[2:])
+
+
+def assert_dequantizes_near(got, x, name: str) -> None:
+    """|got - x| within what `name` loses of each (token, head) row: half an int8 step (at most
+    max|x| / 127), or e4m3's relative 2^-4 (at most max|x| / 16)."""
+    x = np.asarray(x, np.float32)
+    bound = np.abs(x).max(-1, keepdims=True) / (127.0 if name == "int8" else 16.0)
+    assert np.all(np.abs(np.asarray(got, np.float32) - x) <= bound + 1e-7)
+
+
+def _kwargs(case: Case) -> dict:
+    return dict(
+        sm_scale=case.head_dim**-0.5,
+        num_kv_heads=case.num_kv_heads,
+        sliding_window=case.sliding_window,
+    )
+
+
+def _float_reference(case: Case, args) -> np.ndarray:
+    """The reference over the dequantized pool: what every path on quantized pages must give."""
+    q, qpool, *rest = args
+    fpool = common.dequantize_pool(qpool, case.num_kv_heads, case.head_dim, jnp.float32)
+    return np.asarray(
+        reference.ragged_paged_attention(q.astype(jnp.float32), fpool, *rest, **_kwargs(case))
+    )
+
+
+@pytest.mark.parametrize("name", list(KV_DTYPES))
+def test_quantize_error_and_exponents(name):
+    dtype, qmax = KV_DTYPES[name], QMAX[name]
+    rng = np.random.default_rng(0)
+    # Rows of very different magnitudes, one of zeros, one past the exponent range.
+    x = (
+        rng.normal(size=(6, 3, 64)).astype(np.float32)
+        * np.array([1e-3, 0.1, 1, 7, 300, 0])[:, None, None]
+    )
+    x[5, 1] = 1e9  # saturates at the largest exponent
+    vals, e = common.quantize(jnp.asarray(x), dtype)
+    assert vals.dtype == dtype and e.dtype == jnp.int32 and e.shape == (6, 3)
+    e = np.asarray(e)
+    scale = 2.0 ** e[..., None]
+    deq = np.asarray(vals, np.float32) * scale
+    amax = np.abs(x).max(-1)
+    inside = (amax > 0) & (amax < qmax * 2.0**common.SCALE_EXP_MAX)
+    # The least exponent that fits: max|x| / 2^e in (qmax / 2, qmax] where not clipped.
+    ratio = amax[inside] / 2.0 ** e[inside]
+    clipped = e[inside] == common.SCALE_EXP_MIN
+    assert np.all(ratio <= qmax) and np.all((ratio > qmax / 2) | clipped)
+    assert np.all(e >= common.SCALE_EXP_MIN) and np.all(e <= common.SCALE_EXP_MAX)
+    err = np.abs(deq - x)[inside]
+    if name == "int8":  # round to nearest: half a step
+        assert np.all(err <= 0.5 * scale[inside] + 1e-12)
+    else:  # e4m3: 3 mantissa bits, a relative error under 2^-4 in its normal range
+        normal = np.abs(x[inside]) / scale[inside] >= 2.0**-6
+        assert np.all(err[normal] <= 2.0**-4 * np.abs(x[inside][normal]))
+        assert np.all(err[~normal] <= 2.0**-10 * np.broadcast_to(scale[inside], err.shape)[~normal])
+    np.testing.assert_array_equal(deq[5, 0], 0.0)  # zeros stay zeros
+    assert np.isfinite(deq).all() and np.abs(np.asarray(vals, np.float32)).max() <= qmax
+
+
+@pytest.mark.parametrize("name", list(KV_DTYPES))
+def test_layout_puts_each_shards_exponents_at_its_block_end(name):
+    """Two shards of 2 KV heads, lanes padded to 128: each block ends with its own heads'
+    (key, value) exponents and split_kv of each block alone returns its heads."""
+    dtype = KV_DTYPES[name]
+    rng = np.random.default_rng(1)
+    k = jnp.asarray(rng.normal(size=(5, 4, 16)) * 3, jnp.float32)
+    v = jnp.asarray(rng.normal(size=(5, 4, 16)) / 5, jnp.float32)
+    lanes = common.kv_lanes(4, 16, shards=2, align=128, quantized=True)
+    assert lanes == 256 and common.kv_lanes(4, 16, quantized=True) == 4 * 2 * 16 + 8
+    rows = np.asarray(common.fuse_kv(k, v, lanes, shards=2, dtype=dtype))
+    assert rows.dtype == np.dtype(dtype)
+    for shard in range(2):
+        block = rows[:, shard * 128 : (shard + 1) * 128]
+        heads = slice(2 * shard, 2 * shard + 2)
+        _, ek = common.quantize(k[:, heads], dtype)
+        _, ev = common.quantize(v[:, heads], dtype)
+        want = np.stack([ek, ev], -1).reshape(5, 4)
+        np.testing.assert_array_equal(block[:, -4:].astype(np.float32), want)
+        np.testing.assert_array_equal(block[:, 64:-4].astype(np.float32), 0)  # the gap
+        kd, vd = common.split_kv(jnp.asarray(block), 2, 16)
+        assert_dequantizes_near(kd, k[:, heads], name)
+        assert_dequantizes_near(vd, v[:, heads], name)
+    assert common.kv_heads_of(jnp.zeros((1, 1, 1, 4 * 32 + 8), dtype), 16, None) == 4
+
+
+@pytest.mark.parametrize("name", list(KV_DTYPES))
+def test_write_kv_quantizes_each_row_and_drops_padding(name):
+    dtype = KV_DTYPES[name]
+    hkv, d, page_size = 2, 32, 4
+    lanes = common.kv_lanes(hkv, d, quantized=True)
+    pool = jnp.zeros((2, 3, page_size, lanes), dtype)
+    rng = np.random.default_rng(2)
+    k = jnp.asarray(rng.normal(size=(3, hkv, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(3, hkv, d)) * 10, jnp.float32)
+    slots = jnp.asarray([5, 2, 3 * page_size], jnp.int32)  # the last is padding: dropped
+    out = jax.jit(write_kv)(pool, jnp.int32(1), k, v, slots)
+    assert out.dtype == dtype
+    got_k, got_v = common.split_kv(out[1].reshape(-1, lanes), hkv, d)
+    for row, slot in ((0, 5), (1, 2)):
+        want = common.fuse_kv(k[row], v[row], lanes, 1, dtype)
+        np.testing.assert_array_equal(
+            np.asarray(out[1].reshape(-1, lanes)[slot]).view(np.uint8),
+            np.asarray(want).view(np.uint8),
+        )
+        assert_dequantizes_near(got_k[slot], k[row], name)
+        assert_dequantizes_near(got_v[slot], v[row], name)
+    written = np.zeros(3 * page_size, bool)
+    written[[5, 2]] = True
+    assert not np.asarray(out[1].reshape(-1, lanes)[~written]).view(np.uint8).any()
+    assert not np.asarray(out[0]).view(np.uint8).any()  # the other layer untouched
+
+
+CPU_CASES = ["decode", "mixed", "mixed_window", "padded_lanes"]
+
+
+@pytest.mark.parametrize("name", list(KV_DTYPES))
+@pytest.mark.parametrize("case_name", CPU_CASES)
+def test_reference_and_xla_on_quantized_pages_match_the_dequantized_pool(name, case_name):
+    """The reference and the CPU's XLA path (its C++ decode call for f32 decode rows, the jnp
+    tiles for the rest, the jnp decode loop for bf16) on the quantized pool, against the
+    reference over the float pool of the same values."""
+    case = CASES[case_name]
+    args = quantized_inputs(case, KV_DTYPES[name])
+    want = _float_reference(case, args)
+    tol = 2e-5 if case.dtype == jnp.float32 else 3e-2
+    got_ref = np.asarray(reference.ragged_paged_attention(*args, **_kwargs(case)), np.float32)
+    got_xla = jax.jit(lambda *a: xla_blocked.ragged_paged_attention(*a, **_kwargs(case)))(*args)
+    got_xla = np.asarray(got_xla, np.float32)
+    total = sum(q for q, _ in case.chunks)
+    for got in (got_ref, got_xla):
+        assert np.isfinite(got).all(), "a read of an unused slot (its garbage bytes)"
+        np.testing.assert_array_equal(got[total:], 0.0)
+        np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not cpu_ffi.available(), reason="the C++ CPU kernels did not build")
+@pytest.mark.parametrize("name", list(KV_DTYPES))
+def test_cpu_decode_call_dequantizes_as_the_jnp_loop(name):
+    """cpu_ffi.decode_attention's 8-bit call against the jnp decode loop on the same quantized
+    pool and plan, sliding window included, and against the float pool through the float call."""
+    case = Case(((1, 9), (1, 1), (1, 16), (1, 4), (1, 7)), 4, 8, 2, 64, jnp.float32, 8, 6)
+    q, qpool, layer, query_start, kv_lens, page_tables, num_seqs = quantized_inputs(
+        case, KV_DTYPES[name]
+    )
+    fpool = common.dequantize_pool(qpool, 2, 64, jnp.float32)
+    plan = xla_blocked.plan_step(8, query_start, kv_lens, num_seqs)
+    for window in (None, 3):
+        outs = []
+        for pool in (qpool, fpool):
+            p = xla_blocked._Pool(pool, layer, page_tables, kv_lens, 2, 64, jnp.float32)
+            outs.append(xla_blocked._decode_loop(q, p, plan, 0.125, window))
+            is_decode = plan.decode_rows < 8
+            kv_len = jnp.where(is_decode, kv_lens, 0)
+            lowest = jnp.zeros_like(kv_len) if window is None else kv_len - window
+            qd = q[jnp.minimum(plan.decode_rows, 7)].reshape(6, 2, 4, 64)
+            native = cpu_ffi.decode_attention(qd, pool, layer, page_tables, kv_len, lowest, 0.125)
+            outs.append(np.asarray(native).reshape(6, 8, 64))
+        loop_q, native_q, loop_f, native_f = map(np.asarray, outs)
+        assert np.isfinite(native_q).all()
+        for got in (native_q, loop_f, native_f):
+            np.testing.assert_allclose(got, loop_q, atol=2e-5, rtol=2e-5)
