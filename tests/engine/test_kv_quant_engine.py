@@ -96,7 +96,7 @@ def test_the_pool_is_8_bit_and_sized_from_its_smaller_pages(stories_engine):
 
 
 def test_each_kv_dtype_serves_near_the_float_cache_without_a_compile(reference, quantized, heard):
-    name, engine = quantized
+    _, engine = quantized
     assert engine.runner.kv.kv.dtype == KV_DTYPES[name]
     llm = LLM(engine=engine)
     want_outs, ids, want_lp = reference
@@ -119,7 +119,7 @@ def test_each_kv_dtype_serves_near_the_float_cache_without_a_compile(reference, 
 def test_the_written_pages_hold_the_quantized_keys_and_their_scales(quantized):
     """After a prompt, its pages read back (split_kv) as finite keys and values whose exponents
     lie in range, and the pages no request touched are still all zero bytes."""
-    name, engine = quantized
+    _, engine = quantized
     LLM(engine=engine).generate(["Once upon a time"], SamplingParams(max_tokens=4))
     kv = np.asarray(engine.runner.kv.kv)
     config = engine.model.config
@@ -143,7 +143,7 @@ def test_prefix_hits_and_forks_on_quantized_pages_give_the_computed_tokens(quant
     it computes; tokens and logprobs are those of the first, computed, run."""
     from tests.engine.test_prefix_cache import _serve
 
-    name, engine = quantized
+    _, engine = quantized
     story = "Sam and his big brown dog went to the lake. They swam all day and ate cake and fish."
     ids = engine.tokenizer.encode(story * 2)[:37]  # 2 full pages of 16, a partial one of 5
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
