@@ -96,7 +96,7 @@ def test_the_pool_is_8_bit_and_sized_from_its_smaller_pages(stories_engine):
 
 
 def test_each_kv_dtype_serves_near_the_float_cache_without_a_compile(reference, quantized, heard):
-    _, engine = quantized
+    name, engine = quantized
     assert engine.runner.kv.kv.dtype == KV_DTYPES[name]
     llm = LLM(engine=engine)
     want_outs, ids, want_lp = reference
