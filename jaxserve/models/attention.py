@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
@@ -38,6 +39,7 @@ ATTENTION_BACKENDS = (
 )
 
 AttentionFn = Callable[..., jax.Array]
+logger = logging.getLogger(__name__)
 
 _KERNEL_PLATFORMS = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 
@@ -171,11 +173,25 @@ def get_attention_fn(backend: str) -> AttentionFn:
     name = backend.removesuffix("_interpret").removeprefix("pallas_gpu").removeprefix("_")
     if interpret:  # pallas_gpu_interpret stays the Triton kernel
         if name == "mosaic":
-            return functools.partial(mosaic, interpret=mosaic_gpu_kernel.interpret_params())
-        return functools.partial(triton, interpret=True)
+            fn = functools.partial(mosaic, interpret=mosaic_gpu_kernel.interpret_params())
+        else:
+            fn = functools.partial(triton, interpret=True)
+        return functools.partial(_float_pools_only, backend, fn)
     if name:  # "mosaic" or "triton", forced
-        return mosaic if name == "mosaic" else triton
+        return functools.partial(_float_pools_only, backend, mosaic if name == "mosaic" else triton)
     return functools.partial(_chosen_gpu_kernel, where.compute_capability, where.device_kind)
+
+
+def _float_pools_only(backend: str, fn, q, kv_pool, *args, **kwargs):
+    """`fn` (a GPU kernel forced by name), refusing an 8-bit pool in a sentence: neither GPU
+    kernel dequantizes pages yet, and `pallas_gpu` (or `xla`) serves such a pool."""
+    if common.is_quantized(kv_pool.dtype):
+        raise ValueError(
+            f"attention_backend={backend!r} cannot read a {kv_pool.dtype} KV pool "
+            "(--kv-cache-dtype int8/fp8): the GPU kernels take float pools only. Use "
+            "'pallas_gpu', which serves 8-bit pools with the XLA attention, or 'xla'."
+        )
+    return fn(q, kv_pool, *args, **kwargs)
 
 
 def _chosen_gpu_kernel(compute_capability, device_kind, q, kv_pool, *args, **kwargs):
@@ -210,7 +226,22 @@ def _chosen_gpu_kernel(compute_capability, device_kind, q, kv_pool, *args, **kwa
         return gpu_kernel.ragged_paged_attention(
             q, kv_pool, *args, block_sizes=sizes, compute_capability=compute_capability, **kwargs
         )
+    if common.is_quantized(kv_pool.dtype):
+        _log_quantized_fallback(str(kv_pool.dtype), compute_capability)
     return xla_blocked.ragged_paged_attention(q, kv_pool, *args, **kwargs)
+
+
+@functools.cache
+def _log_quantized_fallback(dtype: str, compute_capability) -> None:
+    """Says once per pool dtype and GPU (when the step is traced) that 8-bit pages are read by
+    the XLA attention: the Triton and Mosaic GPU kernels take float pools only."""
+    logger.warning(
+        "The KV pool is %s (--kv-cache-dtype): on this GPU (compute capability %s) the XLA "
+        "attention reads and dequantizes its pages; the Triton and Mosaic GPU kernels take "
+        "float pools only.",
+        dtype,
+        compute_capability,
+    )
 
 
 @functools.partial(jax.named_call, name="write_kv")

@@ -200,3 +200,59 @@ def test_cpu_decode_call_dequantizes_as_the_jnp_loop(name):
         assert np.isfinite(native_q).all()
         for got in (native_q, loop_f, native_f):
             np.testing.assert_allclose(got, loop_q, atol=2e-5, rtol=2e-5)
+
+
+TPU_CASES = {
+    # Decode rows of 2 KV heads, head_dim 64, f32, the lanes unpadded (2 * 2 * 64 + 4).
+    "decode": CASES["decode"],
+    # A mixed bf16 batch with a sliding window, lanes padded to 128 (the exponents end the
+    # tile after the gap), head_dim 16 as the tiny shapes.
+    "padded_window": Case(
+        ((6, 14), (1, 9), (3, 3)), 4, 4, 2, 16, jnp.bfloat16, 12, 4, 5, lane_align=128
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(KV_DTYPES))
+@pytest.mark.parametrize("case_name", list(TPU_CASES))
+def test_tpu_kernel_on_quantized_pages_matches_the_dequantized_pool(name, case_name):
+    """The Pallas TPU kernel in interpret mode (race detector on, two simulated cores), reading
+    8-bit pages and dequantizing each key block, against the reference over the float pool."""
+    from tests.kernels.test_ragged_paged_attention import SMALL_TPU, tpu_interpret
+
+    case = TPU_CASES[case_name]
+    args = quantized_inputs(case, KV_DTYPES[name])
+    want = _float_reference(case, args)
+    got = np.asarray(tpu_interpret(*args, block_sizes=SMALL_TPU, **_kwargs(case)), np.float32)
+    assert np.isfinite(got).all(), "a read of an unused slot (its garbage bytes)"
+    np.testing.assert_array_equal(got[sum(q for q, _ in case.chunks) :], 0.0)
+    tol = 2e-5 if case.dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", list(KV_DTYPES))
+def test_on_a_gpu_quantized_pages_go_to_the_xla_attention_with_a_log_line(name, caplog):
+    """Neither GPU kernel dequantizes pages: kernel_choice gives them no 8-bit pool on any
+    capability, `pallas_gpu`'s chosen kernel is then the XLA attention (logged once, and the
+    same values), and a GPU kernel forced by name refuses the pool in a sentence."""
+    from jaxserve.models import attention
+    from pallas_kernels.ragged_paged_attention import kernel_choice
+
+    dtype = KV_DTYPES[name]
+    for capability in ("8.0", "9.0"):
+        choice = kernel_choice.choose_gpu_kernel(
+            capability, dtype, head_dim=64, page_size=16, num_q_heads=8, num_kv_heads=2
+        )
+        assert choice is None
+    case = CASES["mixed"]
+    args = quantized_inputs(case, dtype)
+    attention._log_quantized_fallback.cache_clear()
+    with caplog.at_level("WARNING", logger="jaxserve.models.attention"):
+        got = attention._chosen_gpu_kernel("9.0", "NVIDIA H100", *args, **_kwargs(case))
+    assert any("XLA attention reads and dequantizes" in r.getMessage() for r in caplog.records)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), _float_reference(case, args), atol=3e-2, rtol=3e-2
+    )
+    for backend in ("pallas_gpu_triton_interpret", "pallas_gpu_mosaic_interpret"):
+        with pytest.raises(ValueError, match=f"attention_backend='{backend}' cannot read"):
+            attention.get_attention_fn(backend)(*args, **_kwargs(case))
