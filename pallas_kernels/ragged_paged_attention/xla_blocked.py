@@ -228,7 +228,7 @@ class _Pool:
     kv_lens: jax.Array
     num_kv_heads: int
     head_dim: int
-    dtype: jnp.dtype  # what a quantized pool's blocks are dequantized into (q's)
+    dtype: jnp.dtype = jnp.float32  # what a quantized pool's blocks are dequantized into (q's)
 
     @property
     def page_size(self) -> int:
