@@ -18,6 +18,19 @@ one contiguous DMA of its keys and values, and one scatter writes both.
 
 Layers are stacked on the leading axis so the model scans over them (one compiled layer body,
 whatever the depth) and the step donates the pool, updating it in place.
+
+Quantized pools (`--kv-cache-dtype int8 | fp8`; docs/architecture.md, "Quantized KV cache"): the
+same array in int8 or float8_e4m3fn, each token's keys (and, apart, its values) of each KV head
+scaled by its own power of two 2^e. The exponents are integers in [-16, 16], stored in the
+pool's own dtype (both hold them exactly) in the LAST 2 * heads lanes of each shard's block,
+after any padding: head i's key exponent at lanes - 2 * heads + 2i, its value exponent after
+it (`common.fuse_kv`). So the scales are part of the page: a device copy, a swap, the host
+tier and a forked page move them with their keys and values with no code of their own, one
+scatter writes both, and a reader finds them from the block's width alone. The lanes are
+2 * heads * (head_dim + 1) per shard, padded to 128 on TPU (llama3.1-8b: 2048 -> 2176, one more
+tile; the tiny shapes with head_dim 16 fit the padding they had). Zeros read as zeros. Measured
+on v5e/v6e (compiled, memory_analysis): int8 and e4m3 pools of pages of 8-64 tokens take their
+bytes with no row padding, as 16-bit ones do.
 """
 
 from __future__ import annotations

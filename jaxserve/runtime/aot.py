@@ -63,6 +63,7 @@ class _StepProgram:
     layer_loop: str  # "scan" or "unrolled", as the params are laid out
     itemsize: int  # bytes of one weight (and of one KV element)
     weight_itemsize: int  # bytes of one decoder matmul weight (1 where quantized)
+    kv_itemsize: int = 0  # bytes of one KV element (1 for an 8-bit pool); 0: itemsize
 
 
 @dataclasses.dataclass
@@ -452,6 +453,7 @@ def step_program(
         layer_loop=layer_loop_of(params),
         itemsize=jnp.dtype(dtype).itemsize,
         weight_itemsize=_matmul_itemsize(params),
+        kv_itemsize=kv_dtype.itemsize,
     )
 
 
@@ -537,6 +539,7 @@ def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketRe
         layer_loop=p.layer_loop,
         dense_experts=p.target.platform == "gpu",  # XLA:GPU's ragged_dot: a dense masked dot
         weight_itemsize=p.weight_itemsize,
+        kv_itemsize=p.kv_itemsize or None,
     )
     report.floor_flops, report.floor_bytes = floor.flops, floor.bytes
     if p.peaks is not None:
@@ -556,6 +559,7 @@ def predict_bucket(
     layer_loop: str = "scan",
     dense_experts: bool = False,
     weight_itemsize: int | None = None,
+    kv_itemsize: int | None = None,
 ) -> tuple[StepWork, float | None]:
     """(the floor, the predicted step time or None without peaks) of one bucket on one device.
 
@@ -563,12 +567,14 @@ def predict_bucket(
     prices a while loop's body once, so under the scan the other num_layers - 1 layers are
     added at the floor's per-layer work (tests/unit/test_roofline.py measures the undercount).
     `dense_experts`: a mixture of experts' grouped matmul runs every expert (roofline.py).
-    `weight_itemsize`: bytes of a decoder matmul weight where quantized (None: `itemsize`).
+    `weight_itemsize`: bytes of a decoder matmul weight where quantized (None: `itemsize`);
+    `kv_itemsize` likewise of a KV element (1 for an 8-bit pool).
     """
     kw = dict(
         tensor_parallel=tensor_parallel,
         dense_experts=dense_experts,
         weight_itemsize=weight_itemsize,
+        kv_itemsize=kv_itemsize,
     )
     floor = step_floor(model, num_tokens, num_seqs, itemsize, **kw)
     if peaks is None:
