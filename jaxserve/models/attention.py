@@ -174,22 +174,22 @@ def get_attention_fn(backend: str) -> AttentionFn:
     if interpret:  # pallas_gpu_interpret stays the Triton kernel
         if name == "mosaic":
             fn = functools.partial(mosaic, interpret=mosaic_gpu_kernel.interpret_params())
-        else:
-            fn = functools.partial(triton, interpret=True)
-        return functools.partial(_float_pools_only, backend, fn)
+            return functools.partial(_float_pools_only, backend, fn)
+        return functools.partial(triton, interpret=True)
     if name:  # "mosaic" or "triton", forced
-        return functools.partial(_float_pools_only, backend, mosaic if name == "mosaic" else triton)
+        return functools.partial(_float_pools_only, backend, mosaic) if name == "mosaic" else triton
     return functools.partial(_chosen_gpu_kernel, where.compute_capability, where.device_kind)
 
 
 def _float_pools_only(backend: str, fn, q, kv_pool, *args, **kwargs):
-    """`fn` (a GPU kernel forced by name), refusing an 8-bit pool in a sentence: neither GPU
-    kernel dequantizes pages yet, and `pallas_gpu` (or `xla`) serves such a pool."""
+    """`fn` (the Mosaic GPU kernel forced by name), refusing an 8-bit pool in a sentence: its
+    wgmma path takes 16-bit pools, and `pallas_gpu` (the Triton kernel) or `xla` read 8 bits."""
     if common.is_quantized(kv_pool.dtype):
         raise ValueError(
             f"attention_backend={backend!r} cannot read a {kv_pool.dtype} KV pool "
-            "(--kv-cache-dtype int8/fp8): the GPU kernels take float pools only. Use "
-            "'pallas_gpu', which serves 8-bit pools with the XLA attention, or 'xla'."
+            "(--kv-cache-dtype int8/fp8): the Mosaic GPU kernel takes 16-bit pools only. Use "
+            "'pallas_gpu' or 'pallas_gpu_triton', whose Triton kernel dequantizes 8-bit pages, "
+            "or 'xla'."
         )
     return fn(q, kv_pool, *args, **kwargs)
 
@@ -234,11 +234,11 @@ def _chosen_gpu_kernel(compute_capability, device_kind, q, kv_pool, *args, **kwa
 @functools.cache
 def _log_quantized_fallback(dtype: str, compute_capability) -> None:
     """Says once per pool dtype and GPU (when the step is traced) that 8-bit pages are read by
-    the XLA attention: the Triton and Mosaic GPU kernels take float pools only."""
+    the XLA attention: no GPU kernel takes them there (e4m3 before compute capability 8.9)."""
     logger.warning(
         "The KV pool is %s (--kv-cache-dtype): on this GPU (compute capability %s) the XLA "
-        "attention reads and dequantizes its pages; the Triton and Mosaic GPU kernels take "
-        "float pools only.",
+        "attention reads and dequantizes its pages; no GPU kernel takes them here (the Triton "
+        "kernel reads int8 from 8.0 and e4m3 from 8.9, Mosaic GPU 16-bit pools only).",
         dtype,
         compute_capability,
     )

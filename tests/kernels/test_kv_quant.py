@@ -230,29 +230,79 @@ def test_tpu_kernel_on_quantized_pages_matches_the_dequantized_pool(name, case_n
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
+GPU_CASES = ["decode", "mixed", "mixed_window"]
+
+
 @pytest.mark.parametrize("name", list(KV_DTYPES))
-def test_on_a_gpu_quantized_pages_go_to_the_xla_attention_with_a_log_line(name, caplog):
-    """Neither GPU kernel dequantizes pages: kernel_choice gives them no 8-bit pool on any
-    capability, `pallas_gpu`'s chosen kernel is then the XLA attention (logged once, and the
-    same values), and a GPU kernel forced by name refuses the pool in a sentence."""
+@pytest.mark.parametrize("case_name", GPU_CASES)
+def test_triton_kernel_on_quantized_pages_matches_the_dequantized_pool(name, case_name):
+    """The Triton kernel in interpret mode, loading 8-bit keys and values with their exponents,
+    with key splits (SMALL_GPU), against the reference over the float pool."""
+    from tests.kernels.test_ragged_paged_attention import SMALL_GPU, gpu_interpret
+
+    case = CASES[case_name]
+    args = quantized_inputs(case, KV_DTYPES[name])
+    want = _float_reference(case, args)
+    got = np.asarray(gpu_interpret(*args, block_sizes=SMALL_GPU, **_kwargs(case)), np.float32)
+    assert np.isfinite(got).all(), "a read of an unused slot (its garbage bytes)"
+    np.testing.assert_array_equal(got[sum(q for q, _ in case.chunks) :], 0.0)
+    tol = 2e-5 if case.dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+def test_on_a_gpu_8_bit_pools_go_to_triton_or_the_xla_attention_with_a_log_line(caplog):
+    """kernel_choice gives 8-bit pools to the Triton kernel (never Mosaic GPU, whose wgmma path
+    takes 16-bit pools), e4m3 only from compute capability 8.9; where none takes the pool,
+    `pallas_gpu` runs the XLA attention, which dequantizes (logged once, the same values); the
+    Mosaic GPU kernel forced by name refuses an 8-bit pool in a sentence."""
     from jaxserve.models import attention
     from pallas_kernels.ragged_paged_attention import kernel_choice
 
-    dtype = KV_DTYPES[name]
-    for capability in ("8.0", "9.0"):
-        choice = kernel_choice.choose_gpu_kernel(
+    def choice(capability, dtype):
+        return kernel_choice.choose_gpu_kernel(
             capability, dtype, head_dim=64, page_size=16, num_q_heads=8, num_kv_heads=2
         )
-        assert choice is None
+
+    assert choice("8.0", jnp.int8) == choice("9.0", jnp.int8) == kernel_choice.TRITON
+    assert choice("9.0", jnp.float8_e4m3fn) == choice("8.9", jnp.float8_e4m3fn) == "triton"
+    assert choice("8.0", jnp.float8_e4m3fn) is None
     case = CASES["mixed"]
-    args = quantized_inputs(case, dtype)
+    args = quantized_inputs(case, jnp.float8_e4m3fn)
     attention._log_quantized_fallback.cache_clear()
     with caplog.at_level("WARNING", logger="jaxserve.models.attention"):
-        got = attention._chosen_gpu_kernel("9.0", "NVIDIA H100", *args, **_kwargs(case))
+        got = attention._chosen_gpu_kernel("8.0", "NVIDIA A100", *args, **_kwargs(case))
     assert any("XLA attention reads and dequantizes" in r.getMessage() for r in caplog.records)
     np.testing.assert_allclose(
         np.asarray(got, np.float32), _float_reference(case, args), atol=3e-2, rtol=3e-2
     )
-    for backend in ("pallas_gpu_triton_interpret", "pallas_gpu_mosaic_interpret"):
-        with pytest.raises(ValueError, match=f"attention_backend='{backend}' cannot read"):
-            attention.get_attention_fn(backend)(*args, **_kwargs(case))
+    backend = "pallas_gpu_mosaic_interpret"
+    with pytest.raises(ValueError, match=f"attention_backend='{backend}' cannot read"):
+        attention.get_attention_fn(backend)(*args, **_kwargs(case))
+
+
+@pytest.mark.skipif(not cpu_ffi.available(), reason="the C++ CPU kernels did not build")
+@pytest.mark.parametrize("name", list(KV_DTYPES))
+def test_cpu_decode_call_reads_every_byte_as_jax_does(name):
+    """64 decode slots of one token each, so each slot's output is its token's values exactly:
+    value bytes through all 256 codes (every e4m3 subnormal, zero, negative and the largest;
+    e4m3's two NaN codes left out), exponents across [-16, 16]. The C++ call's table must decode
+    each byte as JAX's conversion does (split_kv of the same rows)."""
+    dtype = KV_DTYPES[name]
+    hkv, d, page_size, slots = 2, 32, 4, 64
+    lanes = common.kv_lanes(hkv, d, quantized=True)
+    codes = np.arange(256, dtype=np.uint8)
+    if name == "fp8":
+        codes = codes[(codes & 0x7F) != 0x7F]
+    rng = np.random.default_rng(5)
+    raw = rng.choice(codes, size=(1, slots, page_size, lanes))
+    exps = rng.integers(common.SCALE_EXP_MIN, common.SCALE_EXP_MAX + 1, (1, slots, page_size, 4))
+    pool = raw.view(np.dtype(dtype)).copy()
+    pool[..., -2 * hkv :] = exps.astype(np.dtype(dtype))
+    table = jnp.asarray(rng.permutation(slots)[:, None], jnp.int32)  # slot s reads one page
+    kv_len = jnp.ones(slots, jnp.int32)
+    q = jnp.asarray(rng.normal(size=(slots, hkv, 2, d)), jnp.float32)
+    got = cpu_ffi.decode_attention(q, jnp.asarray(pool), jnp.int32(0), table, kv_len, 0 * kv_len, 1)
+    _, want = common.split_kv(jnp.asarray(pool[0, np.asarray(table[:, 0]), 0]), hkv, d)
+    want = np.broadcast_to(np.asarray(want)[:, :, None, :], (slots, hkv, 2, d))
+    assert np.unique(raw[0, np.asarray(table[:, 0]), 0, : 2 * hkv * d]).size == codes.size
+    np.testing.assert_array_equal(np.asarray(got), want)
