@@ -280,8 +280,10 @@ def _kernel(
             )
             seen = visible[:, :, 0]  # [pages_per_block, page_size]
             visible = jnp.broadcast_to(visible, (pages_per_block, page_size, head_dim))
-            k = plgpu.load(kv_ref.at[(*index, lanes)], mask=visible, other=0)
-            v = plgpu.load(kv_ref.at[(*index, lanes + head_dim)], mask=visible, other=0)
+            # A float zero for e4m3 pools: Triton's lowering casts no int to fp8.
+            zero = 0.0 if kv_ref.dtype == jnp.float8_e4m3fn else 0
+            k = plgpu.load(kv_ref.at[(*index, lanes)], mask=visible, other=zero)
+            v = plgpu.load(kv_ref.at[(*index, lanes + head_dim)], mask=visible, other=zero)
             if quantized:
                 # 8-bit pages: head h's key exponent sits at lane lanes - 2 * heads + 2h of each
                 # token, its value exponent after it (common.fuse_kv); scale by 2^e in f32.
@@ -290,8 +292,8 @@ def _kernel(
                 # Masked slots read as exponent 0 (times the zeroed value): never 0 * inf.
                 at_k = (layer, pages[:, None], tokens, e_lane)
                 at_v = (layer, pages[:, None], tokens, e_lane + 1)
-                ek = plgpu.load(kv_ref.at[at_k], mask=seen, other=0)
-                ev = plgpu.load(kv_ref.at[at_v], mask=seen, other=0)
+                ek = plgpu.load(kv_ref.at[at_k], mask=seen, other=zero)
+                ev = plgpu.load(kv_ref.at[at_v], mask=seen, other=zero)
                 k = k.astype(jnp.float32) * common.pow2(ek.astype(jnp.float32))[..., None]
                 v = v.astype(jnp.float32) * common.pow2(ev.astype(jnp.float32))[..., None]
                 k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)

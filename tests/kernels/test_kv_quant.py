@@ -10,6 +10,7 @@ up in the output.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -306,3 +307,18 @@ def test_cpu_decode_call_reads_every_byte_as_jax_does(name):
     want = np.broadcast_to(np.asarray(want)[:, :, None, :], (slots, hkv, 2, d))
     assert np.unique(raw[0, np.asarray(table[:, 0]), 0, : 2 * hkv * d]).size == codes.size
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("name", list(KV_DTYPES))
+def test_triton_kernel_on_quantized_pages_lowers_for_cuda(name):
+    """Lowering (not compiling: that needs the CUDA compile set) for sm_90 catches what Triton
+    cannot take: an int `other` cast to fp8 did not lower until the e4m3 loads took 0.0."""
+    from pallas_kernels.ragged_paged_attention import gpu_kernel
+    from tests.kernels.test_ragged_paged_attention import gpu_target
+
+    case = Case(((9, 40), (1, 17), (1, 3)), 16, 8, 2, 128, jnp.bfloat16, 16, 4)
+    fn = functools.partial(gpu_kernel.ragged_paged_attention, sm_scale=0.1)
+    with gpu_target():
+        lowered = jax.jit(fn).trace(*quantized_inputs(case, KV_DTYPES[name]))
+        lowered = lowered.lower(lowering_platforms=("cuda",))
+    assert "xla.gpu.triton" in lowered.as_text()
