@@ -322,3 +322,25 @@ def test_triton_kernel_on_quantized_pages_lowers_for_cuda(name):
         lowered = jax.jit(fn).trace(*quantized_inputs(case, KV_DTYPES[name]))
         lowered = lowered.lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
+
+
+def test_the_8_bit_lanes_and_padding_of_llama3_1_8b():
+    """8 KV heads of 128: 2048 lanes of keys and values and 16 of exponents, a 17th 128-lane
+    tile on TPU (padding 1.0625 over the keys' and values' own bytes), none elsewhere; a page
+    is 0.53x the bytes of a bfloat16 one."""
+    from checkpoints import NAMED_SHAPES
+    from jaxserve.models import kv_pool
+
+    config = NAMED_SHAPES["llama3.1-8b"]
+    assert kv_pool.kv_lanes(config, 1, "tpu", jnp.int8) == 2176
+    assert kv_pool.kv_lanes(config, 1, "cpu", jnp.float8_e4m3fn) == 2064
+    assert kv_pool.kv_lanes(config, 1, "tpu", jnp.bfloat16) == 2048
+    assert kv_pool.kv_lanes(config, 2, "tpu", jnp.int8) == 2 * 1152  # 4 heads: 1028 -> 9 tiles
+    assert kv_pool.pool_padding(config, 2176, 16, jnp.int8, "tpu") == 2176 / 2048
+    int8 = kv_pool.kv_bytes_per_page(config, 16, jnp.int8, 2176)
+    bf16 = kv_pool.kv_bytes_per_page(config, 16, jnp.bfloat16, 2048)
+    assert int8 / bf16 == 2176 / 4096
+    with pytest.raises(ValueError, match="kv_cache_dtype='int4' is not one of"):
+        kv_pool.resolve_kv_cache_dtype("int4", jnp.bfloat16)
+    assert kv_pool.resolve_kv_cache_dtype("auto", jnp.bfloat16) == jnp.bfloat16
+    assert kv_pool.resolve_kv_cache_dtype("fp8", jnp.float32) == jnp.float8_e4m3fn
