@@ -173,25 +173,11 @@ def get_attention_fn(backend: str) -> AttentionFn:
     name = backend.removesuffix("_interpret").removeprefix("pallas_gpu").removeprefix("_")
     if interpret:  # pallas_gpu_interpret stays the Triton kernel
         if name == "mosaic":
-            fn = functools.partial(mosaic, interpret=mosaic_gpu_kernel.interpret_params())
-            return functools.partial(_float_pools_only, backend, fn)
+            return functools.partial(mosaic, interpret=mosaic_gpu_kernel.interpret_params())
         return functools.partial(triton, interpret=True)
     if name:  # "mosaic" or "triton", forced
-        return functools.partial(_float_pools_only, backend, mosaic) if name == "mosaic" else triton
+        return mosaic if name == "mosaic" else triton
     return functools.partial(_chosen_gpu_kernel, where.compute_capability, where.device_kind)
-
-
-def _float_pools_only(backend: str, fn, q, kv_pool, *args, **kwargs):
-    """`fn` (the Mosaic GPU kernel forced by name), refusing an 8-bit pool in a sentence: its
-    wgmma path takes 16-bit pools, and `pallas_gpu` (the Triton kernel) or `xla` read 8 bits."""
-    if common.is_quantized(kv_pool.dtype):
-        raise ValueError(
-            f"attention_backend={backend!r} cannot read a {kv_pool.dtype} KV pool "
-            "(--kv-cache-dtype int8/fp8): the Mosaic GPU kernel takes 16-bit pools only. Use "
-            "'pallas_gpu' or 'pallas_gpu_triton', whose Triton kernel dequantizes 8-bit pages, "
-            "or 'xla'."
-        )
-    return fn(q, kv_pool, *args, **kwargs)
 
 
 def _chosen_gpu_kernel(compute_capability, device_kind, q, kv_pool, *args, **kwargs):
