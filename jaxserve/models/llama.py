@@ -66,7 +66,7 @@ from jaxserve.models.quant import SCALE_SUFFIX, QuantDense
 from jaxserve.models.sharding import ShardingPlan, attention_over_heads
 from jaxserve.models.step_batch import StepBatch, real_tokens
 from jaxserve.quantization import QuantScheme
-from pallas_kernels.ragged_paged_attention import cpu_ffi
+from pallas_kernels.ragged_paged_attention import common, cpu_ffi
 
 
 class RMSNorm(nn.Module):
@@ -290,9 +290,9 @@ class Attention(nn.Module):
             1 if self.plan is None else self.plan.kv_shards,
             rows_sharding=self.plan.kv_rows if split else None,
         )
-        out = attention_over_heads(
-            get_attention_fn(backend), self.plan, kernel=backend.startswith("pallas")
-        )(
+        # A quantized pool's scale lanes end each device's block: read per device, as a kernel.
+        per_device = backend.startswith("pallas") or common.is_quantized(kv_pool.dtype)
+        out = attention_over_heads(get_attention_fn(backend), self.plan, kernel=per_device)(
             q,
             kv_pool,
             layer,

@@ -55,7 +55,8 @@ def ragged_paged_attention(
 
     pages = page_tables[seq]  # i32[T, P]
     context = pages.shape[1] * page_size
-    k, v = common.split_kv(kv_pool[layer, pages], num_kv_heads, head_dim)
+    # A quantized pool (int8 / e4m3 with scale lanes) is dequantized into q's dtype, exactly.
+    k, v = common.split_kv(kv_pool[layer, pages], num_kv_heads, head_dim, q.dtype)
     k = k.reshape(num_tokens, context, num_kv_heads, head_dim)
     v = v.reshape(num_tokens, context, num_kv_heads, head_dim)
 

@@ -206,7 +206,7 @@ def _loops(
     num_tokens, _, head_dim = q.shape
     if plan is None:
         plan = plan_step(num_tokens, query_start, kv_lens, num_seqs)
-    pool = _Pool(kv_pool, layer, page_tables, kv_lens, num_kv_heads, head_dim)
+    pool = _Pool(kv_pool, layer, page_tables, kv_lens, num_kv_heads, head_dim, q.dtype)
     out = jnp.zeros((num_tokens, *q.shape[1:]), jnp.float32)
     decoded = _decode(q, pool, plan, sm_scale, sliding_window, soft_cap)
     out = out.at[plan.decode_rows].set(decoded, mode="drop")
@@ -236,6 +236,7 @@ class _Pool:
     kv_lens: jax.Array
     num_kv_heads: int
     head_dim: int
+    dtype: jnp.dtype = jnp.float32  # what a quantized pool's blocks are dequantized into (q's)
 
     @property
     def page_size(self) -> int:
@@ -243,8 +244,9 @@ class _Pool:
 
     def read(self, pages: jax.Array, keys: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of `pages` [..., n] of the layer: each [..., keys, heads, head_dim]
-        (keys = n * page_size), one gather for both."""
-        k, v = common.split_kv(self.kv[self.layer, pages], self.num_kv_heads, self.head_dim)
+        (keys = n * page_size), one gather for both; a quantized pool's dequantized."""
+        rows = self.kv[self.layer, pages]
+        k, v = common.split_kv(rows, self.num_kv_heads, self.head_dim, self.dtype)
         shape = (*pages.shape[:-1], keys, self.num_kv_heads, self.head_dim)
         return k.reshape(shape), v.reshape(shape)
 
@@ -275,12 +277,13 @@ def _capped(scores: jax.Array, soft_cap: float | None) -> jax.Array:
 def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window, soft_cap=None):
     """Every decoding sequence's one query, batched over sequence slots: f32[S, H, d].
 
-    On the CPU, with a float32 pool, the native call (cpu_ffi) when it is built; the jnp loop
+    On the CPU, with a float32 pool or a quantized one (int8 / e4m3 pages, dequantized in the
+    call), the native call (cpu_ffi) when it is built; the jnp loop
     (`_decode_loop`) elsewhere, and on other platforms whatever this process runs on.
     """
     native = (
         q.dtype == jnp.float32
-        and pool.kv.dtype == jnp.float32
+        and (pool.kv.dtype == jnp.float32 or common.is_quantized(pool.kv.dtype))
         and jax.default_backend() == "cpu"
         and cpu_ffi.available()
         and soft_cap is None
