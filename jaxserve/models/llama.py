@@ -277,8 +277,7 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, kv_pool, layer, batch: StepBatch, cos, sin, backend, split, window):
         """RoPE, this step's keys and values into the pool, attention: heads [T, H * d]."""
         c, t = self.config, q.shape[0]
-        # Only a soft-capped model passes the keyword: the Pallas kernels do not take it (and
-        # LlamaForCausalLM refuses such a model on them).
+        # Only a soft-capped model (Gemma 2) passes the keyword; every attention path takes it.
         cap = {} if c.attn_logit_softcap is None else {"soft_cap": c.attn_logit_softcap}
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         kv_pool = write_kv(
@@ -470,18 +469,6 @@ def _rope_angles(rope, head_dim: int, positions: jax.Array) -> tuple[jax.Array, 
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def refuse_soft_cap(config: ModelConfig, attention_backend: str) -> None:
-    """Raises ValueError for a model with soft-capped attention logits (Gemma 2) on a Pallas
-    kernel: the TPU and GPU kernels take no soft cap yet, and would compute another model."""
-    backend = resolve_backend(attention_backend)
-    if config.attn_logit_softcap is not None and backend.startswith("pallas"):
-        raise ValueError(
-            f"The {config.architecture} model caps its attention logits "
-            f"(attn_logit_softcap={config.attn_logit_softcap}), which the {backend} kernel "
-            "does not do yet; use attention_backend='xla' or 'reference' for this model."
-        )
-
-
 # Decoder weights above which the CPU unrolls the layer loop: past the caches, the scan's copy of
 # each weight slice streams the weights from memory twice more per step (see the docstring).
 UNROLL_MIN_LAYER_BYTES = 64 * 2**20
@@ -565,7 +552,6 @@ class LlamaForCausalLM(nn.Module):
                 f"Packed e4m3 kernels run weight-only (cpu_matmul_int8.cc); {quant.label} "
                 "weights need packed_weights=False."
             )
-        refuse_soft_cap(c, self.attention_backend)
         layer_args = (c, self.attention_backend, self.dtype, self.plan, self.packed_weights)
         quant = self.quant
         if resolve_layer_loop(self.layer_loop, c, self.dtype) == "scan":

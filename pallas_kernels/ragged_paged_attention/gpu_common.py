@@ -166,6 +166,7 @@ class Program:
 
     sm_scale: float
     sliding_window: int | None
+    soft_cap: float | None  # Gemma 2: scaled scores -> soft_cap * tanh(scores / soft_cap)
     group: int  # query heads per KV head
     block_tokens: int  # query tokens per work item
     rows: int  # query rows a program stores
@@ -180,6 +181,7 @@ class Program:
         return cls(
             sm_scale=call.sm_scale,
             sliding_window=call.sliding_window,
+            soft_cap=call.soft_cap,
             group=call.bucket.group,
             block_tokens=shape.block_tokens,
             rows=shape.rows,
@@ -202,6 +204,12 @@ class Program:
             pl.when(t_lo >= 0)(lambda: body(s, t_lo, self.span(refs, s, t_lo, split)))
 
         return decorate
+
+    def capped(self, scores):  # f32[rows, keys] scaled scores -> the same, soft-capped
+        """The scaled scores with the call's soft cap applied (as they are without one)."""
+        if self.soft_cap is None:
+            return scores
+        return self.soft_cap * jnp.tanh(scores / self.soft_cap)
 
     def span(self, refs: ScalarRefs, s, t_lo, split) -> common.ItemSpan:
         """Work item (sequence `s`, first token `t_lo`)'s key range and this split's blocks."""
@@ -231,6 +239,7 @@ class Call:
     bucket: Bucket
     sm_scale: float
     sliding_window: int | None
+    soft_cap: float | None
     block_sizes: tuning.GpuBlockSizes  # the tuning row, resolved
     compute_capability: str | None
     interpret: Any  # False/None: compiled; else the kernel's interpret-mode switch
@@ -261,6 +270,7 @@ _STATIC_OPTIONS = (
     "sm_scale",
     "num_kv_heads",
     "sliding_window",
+    "soft_cap",
     "block_sizes",
     "compute_capability",
     "interpret",
@@ -288,6 +298,7 @@ def entry_point(launch: Callable[[Call], jax.Array]) -> Callable[..., jax.Array]
         sm_scale: float,
         num_kv_heads: int | None = None,
         sliding_window: int | None = None,
+        soft_cap: float | None = None,
         block_sizes: tuning.GpuBlockSizes | None = None,
         compute_capability: str | None = None,
         interpret: Any = None,
@@ -318,6 +329,7 @@ def entry_point(launch: Callable[[Call], jax.Array]) -> Callable[..., jax.Array]
             bucket=bucket,
             sm_scale=sm_scale,
             sliding_window=sliding_window,
+            soft_cap=soft_cap,
             block_sizes=block_sizes or tuning.gpu_block_sizes(),
             compute_capability=compute_capability,
             interpret=interpret,

@@ -305,7 +305,7 @@ def _kernel(
             mask = row_ok[:, None] & (rel <= r[:, None])
             if sliding_window is not None:
                 mask &= rel + sliding_window * group > r[:, None]
-            scores = jnp.where(mask, _dot(q, k, 1) * sm_scale, _MASKED)
+            scores = jnp.where(mask, program.capped(_dot(q, k, 1) * sm_scale), _MASKED)
             m_next = jnp.maximum(m_prev, scores.max(axis=1))
             probs = jnp.where(mask, jnp.exp(scores - m_next[:, None]), 0.0)
             alpha = jnp.exp(m_prev - m_next)

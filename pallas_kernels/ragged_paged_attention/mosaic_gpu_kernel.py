@@ -271,7 +271,7 @@ def _kernel(
                 )
             else:
                 scores = pl.run_scoped(qk, plgpu.ACC((_ROWS, block_kv), jnp.float32))
-            scores = scores * sm_scale
+            scores = program.capped(scores * sm_scale)
             c = col + j * block_kv  # key positions
             # Causal (and window) per row, without integer division: c <= t + pos_offset with
             # t = t_lo + r // group  <=>  (c - pos_offset - t_lo) * group <= r.

@@ -99,6 +99,7 @@ def _kernel(
     *,
     sm_scale: float,
     sliding_window: int | None,
+    soft_cap: float | None,
     group: int,
     block_tokens: int,
     pages_per_seq: int,
@@ -231,7 +232,10 @@ def _kernel(
                 precision=precision,
                 preferred_element_type=jnp.float32,
             )
-            scores = jnp.where(mask, scores * sm_scale, _MASKED)
+            scores = scores * sm_scale
+            if soft_cap is not None:  # Gemma 2: cap * tanh(s / cap), before the mask
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
+            scores = jnp.where(mask, scores, _MASKED)
             m_prev = m_ref[h]
             m_next = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
             probs = jnp.where(mask, jnp.exp(scores - m_next), 0.0)
@@ -345,6 +349,7 @@ def _cost_estimate(
         "sm_scale",
         "num_kv_heads",
         "sliding_window",
+        "soft_cap",
         "block_sizes",
         "chip",
         "interpret",
@@ -362,11 +367,13 @@ def ragged_paged_attention(
     sm_scale: float,
     num_kv_heads: int | None = None,  # None: the pool's lanes hold exactly its heads (no padding)
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     block_sizes: tuning.TpuBlockSizes | None = None,
     chip: str | None = None,
     interpret: pltpu.InterpretParams | bool = False,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
-    """The reference's attention as a Mosaic TPU kernel (conventions in reference.py).
+    """The reference's attention as a Mosaic TPU kernel (conventions in reference.py, the soft
+    cap included: each key block's scaled scores capped before the mask and the running max).
 
     `chip` is the TPU the kernel is compiled for: a generation ("v5e") or a device kind ("TPU v5
     lite"), see `pallas_kernels.chips`. Pass it whenever the target is known, and always when
@@ -411,6 +418,7 @@ def ragged_paged_attention(
         _kernel,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
+        soft_cap=soft_cap,
         group=group,
         block_tokens=block_tokens,
         pages_per_seq=pages_per_seq,

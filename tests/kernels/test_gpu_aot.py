@@ -81,6 +81,7 @@ class Shape:
     pages_per_seq: int
     sliding_window: int | None = None
     capability: str = "9.0"  # the GPU the choice is made for (compiled for the H100 target)
+    soft_cap: float | None = None  # Gemma 2's attention-logit cap
 
     def args(self, sharding=None) -> tuple:
         """The kernel's positional arguments as ShapeDtypeStructs (on `sharding`'s devices)."""
@@ -119,7 +120,10 @@ class Shape:
     def kernel(self, name: str):
         """The picked kernel, with the arguments the attention module gives it."""
         kwargs = dict(
-            sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window, block_sizes=H100
+            sm_scale=self.head_dim**-0.5,
+            sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
+            block_sizes=H100,
         )
         if name == TRITON:
             return functools.partial(
@@ -144,6 +148,15 @@ CASES = {
         MOSAIC_GPU,
     ),
     "f16_d80": (Shape(jnp.float16, 80, 16, 1, 16, 16, 32), MOSAIC_GPU),
+    # Gemma 2's local layers (head_dim 256 without splits, a window, the soft cap of 50).
+    "bf16_d256_gemma2_local": (
+        Shape(jnp.bfloat16, 256, 32, 2, 16384, 8, 128, sliding_window=4096, soft_cap=50.0),
+        MOSAIC_GPU,
+    ),
+    "f32_d256_gemma2_local": (
+        Shape(jnp.float32, 256, 16, 2, 64, 4, 64, sliding_window=100, soft_cap=50.0),
+        TRITON,
+    ),
     # Triton: f32 pools, and what Mosaic GPU refuses.
     "f32_d128_mixed_gqa4": (Shape(jnp.float32, 128, 16, 4, 64, 8, 64), TRITON),
     "f32_d64_decode_one": (Shape(jnp.float32, 64, 8, 1, 1, 1, 256), TRITON),

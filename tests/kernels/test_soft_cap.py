@@ -71,3 +71,51 @@ def test_reference_soft_cap_is_tanh_of_the_scaled_scores():
     p = np.exp(s - s.max(-1, keepdims=True))
     want = (p / p.sum(-1, keepdims=True)) @ v[:, 0]
     np.testing.assert_allclose(np.asarray(out)[:, 0], want, atol=2e-6, rtol=2e-6)
+
+
+# ---- The Pallas kernels (interpret mode) take the cap too ----
+
+
+def test_tpu_kernel_soft_cap_matches_reference():
+    """The TPU kernel (race-checked interpreter) with a cap, a window and GQA, against the
+    reference's capped attention: the cap goes on each key block's scaled scores before the
+    mask and the running max."""
+    from tests.kernels.test_ragged_paged_attention import tpu_interpret
+
+    case = RAGGED["window"]
+    args = make_inputs(case)
+    kwargs = dict(sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window)
+    got = np.asarray(tpu_interpret(*args, soft_cap=CAP, **kwargs))
+    want = np.asarray(reference.ragged_paged_attention(*args, soft_cap=CAP, **kwargs))
+    uncapped = np.asarray(reference.ragged_paged_attention(*args, **kwargs))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    assert np.max(np.abs(want - uncapped)) > 1e-2, "the cap changed nothing: a weak test"
+
+
+def test_triton_kernel_soft_cap_matches_reference():
+    from tests.kernels.test_ragged_paged_attention import gpu_interpret
+
+    case = RAGGED["gqa2"]
+    args = make_inputs(case)
+    kwargs = dict(sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window)
+    got = np.asarray(gpu_interpret(*args, soft_cap=CAP, **kwargs))
+    want = np.asarray(reference.ragged_paged_attention(*args, soft_cap=CAP, **kwargs))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    uncapped = np.asarray(gpu_interpret(*args, **kwargs))
+    assert np.max(np.abs(got - uncapped)) > 1e-2, "the cap changed nothing: a weak test"
+
+
+def test_mosaic_gpu_kernel_soft_cap_matches_reference():
+    """The Mosaic GPU kernel's interpret mode (bf16: its wgmma path), capped, against the
+    reference in float32 over the same bf16 inputs."""
+    from tests.kernels.test_mosaic_gpu_kernel import CASES, mosaic
+
+    case, block_sizes = CASES["mixed_bf16"]
+    args = make_inputs(case)
+    kwargs = dict(sm_scale=case.head_dim**-0.5, sliding_window=case.sliding_window)
+    got = np.asarray(mosaic(*args, soft_cap=CAP, block_sizes=block_sizes, **kwargs), np.float32)
+    want = np.asarray(reference.ragged_paged_attention(*args, soft_cap=CAP, **kwargs), np.float32)
+    uncapped = np.asarray(reference.ragged_paged_attention(*args, **kwargs), np.float32)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+    assert np.max(np.abs(want - uncapped)) > 5e-2, "the cap changed nothing: a weak test"

@@ -56,6 +56,7 @@ class Shape:
     num_slots: int = 8
     sliding_window: int | None = None
     kv_dtype: str | None = None  # the pool's; None: dtype. "int8" / "float8_e4m3fn": quantized
+    soft_cap: float | None = None  # Gemma 2's attention-logit cap
 
     @property
     def pool_dtype(self):
@@ -106,6 +107,16 @@ AOT_CASES = {
     "v5e-gqa2": ("v5e", dataclasses.replace(BASE, num_heads=4)),
     "v5e-gqa3": ("v5e", dataclasses.replace(BASE, num_heads=6)),
     "v5e-window": ("v5e", dataclasses.replace(BASE, sliding_window=64)),
+    # Gemma 2's local layers: head_dim 256, a window and the attention-logit soft cap (50).
+    "v5e-gemma2_local": (
+        "v5e",
+        dataclasses.replace(BASE, head_dim=256, sliding_window=64, soft_cap=50.0),
+    ),
+    "v6e-gemma2_local": (
+        "v6e",
+        dataclasses.replace(BASE, head_dim=256, sliding_window=64, soft_cap=50.0),
+    ),
+    "v6e-gemma2_global": ("v6e", dataclasses.replace(BASE, head_dim=256, soft_cap=50.0)),
     "v5e-decode1": ("v5e", dataclasses.replace(BASE, num_tokens=1, num_slots=1)),
     "v5e-tokens512": ("v5e", dataclasses.replace(BASE, num_tokens=512)),
     # 8-bit pools (--kv-cache-dtype): int8 and e4m3 pages with their scale lanes, dequantized
@@ -230,6 +241,7 @@ def _compile_and_check(chip: str, shape: Shape) -> None:
         sm_scale=shape.head_dim**-0.5,
         num_kv_heads=shape.num_kv_heads,
         sliding_window=shape.sliding_window,
+        soft_cap=shape.soft_cap,
         chip=device.device_kind,
     )
     compiled = jax.jit(fn).trace(*_inputs(shape, SingleDeviceSharding(device))).lower().compile()

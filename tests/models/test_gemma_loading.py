@@ -151,17 +151,6 @@ def test_unsupported_options_are_refused_by_name(tmp_path, family, overrides, me
     assert str(info.value).endswith("."), "the reason is a whole sentence"
 
 
-def test_a_soft_capped_named_shape_is_refused_on_a_kernel():
-    """gemma2-2b on the TPU kernel (model construction, before any weight is drawn)."""
-    from jaxserve.models.llama import refuse_soft_cap
-
-    config = NAMED_SHAPES["gemma2-2b"]
-    with pytest.raises(ValueError, match=r"^The gemma2 model caps .* pallas_tpu_interpret kernel"):
-        refuse_soft_cap(config, "pallas_tpu_interpret")
-    refuse_soft_cap(config, "xla")  # the XLA path caps
-    refuse_soft_cap(NAMED_SHAPES["gemma3-1b"], "pallas_tpu_interpret")  # no cap: the kernel runs
-
-
 def test_layer_windows_survive_the_json_round_trip():
     from checkpoints.config_json import config_from_json, config_to_json
 

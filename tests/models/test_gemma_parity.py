@@ -202,20 +202,15 @@ def test_fused_cpu_call_only_where_it_serves_the_layer(pair):
         pytest.skip("the fused CPU call is not built here (no AVX-512 or no compiler)")
 
 
-def test_a_soft_capped_model_is_refused_on_the_pallas_kernels(pair):
-    _, loaded = pair
-    c = loaded.config
-    kv, batch = _prefill_batch(c, PROMPTS[0])
-    for backend in ("pallas_tpu_interpret", "pallas_gpu_interpret"):
-        if c.attn_logit_softcap is None:
-            continue  # Gemma 3 has no cap: nothing to refuse (and interpret mode is slow)
-        with pytest.raises(ValueError, match=rf"gemma2 model caps .*{backend} kernel"):
-            jax.eval_shape(
-                lambda p, kv, b, backend=backend: _one_step(c, backend, p, kv, b),
-                loaded.params,
-                kv,
-                batch,
-            )
+@pytest.mark.parametrize("backend", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
+def test_the_pallas_kernels_serve_gemma(pair, backend):
+    """The TPU kernel and the Triton kernel (interpret mode) with each layer's window, the
+    query scale and Gemma 2's soft cap: transformers' logits, as the XLA path gives them."""
+    hf, loaded = pair
+    kv, batch = _prefill_batch(loaded.config, PROMPTS[0])
+    logits = np.asarray(_one_step(loaded.config, backend, loaded.params, kv, batch))
+    ref = hf_logits(hf, PROMPTS[0])
+    assert_close(logits[: len(PROMPTS[0])], ref, backend, loaded.config.architecture)
 
 
 def test_orbax_round_trip(pair, tmp_path):
