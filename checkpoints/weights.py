@@ -19,6 +19,11 @@ A mixture of experts (Qwen3-MoE's `mlp.experts.{j}.gate_proj`, Mixtral's
 [num_experts, intermediate, hidden], each expert's tensors a piece at its index of that axis
 (and gate/up at their range of axis -2), so an expert-parallel shard reads only its experts.
 The router (`mlp.gate`, `block_sparse_moe.gate`) is `mlp/router` [hidden, num_experts].
+
+A pre-quantized checkpoint (checkpoints/prequantized.py) fills a quantized tree: each decoder
+matmul's 8-bit `weight` goes to its kernel as above, and its scales, renamed
+`<module>.weight_scale` ([out] or [out, blocks]), to the kernel's `kernel_scale` (an expert's
+to `experts_*_scale`), transposed and cut into the same fused pieces.
 """
 
 from __future__ import annotations
@@ -77,6 +82,21 @@ EXPERT_TABLE: dict[str, Target] = {
     "w3.weight": Target(("mlp", "experts_gate_up"), True, _UP),
     "w2.weight": Target(("mlp", "experts_down"), True),
 }
+
+
+def _with_scales(table: dict[str, Target]) -> dict[str, Target]:
+    """`table` plus each quantizable weight's `.weight_scale` (a pre-quantized checkpoint's
+    scales, checkpoints/prequantized.py): its param's `_scale` sibling, the same piece."""
+    out = dict(table)
+    for suffix, t in table.items():
+        if suffix.endswith("weight") and t.path[-1] in ("kernel", "experts_gate_up", "experts_down"):
+            scale = dataclasses.replace(t, path=(*t.path[:-1], t.path[-1] + "_scale"))
+            out[suffix + "_scale"] = scale
+    return out
+
+
+LAYER_TABLE = _with_scales(LAYER_TABLE)
+EXPERT_TABLE = _with_scales(EXPERT_TABLE)
 # The routers, under model.layers.{i}.
 ROUTER_TABLE: dict[str, Target] = {
     "mlp.gate.weight": Target(("mlp", "router"), True),  # Qwen3-MoE
@@ -123,12 +143,15 @@ def expected_names(paths, num_layers: int, num_experts: int = 0, seen=()) -> set
         router = "block_sparse_moe.gate.weight" if mixtral else "mlp.gate.weight"
         prefix = "block_sparse_moe" if mixtral else "mlp"
         suffixes = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        # A quantized tree's experts have their scales beside them (pre-quantized checkpoints).
+        leaves = ("weight", "weight_scale") if ("layers", "mlp", "experts_down_scale") in paths else ("weight",)
         for i in range(num_layers):
             names.add(f"model.layers.{i}.{router}")
             names |= {
-                f"model.layers.{i}.{prefix}.experts.{j}.{s}.weight"
+                f"model.layers.{i}.{prefix}.experts.{j}.{s}.{leaf}"
                 for j in range(num_experts)
                 for s in suffixes
+                for leaf in leaves
             }
     return names
 
@@ -175,15 +198,23 @@ class Parts:
 Layout = dict[tuple[str, ...], dict[int | None, Parts]]
 
 
-def index_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings: bool) -> Layout:
+def index_hf_weights(
+    model_dir: Path, abstract_params: dict, *, tied_embeddings: bool, prequant=None
+) -> Layout:
     """Where each param's values are: {stacked param path: {layer (None if unstacked): Parts}}.
 
     The arrays are memory-mapped views, already transposed (and, for fused params, reshaped to
     their piece) in jaxserve's layout, so nothing is read until a loader slices them. Checks what
     the loaders rely on: every tensor is known, every param filled, every shape as the config
     says. `abstract_params` is the model's `jax.eval_shape` param tree (stacked or unstacked).
+    `prequant` (a jaxserve.quantization.CheckpointQuant): the folder is pre-quantized, and
+    `abstract_params` the quantized tree its 8-bit weights and scales fill as they are.
     """
     tensors = (pair for file in weight_files(model_dir) for pair in iter_tensors(file))
+    if prequant is not None:
+        from checkpoints.prequantized import prequantized_tensors
+
+        tensors = prequantized_tensors(tensors, prequant, model_dir)
     return index_hf_tensors(
         tensors, abstract_params, tied_embeddings=tied_embeddings, where=model_dir
     )
@@ -265,9 +296,14 @@ def hf_arrays_to_params(
     )
 
 
-def load_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings: bool) -> dict:
-    """Reads the safetensors tensors of `model_dir` into numpy arrays like `abstract_params`."""
-    layout = index_hf_weights(model_dir, abstract_params, tied_embeddings=tied_embeddings)
+def load_hf_weights(
+    model_dir: Path, abstract_params: dict, *, tied_embeddings: bool, prequant=None
+) -> dict:
+    """Reads the safetensors tensors of `model_dir` into numpy arrays like `abstract_params`
+    (`prequant`: a pre-quantized folder into its quantized tree, as index_hf_weights)."""
+    layout = index_hf_weights(
+        model_dir, abstract_params, tied_embeddings=tied_embeddings, prequant=prequant
+    )
     return jax.tree_util.tree_map_with_path(
         lambda kp, leaf: read_slice(layout, _path(kp), leaf.dtype, (slice(None),) * leaf.ndim),
         abstract_params,
@@ -281,6 +317,7 @@ def place_hf_weights(
     *,
     tied_embeddings: bool,
     lazy: bool = False,
+    prequant=None,
 ) -> dict:
     """Loads `model_dir` straight into `shardings`: each device's shard is read from the file.
 
@@ -288,8 +325,11 @@ def place_hf_weights(
     model larger than one device loads onto a mesh of them. `lazy`: each leaf is a function
     of no arguments that reads and places it when called, so a consumer that quantizes leaf
     by leaf (jaxserve/models/quant.py's quantize_params) never holds the whole float tree.
+    `prequant`: a pre-quantized folder's 8-bit weights and scales, as index_hf_weights.
     """
-    layout = index_hf_weights(model_dir, abstract_params, tied_embeddings=tied_embeddings)
+    layout = index_hf_weights(
+        model_dir, abstract_params, tied_embeddings=tied_embeddings, prequant=prequant
+    )
 
     def place(kp, leaf, sharding):
         path = _path(kp)

@@ -87,6 +87,12 @@ class SparseMoe(nn.Module):
         e, h, i = m.num_experts, c.hidden_size, m.intermediate_size
         router = self.param("router", nn.initializers.lecun_normal(), (h, e), self.dtype)
         quant = self.quant
+        if quant is not None and quant.block is not None:
+            raise ValueError(
+                f"A mixture of experts cannot run {quant.label}: the grouped expert matmul "
+                "applies one scale a column after its dot, so block-scaled experts are not "
+                "supported."
+            )
         pack_up = self.packed and quant is None and (2 * i) % cpu_ffi.PANEL == 0
         pack_down = self.packed and quant is None and h % cpu_ffi.PANEL == 0
         up_shape = (e, 2 * i // cpu_ffi.PANEL, h, cpu_ffi.PANEL) if pack_up else (e, h, 2, i)
