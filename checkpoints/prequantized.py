@@ -18,8 +18,10 @@ Two formats:
 Each scale becomes a tensor named `<module>.weight_scale` ([out, blocks] or [out]), which the
 name table (checkpoints/weights.py) maps beside its weight: transposed like it, its fused
 piece of qkv or gate_up like it. Everything else is refused with a sentence naming the value
-or the tensor: another quant_method or block size, a missing scale, a decoder matmul left float
-or a float param (the head, the router, the embedding) stored in 8 bits.
+or the tensor: another quant_method or block size, a missing scale, a decoder matmul left float,
+a float param (the head, the router, the embedding) stored in 8 bits, a mixture of experts
+(the grouped expert matmul has per-column scales only, and transformers' experts are not the
+Linear layers compressed-tensors quantizes, so nothing here is tested against it).
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def checkpoint_quantization_of(spec) -> CheckpointQuant | None:
     return checkpoint_quantization(json.loads(config.read_text()), path)
 
 
-def checkpoint_quantization(config: dict, where: object = "the checkpoint") -> CheckpointQuant | None:
+def checkpoint_quantization(
+    config: dict, where: object = "the checkpoint"
+) -> CheckpointQuant | None:
     """The scheme of a Hugging Face config.json's `quantization_config` (None if it has none).
 
     Raises ValueError, naming the value, for what jaxserve cannot load as it is stored."""
@@ -99,7 +103,11 @@ def _fp8(q: dict, where) -> CheckpointQuant:
 
 
 def _compressed_tensors(q: dict, where) -> CheckpointQuant:
-    for key, empty in (("sparsity_config", {}), ("kv_cache_scheme", None), ("transform_config", {})):
+    for key, empty in (
+        ("sparsity_config", {}),
+        ("kv_cache_scheme", None),
+        ("transform_config", {}),
+    ):
         if q.get(key) not in (empty, None, {}):
             raise ValueError(
                 f"{where} has a compressed-tensors quantization_config with {key}={q[key]!r}: "
@@ -113,7 +121,9 @@ def _compressed_tensors(q: dict, where) -> CheckpointQuant:
         )
     groups = q.get("config_groups") or {}
     if not groups:
-        raise ValueError(f"{where} has a compressed-tensors quantization_config without config_groups.")
+        raise ValueError(
+            f"{where} has a compressed-tensors quantization_config without config_groups."
+        )
     schemes = {_ct_group(name, group, q.get("format"), where) for name, group in groups.items()}
     if len(schemes) != 1:
         raise ValueError(
@@ -172,8 +182,8 @@ def prequantized_tensors(
     (fp8, each block scale repeated over its rows). Symmetric zero points (all 0) are dropped.
 
     Raises ValueError naming the tensor for a missing or misshapen scale, a decoder matmul
-    stored in another dtype than the scheme's, a param kept float stored in 8 bits, and (fp8
-    blocks) a mixture of experts' expert."""
+    stored in another dtype than the scheme's, and a param kept float stored in 8 bits. (A
+    mixture of experts is refused before, by checkpoints/loader.py, naming an expert.)"""
     from checkpoints.weights import map_name  # weights.py calls this module
     from jaxserve.models.quant import contracting_axis
 
@@ -218,12 +228,6 @@ def prequantized_tensors(
                 f"{ckpt.label}, whose decoder matmul weights are {want}: jaxserve serves every "
                 "decoder matmul in the checkpoint's 8-bit scheme (none left float)."
             )
-        if ckpt.block and path[-1] != "kernel":
-            raise ValueError(
-                f"Tensor {name!r} is a mixture of experts' expert in {ckpt.label}: the grouped "
-                "expert matmul applies one scale a column, so block-scaled experts are not "
-                "supported."
-            )
         scale_name = f"{base}.{suffixes[0]}"
         scale = named.get(scale_name)
         if scale is None:
@@ -250,8 +254,8 @@ def _scales(scale: np.ndarray, shape: tuple[int, ...], ckpt: CheckpointQuant, na
     blocks = (-(-out // b), -(-cols // b))
     if tuple(scale.shape) != blocks:
         raise ValueError(
-            f"Tensor {name!r} has shape {tuple(scale.shape)}; expected {blocks}, one scale for each "
-            f"{b}x{b} block of its weight's {(out, cols)}."
+            f"Tensor {name!r} has shape {tuple(scale.shape)}; expected {blocks}, one scale "
+            f"for each {b}x{b} block of its weight's {(out, cols)}."
         )
     # Row r of the weight reads block row r // b: each block row repeated b times, cut to out.
     return np.repeat(np.asarray(scale, np.float32), b, axis=0)[:out]

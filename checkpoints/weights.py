@@ -22,8 +22,8 @@ The router (`mlp.gate`, `block_sparse_moe.gate`) is `mlp/router` [hidden, num_ex
 
 A pre-quantized checkpoint (checkpoints/prequantized.py) fills a quantized tree: each decoder
 matmul's 8-bit `weight` goes to its kernel as above, and its scales, renamed
-`<module>.weight_scale` ([out] or [out, blocks]), to the kernel's `kernel_scale` (an expert's
-to `experts_*_scale`), transposed and cut into the same fused pieces.
+`<module>.weight_scale` ([out] or [out, blocks]), to the kernel's `kernel_scale`, transposed
+and cut into the same fused pieces.
 """
 
 from __future__ import annotations
@@ -85,18 +85,18 @@ EXPERT_TABLE: dict[str, Target] = {
 
 
 def _with_scales(table: dict[str, Target]) -> dict[str, Target]:
-    """`table` plus each quantizable weight's `.weight_scale` (a pre-quantized checkpoint's
-    scales, checkpoints/prequantized.py): its param's `_scale` sibling, the same piece."""
+    """`table` plus each dense kernel's `.weight_scale` (a pre-quantized checkpoint's scales,
+    checkpoints/prequantized.py): its param's `kernel_scale` sibling, the same piece. The
+    experts have none: pre-quantized mixtures of experts are refused (checkpoints/loader.py)."""
     out = dict(table)
     for suffix, t in table.items():
-        if suffix.endswith("weight") and t.path[-1] in ("kernel", "experts_gate_up", "experts_down"):
+        if suffix.endswith("weight") and t.path[-1] == "kernel":
             scale = dataclasses.replace(t, path=(*t.path[:-1], t.path[-1] + "_scale"))
             out[suffix + "_scale"] = scale
     return out
 
 
 LAYER_TABLE = _with_scales(LAYER_TABLE)
-EXPERT_TABLE = _with_scales(EXPERT_TABLE)
 # The routers, under model.layers.{i}.
 ROUTER_TABLE: dict[str, Target] = {
     "mlp.gate.weight": Target(("mlp", "router"), True),  # Qwen3-MoE
@@ -143,15 +143,12 @@ def expected_names(paths, num_layers: int, num_experts: int = 0, seen=()) -> set
         router = "block_sparse_moe.gate.weight" if mixtral else "mlp.gate.weight"
         prefix = "block_sparse_moe" if mixtral else "mlp"
         suffixes = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-        # A quantized tree's experts have their scales beside them (pre-quantized checkpoints).
-        leaves = ("weight", "weight_scale") if ("layers", "mlp", "experts_down_scale") in paths else ("weight",)
         for i in range(num_layers):
             names.add(f"model.layers.{i}.{router}")
             names |= {
-                f"model.layers.{i}.{prefix}.experts.{j}.{s}.{leaf}"
+                f"model.layers.{i}.{prefix}.experts.{j}.{s}.weight"
                 for j in range(num_experts)
                 for s in suffixes
-                for leaf in leaves
             }
     return names
 

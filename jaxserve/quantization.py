@@ -93,9 +93,11 @@ class CheckpointQuant:
 
     @property
     def label(self) -> str:
-        """How messages name it: "compressed-tensors int8 W8A8 (int-quantized)", ..."""
+        """How messages name it: "compressed-tensors int8 W8A8 (int-quantized)", "fp8 W8A8
+        (128x128 blocks)"."""
         kind = "W8A8" if self.activations else "weight-only"
-        return f"{self.method} {self.weights} {kind}" + (f" ({self.detail})" if self.detail else "")
+        weights = "" if self.method == self.weights else f" {self.weights}"
+        return f"{self.method}{weights} {kind}" + (f" ({self.detail})" if self.detail else "")
 
 
 def resolve_checkpoint_quantization(

@@ -295,8 +295,8 @@ def transpose_kernels(params: dict, plan=None) -> dict:
                 out[key] = walk(value, here)
             elif key == "kernel" and axis is not None:
                 name = "/".join((*path, "kernel_t"))
-                sharding = None if plan is None else plan.sharding(
-                    plan.param_spec(name, value.ndim)
+                sharding = (
+                    None if plan is None else plan.sharding(plan.param_spec(name, value.ndim))
                 )
                 out["kernel_t"] = _mover(axis, sharding)(value)
                 if isinstance(value, jax.Array):

@@ -455,7 +455,9 @@ def test_a_misshapen_scale_is_refused_naming_the_tensor(tmp_path, fp8_tiny):
     name = "model.layers.0.mlp.down_proj.weight_scale_inv"
     tensors[name] = tensors[name][:, :2].contiguous()  # (2, 2): the partial block dropped
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match=rf"Tensor '{name}' has shape \(2, 2\); expected \(2, 3\)"):
+    with pytest.raises(
+        ModelLoadError, match=rf"Tensor '{name}' has shape \(2, 2\); expected \(2, 3\)"
+    ):
         ours(tmp_path)
 
 
@@ -480,7 +482,13 @@ def test_compressed_tensors_schemes_jaxserve_cannot_run_are_refused():
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False},
+                "weights": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "strategy": "channel",
+                    "symmetric": True,
+                    "dynamic": False,
+                },
                 "input_activations": None,
             }
         },
@@ -503,7 +511,9 @@ def test_compressed_tensors_schemes_jaxserve_cannot_run_are_refused():
 def test_block_scaled_experts_are_refused_naming_the_tensor(tmp_path):
     hf = build_hf_model("qwen3_moe", hidden_size=128)
     path = write_fp8_block(hf, tmp_path)
-    with pytest.raises(ModelLoadError, match=r"Tensor 'model\.layers\.0\.mlp\.experts\.\d+\..*expert"):
+    with pytest.raises(
+        ModelLoadError, match=r"Tensor 'model\.layers\.0\.mlp\.experts\.\d+\..*expert"
+    ):
         ours(path)
 
 
@@ -547,7 +557,9 @@ def test_block_quantization_round_trips_per_block_of_rows(kind):
     qmax = 127.0 if kind == "int8" else 448.0
     want = np.stack([np.abs(w[:, :128]).max(1), np.abs(w[:, 128:]).max(1)], axis=1) / qmax
     np.testing.assert_allclose(scale, want, rtol=1e-6)
-    assert not np.any(np.asarray(scale)[:, 1, 5]) and not np.any(np.asarray(q, np.float32)[:, 128:, 5])
+    assert not np.any(np.asarray(scale)[:, 1, 5]) and not np.any(
+        np.asarray(q, np.float32)[:, 128:, 5]
+    )
     back = np.asarray(dequantize_weight(q, scale, -2, block=128))
     rows = np.repeat(np.asarray(scale), 128, axis=1)[:, :200]
     if kind == "int8":
