@@ -25,8 +25,8 @@ also quantize x per token (dynamic: each row's max|x| / qmax) and run the dot in
 int8 x int8 -> int32 (`preferred_element_type=jnp.int32`), or e4m3 x e4m3 -> float32, then
 scale by the row's and the column's scales. Measured against qwix, which dequantizes the
 weight before the dot: docs/architecture.md, "Quantized weights". A block-scaled kernel cannot
-take its scales after the dot (they vary along the contracting axis): it is widened and scaled
-inside the dot's operand, weight-only.
+take one scale after the dot (they vary along the contracting axis): it runs one dot per block
+of rows, batched, each block's f32 product scaled by its scale row and summed, weight-only.
 
 Quantized: the decoder's matmuls (the fused qkv, o, gate_up, down, and a mixture of experts'
 experts, weight-only in every scheme: the grouped matmul has no 8-bit operand path yet). Kept
@@ -152,15 +152,11 @@ def qdot(
     Weight-only: the kernel is widened to `dtype` inside the dot (one fusion: no float copy of
     the weight is written). W8A8: x is quantized per token and the dot runs in 8 bits,
     int8 -> int32 or e4m3 -> float32, then the token's scale times the column's. Block
-    scales: the kernel is widened and multiplied by its rows' block scales inside the dot's
-    operand (weight-only; the scales vary along the contracting axis, so they cannot wait)."""
+    scales (weight-only): one dot per block of rows, each block's product scaled by its own
+    scale row and summed (`_block_dot`)."""
     dims = (((x.ndim - 1,), (kernel.ndim - 1 if scheme.transposed else 0,)), ((), ()))
     if scheme.block is not None:
-        w = dequantize_weight(kernel, scale, 0, scheme.block).astype(dtype)
-        y = jax.lax.dot_general(
-            x.astype(dtype), w, dims, precision=precision, preferred_element_type=jnp.float32
-        )
-        return y.astype(dtype)
+        return _block_dot(x.astype(dtype), kernel, scale, scheme.block, dtype, precision)
     features = kernel.ndim - 1
     if scheme.activations is None:
         y = jax.lax.dot_general(
@@ -176,6 +172,51 @@ def qdot(
         y = jax.lax.dot_general(xq, kernel, dims, preferred_element_type=acc)
         y = y.astype(jnp.float32) * x_scale.reshape(*x_scale.shape, *([1] * (features - 1)))
     return (y * scale).astype(dtype)
+
+
+# A block-scaled dot pads its rows to at least this many: libtpu compiles the one-row batched
+# dot by widening the whole kernel into HBM (448 MiB for Llama-3.1-8B's gate_up), 8 rows and
+# more with no temporaries (docs/history/quant_block_probe.py).
+BLOCK_DOT_MIN_ROWS = 8
+
+
+def _block_dot(x, kernel, scale, block: int, dtype, precision) -> jax.Array:
+    """x [..., in] times a block-scaled kernel [in, *features] (scale f32[ceil(in / block),
+    *features]): one dot per block of `block` rows, batched over the blocks, each reading the
+    8-bit kernel itself (widened inside the dot as the per-column path's is), its f32 partial
+    product scaled by that block's scale row and summed; the rows past the last whole block
+    (one scale row) in a second dot scaled likewise. Nothing weight-sized is written on TPU:
+    the scaling and the sum fuse into the dot's output (measured, quant_block_probe.py)."""
+    lead, n, features = x.shape[:-1], x.shape[-1], kernel.shape[1:]
+    rows = x.reshape(-1, n)
+    t = rows.shape[0]
+    if t < BLOCK_DOT_MIN_ROWS:
+        rows = jnp.pad(rows, ((0, BLOCK_DOT_MIN_ROWS - t), (0, 0)))
+    flat = kernel.reshape(n, -1)  # [in, F]: the features flattened
+    scales = scale.reshape(scale.shape[0], -1)  # [ceil(in / block), F]
+    blocks = n // block
+    whole = blocks * block
+    y = None
+    if blocks:
+        split = rows[:, :whole].reshape(-1, blocks, block)  # [T, blocks, block]
+        parts = jax.lax.dot_general(  # [blocks, T, F]: each block's own product
+            split,
+            flat[:whole].reshape(blocks, block, -1).astype(dtype),
+            (((2,), (1,)), ((1,), (0,))),
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
+        y = jnp.sum(parts * scales[:blocks, None, :], axis=0)
+    if whole < n:  # the last, partial block: one scale row, applied after its dot
+        rest = jax.lax.dot_general(
+            rows[:, whole:],
+            flat[whole:].astype(dtype),
+            (((1,), (0,)), ((), ())),
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
+        y = rest * scales[blocks] if y is None else y + rest * scales[blocks]
+    return y[:t].reshape(*lead, *features).astype(dtype)
 
 
 class QuantDense(nn.Module):
