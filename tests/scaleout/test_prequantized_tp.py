@@ -44,12 +44,8 @@ def test_a_pre_quantized_folder_loads_split_and_computes_the_unsplit_logits(tmp_
         got = np.asarray(leaf).view(np.uint8) if leaf.dtype.itemsize == 1 else np.asarray(leaf)
         ref = np.asarray(_flat(whole.params)[name])
         np.testing.assert_array_equal(got, ref.view(np.uint8) if ref.dtype.itemsize == 1 else ref)
-    assert (
-        plan.param_spec("layers/self_attn/qkv_proj/kernel_scale", 5 if fmt == "fp8-blocks" else 4)[
-            -3
-        ]
-        == KV_AXIS
-    )
+    # Split by KV head (qkv) and by column (gate_up), as the kernels; whole beside o and down.
+    assert flat["layers/self_attn/qkv_proj/kernel_scale"].sharding.spec[-3] == KV_AXIS
     scales = flat["layers/mlp/gate_up_proj/kernel_scale"]
     assert scales.sharding.spec[-1] == MODEL
     assert scales.addressable_shards[0].data.size == scales.size // 2
