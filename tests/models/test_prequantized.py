@@ -572,3 +572,58 @@ def test_block_quantization_round_trips_per_block_of_rows(kind):
     else:
         bound = np.maximum(np.abs(np.asarray(w)) * 2.0**-4, rows * 2.0**-10)
     assert np.all(np.abs(back - np.asarray(w)) <= bound * (1 + 1e-5))
+
+
+def _edited(folder: Path, tmp_path: Path, edit) -> Path:
+    """A copy of `folder` whose tensors `edit` (a dict of name -> torch tensor) changed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(shutil.copytree(folder, tmp_path / "edited"))
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def test_zero_points_are_dropped_when_zero_and_refused_otherwise(ct_folders, tmp_path):
+    folder, _ = ct_folders[("llama", "int-quantized")]
+    name = "model.layers.0.mlp.down_proj.weight_zero_point"
+
+    def zeros(t):
+        t[name] = torch.zeros(256, 1, dtype=torch.int8)
+
+    scheme = QuantScheme(weights="int8")
+    same = ours(_edited(folder, tmp_path / "a", zeros), scheme)
+    np.testing.assert_array_equal(
+        sequence_logits(same, PROMPT), sequence_logits(ours(folder, scheme), PROMPT)
+    )
+
+    def ones(t):
+        t[name] = torch.ones(256, 1, dtype=torch.int8)
+
+    with pytest.raises(ModelLoadError, match=rf"Tensor '{name}' holds non-zero zero points"):
+        ours(_edited(folder, tmp_path / "b", ones))
+
+
+def test_an_8_bit_head_is_refused_naming_it(ct_folders, tmp_path):
+    folder, _ = ct_folders[("llama", "int-quantized")]
+
+    def quantized_head(t):
+        t["lm_head.weight"] = torch.ones_like(t["lm_head.weight"], dtype=torch.int8)
+        t["lm_head.weight_scale"] = torch.ones(128, 1)
+
+    with pytest.raises(ModelLoadError, match=r"Tensor 'lm_head.weight' .* is int8, but jaxserve"):
+        ours(_edited(folder, tmp_path, quantized_head))
+
+
+def test_a_misshapen_channel_scale_is_refused_naming_it(ct_folders, tmp_path):
+    folder, _ = ct_folders[("llama", "int-quantized")]
+    name = "model.layers.1.self_attn.k_proj.weight_scale"
+
+    def halved(t):
+        t[name] = t[name][:64].contiguous()
+
+    with pytest.raises(ModelLoadError, match=rf"Tensor '{name}' has shape \(64, 1\); expected"):
+        ours(_edited(folder, tmp_path, halved))
