@@ -94,7 +94,9 @@ def quantize_weight(
     return q, scale
 
 
-def _quantize_blocks(w: jax.Array, weights: str, axis: int, block: int):
+def _quantize_blocks(
+    w: jax.Array, weights: str, axis: int, block: int
+) -> tuple[jax.Array, jax.Array]:  # (q like w, f32[w.shape with axis ceil(n / block) long])
     """quantize_weight's `block` case: (q like w, f32 scale with axis ceil(n / block) long)."""
     n = w.shape[axis]
     blocks = -(-n // block)
@@ -180,7 +182,14 @@ def qdot(
 BLOCK_DOT_MIN_ROWS = 8
 
 
-def _block_dot(x, kernel, scale, block: int, dtype, precision) -> jax.Array:
+def _block_dot(
+    x: jax.Array,  # [..., in] in the compute dtype
+    kernel: jax.Array,  # f8e4m3 | i8[in, *features]
+    scale: jax.Array,  # f32[ceil(in / block), *features]
+    block: int,
+    dtype,
+    precision,
+) -> jax.Array:  # [..., *features] in dtype
     """x [..., in] times a block-scaled kernel [in, *features] (scale f32[ceil(in / block),
     *features]): one dot per block of `block` rows, batched over the blocks, each reading the
     8-bit kernel itself (widened inside the dot as the per-column path's is), its f32 partial
@@ -321,7 +330,9 @@ def _quantizer(weights: str, axis: int, shardings, block: int | None = None):
     )
 
 
-def transpose_kernels(params: dict, plan=None) -> dict:
+def transpose_kernels(
+    params: dict, plan=None
+) -> dict:  # kernel [.., in, *f] -> kernel_t [.., *f, in]
     """A quantized tree read in the [in, *features] layout (a pre-quantized checkpoint's) as
     QuantScheme.transposed's: each dense `kernel` becomes `kernel_t`, its contracting axis
     moved last, one 8-bit leaf at a time onto `plan`'s shardings (the old one freed); the

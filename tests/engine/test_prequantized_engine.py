@@ -38,6 +38,7 @@ def folders(tmp_path_factory):
 
 
 def _kernel(engine: Engine, path: tuple[str, ...]):
+    """The served leaf at `path` under the first (or the stacked) layer."""
     params = engine.runner.params
     layer = params["layers"] if "layers" in params else params["layers_0"]
     for key in path:

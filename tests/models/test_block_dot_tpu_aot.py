@@ -1,9 +1,8 @@
 """The block-scaled fp8 dot (QuantScheme.block, pre-quantized `quant_method: fp8` checkpoints)
 compiled for a TPU through libtpu's compile-only topology: no weight-sized temporary at any
-row count (a one-row dot widened the whole weight until the dot padded its rows to 8), a partial last
-block included (docs/architecture.md, "Quantized weights"; the
-8B-sized measurement is docs/history/quant_block_probe.py). Nothing runs; skipped without
-libtpu."""
+row count (a one-row dot widened the whole weight until the dot padded its rows to 8), a
+partial last block included (docs/architecture.md, "Quantized weights"; the 8B-sized
+measurement is docs/history/quant_block_probe.py). Nothing runs; skipped without libtpu."""
 
 from __future__ import annotations
 

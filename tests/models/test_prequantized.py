@@ -54,7 +54,7 @@ from tests.models.helpers import (
     save_hf,
     sequence_logits,
 )
-from tests.torch_reference import require_torch
+from tests.torch_reference import require_compressed_tensors, require_torch
 
 torch = require_torch()
 transformers = pytest.importorskip("transformers")
@@ -97,6 +97,7 @@ def _is_linear(name: str) -> bool:
 
 
 def _is_linear_weight(name: str) -> bool:
+    """A decoder matmul's `.weight` (not its bias)."""
     return _is_linear(name) and name.endswith(".weight")
 
 
@@ -150,6 +151,7 @@ def fp8_reference(hf, path: Path):
 def write_compressed_tensors(hf, path: Path, preset: str, fmt: str) -> Path:
     """`hf` quantized by compressed-tensors' `preset` ("W8A8": int8, "FP8_DYNAMIC": e4m3;
     channel weights, dynamic per-token activations), compressed as `fmt` and saved."""
+    require_compressed_tensors()
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -187,6 +189,7 @@ def write_compressed_tensors(hf, path: Path, preset: str, fmt: str) -> Path:
 
 
 def load_hf(path: Path, **kwargs):
+    """transformers' own load of the folder at `path` (its quantizer chosen by config.json)."""
     return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
 
 
@@ -201,10 +204,12 @@ def without_activation_quantization(model):
 
 
 def ours(path: Path, quant: QuantScheme | None = None, **kwargs):
+    """jaxserve's float32 load of the folder at `path` (`quant` None: the folder's own)."""
     return checkpoints.load_model(path, dtype=jnp.float32, quant=quant, **kwargs)
 
 
 def max_diff(loaded, ref) -> float:
+    """max |logit difference| over PROMPT between jaxserve's `loaded` and transformers' `ref`."""
     return float(np.max(np.abs(sequence_logits(loaded, PROMPT) - hf_logits(ref, PROMPT))))
 
 
