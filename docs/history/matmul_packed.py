@@ -45,7 +45,10 @@ layers = {
     "packed": (jax.jit(lambda x, W: fwd(x, W, cpu_ffi.packed_matmul)), Ps),
 }
 head = {
-    "xla": (jax.jit(lambda x, e: jax.lax.dot_general(x, e, (((1,), (1,)), ((), ())), precision=hp)), emb),
+    "xla": (
+        jax.jit(lambda x, e: jax.lax.dot_general(x, e, (((1,), (1,)), ((), ())), precision=hp)),
+        emb,
+    ),
     "packed": (jax.jit(cpu_ffi.packed_matmul), embp),
 }
 

@@ -28,13 +28,21 @@ ROUNDS = int(os.environ.get("ROUNDS", "10"))
 def engine(packed: str) -> Engine:
     os.environ["JAXSERVE_CPU_PACKED_WEIGHTS"] = packed
     config = EngineConfig(
-        model=model, show_progress=False, max_num_seqs=64, max_model_len=1024, precompile=False, num_pages=1100
+        model=model,
+        show_progress=False,
+        max_num_seqs=64,
+        max_model_len=1024,
+        precompile=False,
+        num_pages=1100,
     )
     return Engine(config)
 
 
 engines = {"packed": engine("1"), "xla": engine("0")}
-assert engines["packed"].runner.module.packed_weights and not engines["xla"].runner.module.packed_weights
+assert (
+    engines["packed"].runner.module.packed_weights
+    and not engines["xla"].runner.module.packed_weights
+)
 
 
 def batch_of(rc, kind: str, T: int):
@@ -52,7 +60,14 @@ def batch_of(rc, kind: str, T: int):
             chunks.append(SeqChunk(list(range(10, 74)), 0, list(range(page, page + n))))
             page += n
     S = rc.seq_bucket_for(T)
-    batch = pack_chunks(chunks, page_size=rc.page_size, num_tokens=T, num_seqs=S, pages_per_seq=rc.pages_per_seq, num_pages=rc.num_pages)
+    batch = pack_chunks(
+        chunks,
+        page_size=rc.page_size,
+        num_tokens=T,
+        num_seqs=S,
+        pages_per_seq=rc.pages_per_seq,
+        num_pages=rc.num_pages,
+    )
     return batch, SamplingBatch.empty(S)
 
 
@@ -71,4 +86,7 @@ for point in points:
             jax.block_until_ready(fn())
             ts[name].append(time.perf_counter() - t)
     p, x = statistics.median(ts["packed"]) * 1e3, statistics.median(ts["xla"]) * 1e3
-    print(f"{kind:7s} T={T:4d}: packed {p:7.1f} ms  xla {x:7.1f} ms  xla/packed {x / p:.2f}  same tokens {same}", flush=True)
+    print(
+        f"{kind:7s} T={T:4d}: packed {p:7.1f} ms  xla {x:7.1f} ms  xla/packed {x / p:.2f}  same tokens {same}",
+        flush=True,
+    )

@@ -77,9 +77,26 @@ async def workload():
 
 
 def run(router):
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--ray-replicas", "2", "--ray-router", router,
-           "--http-port", str(PORT), "--num-pages", str(PAGES), "--log-format", "text", *EXTRA]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxserve.cli",
+        "serve",
+        "--ray-replicas",
+        "2",
+        "--ray-router",
+        router,
+        "--http-port",
+        str(PORT),
+        "--num-pages",
+        str(PAGES),
+        "--log-format",
+        "text",
+        *EXTRA,
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     for line in proc.stdout:
         if "serving on" in line:
             break
@@ -108,7 +125,10 @@ def run(router):
     )
 
 
-print(f"8 system prompts of {min(map(len, SYSTEMS))}-{max(map(len, SYSTEMS))} characters x {USERS} users, "
-      f"concurrency {CONC}, --num-pages {PAGES} per replica {' '.join(EXTRA)}", flush=True)
+print(
+    f"8 system prompts of {min(map(len, SYSTEMS))}-{max(map(len, SYSTEMS))} characters x {USERS} users, "
+    f"concurrency {CONC}, --num-pages {PAGES} per replica {' '.join(EXTRA)}",
+    flush=True,
+)
 for router in ("prefix", "pow2"):
     run(router)

@@ -55,6 +55,7 @@ class StepsSpec:
     model: str | None
     dtype: str | None
     seed: int = 0
+    quantization: str = "none"  # EngineConfig.quantization: both engines quantize at load
     prompt_lens: tuple[int, ...] = PROMPT_LENS
     batches: tuple[int, ...] = BATCHES
     decode_context: int = 64  # prompt tokens of each decoding request
@@ -96,6 +97,7 @@ def run_steps(spec: StepsSpec, log: Callable[[str], None] = print) -> dict[str, 
             precompile=False,
             show_progress=False,
             compilation_cache_dir=spec.compile_cache,
+            quantization=spec.quantization,
         ),
         model=model,
     )
@@ -117,6 +119,7 @@ def run_steps(spec: StepsSpec, log: Callable[[str], None] = print) -> dict[str, 
         "command": spec.command,
         "model": model.source,
         "dtype": str(jnp.dtype(model.dtype)),
+        "quantization": spec.quantization,
         "platform": jax.devices()[0].platform,
         "max_num_batched_tokens": budget,
         "params": shape.params,
@@ -154,6 +157,7 @@ def measure_cost_model(model, spec: StepsSpec, log: Callable[[str], None] = prin
             max_model_len=max(calib.contexts) + 4 * calib.decode_tokens,
             compilation_cache_dir=spec.compile_cache,
             show_progress=False,
+            quantization=spec.quantization,
         ),
         model=model,
     )
@@ -302,7 +306,9 @@ def format_steps(report: dict[str, Any]) -> str:
     """The table printed to stdout: prefill and decode points beside the ceilings."""
     c = report["ceilings"]
     lines = [
-        f"model {report['model']} ({report['dtype']}, {report['params'] / 1e6:.1f}M params), "
+        f"model {report['model']} ({report['dtype']}, {report['params'] / 1e6:.1f}M params, "
+        f"{report['weight_bytes'] / 2**20:.0f} MiB, quantization "
+        f"{report.get('quantization', 'none')}), "
         f"step budget {report['max_num_batched_tokens']} tokens",
         f"ceilings: matmul {c['matmul_gflop_per_s']:.1f} GFLOP/s, "
         f"gemv {c['gemv_gb_per_s']:.1f} GB/s",

@@ -140,6 +140,7 @@ def _cmd_steps(args: argparse.Namespace) -> int:
         model=config.model,
         dtype=config.dtype,
         seed=args.seed,
+        quantization=config.quantization,
         decode_context=args.prompt_len,
         decode_steps=args.output_len,
         max_num_batched_tokens=config.max_num_batched_tokens,

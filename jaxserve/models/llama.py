@@ -58,7 +58,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages
 from jaxserve.models.lora import lora_delta
 from jaxserve.models.moe import SparseMoe
-from jaxserve.models.quant import QuantDense
+from jaxserve.models.quant import SCALE_SUFFIX, QuantDense
 from jaxserve.models.sharding import ShardingPlan, attention_over_heads
 from jaxserve.models.step_batch import StepBatch, real_tokens
 from jaxserve.quantization import QuantScheme
@@ -101,14 +101,17 @@ def _dense(
     (the runner's CPU layout, `pack_params`): the kernel is in cpu_matmul.cc's panels instead,
     where its outputs fill whole panels, and the rows past `batch`'s real tokens (its bucket's
     padding) are not computed. `quant`: the kernel is 8-bit with per-column scales
-    (models/quant.py); never packed (the runner packs float32 kernels only)."""
+    (models/quant.py); packed too where the runner packs an int8 scheme (`packs_weights`): its
+    int8 panels go through cpu_matmul_int8.cc."""
     features = (features,) if isinstance(features, int) else tuple(features)
-    if quant is not None:
-        # On one CPU device this is XLA's dot for now; cpu_matmul.cc's int8 kernel will take
-        # its place here (a packed QuantDense over int8 panels and these scales).
+    fills_panels = packed and math.prod(features) % cpu_ffi.PANEL == 0
+    if quant is not None and not fills_panels:
         return QuantDense(features, use_bias, dtype, quant, name=name)
-    if packed and math.prod(features) % cpu_ffi.PANEL == 0:
-        dense = PackedDense(features, use_bias, dtype, name=name)
+    if fills_panels:
+        if quant is None:
+            dense = PackedDense(features, use_bias, dtype, name=name)
+        else:
+            dense = PackedQuantDense(features, use_bias, dtype, quant, name=name)
         return dense if batch is None else functools.partial(dense, valid=real_tokens(batch))
     # float32 models ask for full-precision matmuls so accelerators do not silently drop to TF32.
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
@@ -134,6 +137,34 @@ class PackedDense(nn.Module):
         shape = (panels, x.shape[-1], cpu_ffi.PANEL)
         kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
         out = cpu_ffi.packed_matmul(x, kernel, valid).astype(self.dtype)
+        out = out.reshape(*x.shape[:-1], *self.features)
+        if self.use_bias:
+            return out + self.param("bias", nn.initializers.zeros, self.features, self.dtype)
+        return out
+
+
+class PackedQuantDense(nn.Module):
+    """QuantDense's x [T, in] -> [T, *features] over int8 panels, i8[prod(features) / 64, in,
+    64] (`pack_params` of its `kernel`) and f32[prod(features)] scales (its `kernel_scale`,
+    flattened), through cpu_matmul_int8.cc: the weights stream from memory as int8, a quarter
+    of float32's bytes, which bound a decode step. Weight-only schemes widen them in registers;
+    W8A8 quantizes each row of x on the way in (`cpu_ffi.packed_matmul_int8`), as QuantDense's
+    dot does, with exact int32 sums. Only for int8 schemes (`packs_weights` says where)."""
+
+    features: tuple[int, ...]
+    use_bias: bool
+    dtype: jnp.dtype
+    scheme: QuantScheme
+
+    @nn.compact
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        # x: [T, in]; valid: i32[], rows of x that are real (the rest come back 0, or the bias)
+        n = math.prod(self.features)
+        shape = (n // cpu_ffi.PANEL, x.shape[-1], cpu_ffi.PANEL)
+        kernel = self.param("kernel", nn.initializers.zeros, shape, jnp.int8)
+        scale = self.param("kernel" + SCALE_SUFFIX, nn.initializers.ones, (n,), jnp.float32)
+        activations = "float" if self.scheme.activations is None else "int8"
+        out = cpu_ffi.packed_matmul_int8(x, kernel, scale, valid, activations).astype(self.dtype)
         out = out.reshape(*x.shape[:-1], *self.features)
         if self.use_bias:
             return out + self.param("bias", nn.initializers.zeros, self.features, self.dtype)
@@ -457,8 +488,11 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype
         )
-        if self.quant is not None and self.packed_weights:
-            raise ValueError("Quantized kernels are not packed: packed_weights must be False.")
+        if self.packed_weights and self.quant is not None and self.quant.weights != "int8":
+            raise ValueError(
+                f"Only int8 kernels are packed (cpu_matmul_int8.cc); {self.quant.label} "
+                "weights need packed_weights=False."
+            )
         layer_args = (c, self.attention_backend, self.dtype, self.plan, self.packed_weights)
         quant = self.quant
         if resolve_layer_loop(self.layer_loop, c, self.dtype) == "scan":

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.kv_pool import KVPages, kv_lanes
 from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.quant import SCALE_SUFFIX
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
 from jaxserve.quantization import QuantScheme
 from pallas_kernels.ragged_paged_attention.cpu_ffi import pack_weight
@@ -99,13 +100,15 @@ def abstract_params(
     return variables["params"]
 
 
-def pack_params(params: dict, config: ModelConfig, dtype) -> dict:
-    """`params` (the canonical tree, either layer layout) as the packed module's tree
-    (`model_for(..., packed_weights=True)`): each matmul kernel whose outputs fill whole panels
-    in cpu_matmul.cc's layout (cpu_ffi.pack_weight), a tied table's transposed copy added as
-    `packed_head`, every other leaf the same array. Jitted by the runner, so packing new
-    weights (update_weights, wake_up) compiles nothing after the first time."""
-    target = abstract_params(config, dtype, layer_loop_of(params), packed=True)
+def pack_params(params: dict, config: ModelConfig, dtype, quant: QuantScheme | None = None) -> dict:
+    """`params` (the canonical tree, either layer layout; `quantize_params`' where `quant`) as
+    the packed module's tree (`model_for(..., packed_weights=True, quant=quant)`): each matmul
+    kernel whose outputs fill whole panels in cpu_matmul.cc's layout (cpu_ffi.pack_weight; an
+    int8 kernel stays int8), its scales (where quantized) flattened to one per output column,
+    a tied table's transposed copy added as `packed_head`, every other leaf the same array.
+    Jitted by the runner, so packing new weights (update_weights, wake_up) compiles nothing
+    after the first time."""
+    target = abstract_params(config, dtype, layer_loop_of(params), packed=True, quant=quant)
 
     def leaf(path, want: jax.ShapeDtypeStruct) -> jax.Array:
         keys = [p.key for p in path]
@@ -116,6 +119,8 @@ def pack_params(params: dict, config: ModelConfig, dtype) -> dict:
             have = have[key]
         if have.shape == want.shape:
             return have
+        if keys[-1].endswith(SCALE_SUFFIX):  # f32[..., *features] -> f32[..., N]
+            return have.reshape(want.shape)
         *lead, _, k, _ = want.shape  # [..., N / 64, K, 64] from [..., K, *features]
         return pack_weight(have.reshape(*lead, k, -1))
 

@@ -93,8 +93,11 @@ class SparseMoe(nn.Module):
                 "applies one scale a column after its dot, so block-scaled experts are not "
                 "supported."
             )
-        pack_up = self.packed and quant is None and (2 * i) % cpu_ffi.PANEL == 0
-        pack_down = self.packed and quant is None and h % cpu_ffi.PANEL == 0
+        # Packed (one CPU device): float32 experts, or int8 ones (cpu_matmul_int8.cc's grouped
+        # kernel, the scales applied inside it); fp8 experts never are (`packs_weights`).
+        packable = self.packed and (quant is None or quant.weights == "int8")
+        pack_up = packable and (2 * i) % cpu_ffi.PANEL == 0
+        pack_down = packable and h % cpu_ffi.PANEL == 0
         up_shape = (e, 2 * i // cpu_ffi.PANEL, h, cpu_ffi.PANEL) if pack_up else (e, h, 2, i)
         down_shape = (e, h // cpu_ffi.PANEL, i, cpu_ffi.PANEL) if pack_down else (e, i, h)
         init = nn.initializers.lecun_normal(batch_axis=(0,))
@@ -106,8 +109,9 @@ class SparseMoe(nn.Module):
         scales = ()
         if quant is not None:  # one per expert and output column: f32[E, 2, i], f32[E, h]
             ones = nn.initializers.ones
+            up_scale_shape = (e, 2 * i) if pack_up else (e, 2, i)  # packed: flattened
             scales = (
-                self.param("experts_gate_up" + SCALE_SUFFIX, ones, (e, 2, i), jnp.float32),
+                self.param("experts_gate_up" + SCALE_SUFFIX, ones, up_scale_shape, jnp.float32),
                 self.param("experts_down" + SCALE_SUFFIX, ones, (e, h), jnp.float32),
             )
 
@@ -124,15 +128,19 @@ class SparseMoe(nn.Module):
             `scales`: the local experts' (gate_up f32[local, 2, i], down f32[local, h]) when
             quantized, each row's expert's scales applied to its outputs."""
             row_scale = _row_scales(sizes, offset, rows.shape[0], gate_up.shape[0])
-            if pack_up:
+            if pack_up and scales:  # weight-only, as every scheme's experts (models/quant.py)
+                up = cpu_ffi.grouped_packed_matmul_int8(rows, gate_up, scales[0], sizes)
+            elif pack_up:
                 up = cpu_ffi.grouped_packed_matmul(rows, gate_up, sizes)
             else:
                 flat = gate_up.reshape(gate_up.shape[0], h, 2 * i).astype(self.dtype)
                 up = grouped_matmul(rows, flat, sizes, offset, precision=self._precision())
-            if scales:
-                up = up * row_scale(scales[0].reshape(-1, 2 * i))
+                if scales:
+                    up = up * row_scale(scales[0].reshape(-1, 2 * i))
             up = up.reshape(-1, 2, i)
             act = (nn.silu(up[:, 0].astype(jnp.float32)) * up[:, 1]).astype(self.dtype)
+            if pack_down and scales:
+                return cpu_ffi.grouped_packed_matmul_int8(act, down, scales[1], sizes)
             if pack_down:
                 return cpu_ffi.grouped_packed_matmul(act, down, sizes)
             out = grouped_matmul(

@@ -176,12 +176,18 @@ def packs_weights(dtype, sharding: ShardingPlan, quant=None) -> bool:
     `packed_weights`): float32 on one CPU device with AVX-512 and the kernels' library, unless
     $JAXSERVE_CPU_PACKED_WEIGHTS=0. The runner then holds both trees: the canonical params (what
     update_weights, sleep and trainers read) and their packed kernels, a second copy of the
-    matmul weights in host memory. Quantized weights (`quant`, models/quant.py) are not packed:
-    their matmuls are XLA's dot until cpu_matmul.cc has an int8 kernel, which will plug in
-    here (its panels packed by `pack_params`) and in llama.py's `_dense`."""
+    matmul weights in host memory. Quantized weights (`quant`, models/quant.py) are packed
+    where they are int8 and cpu_matmul_int8.cc has the scheme's vector kernel (weight-only:
+    AVX-512F; W8A8: VNNI too): their int8 panels, a quarter of float32's bytes. fp8 kernels
+    and block-scaled ones are not packed (XLA's dot widens them)."""
+    if quant is not None and not (
+        quant.weights == "int8"
+        and quant.block is None  # block scales (pre-quantized fp8's layout) have no kernel
+        and cpu_ffi.int8_matmul_available("float" if quant.activations is None else "int8")
+    ):
+        return False
     return (
-        quant is None
-        and os.environ.get("JAXSERVE_CPU_PACKED_WEIGHTS", "1") != "0"
+        os.environ.get("JAXSERVE_CPU_PACKED_WEIGHTS", "1") != "0"
         and jnp.dtype(dtype) == jnp.float32
         and sharding.platform == "cpu"
         and sharding.mesh.size == 1
@@ -215,7 +221,11 @@ class ModelRunner:
             logger.info("The matmuls run on weights packed for the CPU (cpu_matmul.cc).")
         # Jitted once: packing new weights (a swap, a wake-up) compiles nothing after the first.
         self._pack = (
-            jax.jit(functools.partial(pack_params, config=model.config, dtype=model.dtype))
+            jax.jit(
+                functools.partial(
+                    pack_params, config=model.config, dtype=model.dtype, quant=model.quant
+                )
+            )
             if packed
             else None
         )

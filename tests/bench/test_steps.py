@@ -102,3 +102,35 @@ def test_steps_profile_defaults_to_llama_batched_bench_points(monkeypatch):
     with pytest.raises(SystemExit):
         main(["bench", "--profile", "steps", "--no-cost-model"])
     assert not seen[2].cost_model
+
+
+def test_steps_profile_times_the_quantized_engine_it_is_asked_for(monkeypatch):
+    """--quantization reaches the engines the profile times (it once built float ones whatever
+    the flag), and the report's weight bytes are the quantized model's."""
+    import jax
+    import numpy as np
+
+    import jaxserve.bench.steps as steps
+    from checkpoints import load_model
+    from jaxserve.cli import main
+
+    seen = []
+    monkeypatch.setattr(steps, "run_steps", lambda spec, log: seen.append(spec) or exit(0))
+    with pytest.raises(SystemExit):
+        main(["bench", "--profile", "steps", "--model", "llama-tiny", "--quantization", "int8"])
+    assert seen[0].quantization == "int8"
+    monkeypatch.undo()
+
+    spec = steps.StepsSpec(
+        model="llama-tiny", dtype="float32", quantization="int8", prompt_lens=(8,),
+        batches=(1,), decode_context=4, decode_steps=2, max_num_batched_tokens=16,
+        cost_model=False,
+    )  # fmt: skip
+    report = steps.run_steps(spec, log=lambda m: None)
+    float_bytes = sum(
+        int(np.size(x)) * x.dtype.itemsize
+        for x in jax.tree.leaves(load_model("llama-tiny", dtype="float32").params)
+    )
+    assert report["quantization"] == "int8"
+    assert report["weight_bytes"] < 0.75 * float_bytes  # the decoder's kernels in one byte
+    assert "quantization int8" in steps.format_steps(report)

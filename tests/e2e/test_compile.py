@@ -179,3 +179,33 @@ def test_a_pool_that_cannot_hold_one_sequence_does_not_fit():
     assert not report(255).fits and not report(255).ok and not report(255).holds_a_sequence
     assert report(256).fits and report(256).ok
     assert report(256).to_json()["holds_a_sequence"] is True
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+    "target, scheme, label, kernel_dtype",
+    [
+        ("v5e:1x1", "int8-w8a8", "int8 W8A8", "int8"),
+        ("v6e:1x1", "int8-w8a8", "int8 W8A8", "int8"),
+        ("tpu7x:1x1x1", "fp8", "fp8 W8A8", "float8_e4m3fn"),  # TPU7x has fp8 matmuls
+        ("v5e:1x1", "fp8", "fp8 weight-only", "float8_e4m3fn"),  # v5e has none: said so
+    ],
+)
+def test_each_scheme_compiles_for_the_tpus_that_run_it(
+    tmp_path, target, scheme, label, kernel_dtype
+):
+    """Every scheme's step compiles for the TPUs it resolves to there, with its 8-bit kernels
+    among the params, and the fallback (fp8 weight-only without fp8 matmuls) printed."""
+    proc, report = _compile(
+        "--target", target, "--model", "llama-tiny", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "16", "--buckets", "1,16", "--quantization", scheme,
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert report["quantization"] == label
+    assert kernel_dtype in report["param_bytes_by_dtype"]
+    assert all(b["compiled"] for b in report["buckets"])
+    falls_back = label.endswith("weight-only") and scheme == "fp8"
+    assert (report["quantization_note"] is not None) == falls_back
+    if falls_back:
+        assert "no fp8 matmuls" in report["quantization_note"]

@@ -14,6 +14,7 @@ from jaxserve.engine.llm import LLM
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.quant import SCALE_SUFFIX
 from jaxserve.sampling_params import SamplingParams
+from pallas_kernels.ragged_paged_attention import cpu_ffi
 from tests.engine.conftest import TINY
 from tests.engine.test_compiles import _Compiles
 
@@ -60,7 +61,16 @@ def test_each_scheme_serves_8_bit_weights_without_a_compile(
     kernels = [p for p in flat if p + SCALE_SUFFIX in flat]
     assert len(kernels) == 4 * float_model.config.num_layers  # qkv, o, gate_up, down a layer
     assert all(flat[p].dtype == KERNEL_DTYPES[scheme] for p in kernels)
-    assert engine.runner.step_params is engine.runner.params  # not packed for cpu_matmul.cc
+    # int8 kernels step packed for cpu_matmul_int8.cc where this CPU has its vector kernel;
+    # fp8 ones never are (XLA's dot widens them).
+    mode = "int8" if scheme == "int8-w8a8" else "float"
+    packs = scheme != "fp8" and cpu_ffi.int8_matmul_available(mode)
+    assert engine.runner.module.packed_weights == packs
+    stepped = engine.runner.step_params["layers_0"]["self_attn"]["o_proj"]["kernel"]
+    if packs:
+        assert stepped.dtype == jnp.int8 and stepped.shape[-1] == cpu_ffi.PANEL
+    else:
+        assert engine.runner.step_params is engine.runner.params
     # The float model handed in is untouched: quantizing did not free or replace its leaves.
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(float_model.params))
 

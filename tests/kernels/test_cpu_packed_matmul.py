@@ -22,7 +22,9 @@ import pytest
 from checkpoints.random_weights import NAMED_SHAPES
 from jaxserve.models.kv_pool import init_kv_pages
 from jaxserve.models.loaded import abstract_params, model_for, pack_params
+from jaxserve.models.quant import quantize_params, quantize_weight
 from jaxserve.models.step_batch import SeqChunk, pack_chunks
+from jaxserve.quantization import QuantScheme
 from pallas_kernels.ragged_paged_attention import cpu_ffi
 
 # Skipped only where there is no compiler: where there is one, a library that fails to build
@@ -169,6 +171,83 @@ def test_the_packed_model_computes_the_canonical_one(name, layer_loop):
     packed_hidden, packed_logits = _forward(packed, packed_params, config)
     np.testing.assert_allclose(packed_hidden, hidden, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(packed_logits, logits, rtol=1e-5, atol=1e-5)
+
+
+# Quantized (models/quant.py) and packed for cpu_matmul_int8.cc: the same module with its int8
+# panels, the scales flattened; a mixture of experts' experts through the grouped int8 kernel.
+QUANT_CONFIGS = {
+    **CONFIGS,
+    "moe": dataclasses.replace(NAMED_SHAPES["qwen3-moe-tiny"], num_layers=2),
+}
+
+
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+@pytest.mark.parametrize("name", sorted(QUANT_CONFIGS))
+@pytest.mark.parametrize("activations", [None, "int8"], ids=["int8", "int8-w8a8"])
+def test_the_packed_int8_model_computes_the_quantized_one(name, layer_loop, activations):
+    if not cpu_ffi.int8_matmul_available("float" if activations is None else "int8"):
+        pytest.skip("this CPU has no AVX-512 (VNNI for W8A8): the int8 kernels are not used")
+    config = QUANT_CONFIGS[name]
+    scheme = QuantScheme(weights="int8", activations=activations)
+    quantized = model_for(config, jnp.float32, "reference", layer_loop=layer_loop, quant=scheme)
+    packed = model_for(
+        config, jnp.float32, "reference", layer_loop=layer_loop, packed_weights=True, quant=scheme
+    )
+    shapes = abstract_params(config, jnp.float32, layer_loop)
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(shapes))))
+    params = jax.tree.map(lambda s: 0.05 * jax.random.normal(next(keys), s.shape), shapes)
+    params = quantize_params(params, scheme)
+    packed_params = pack_params(params, config, jnp.float32, scheme)
+    want = abstract_params(config, jnp.float32, layer_loop, packed=True, quant=scheme)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), packed_params) == jax.tree.map(
+        lambda s: (s.shape, s.dtype), want
+    )
+    layer = packed_params["layers_0" if layer_loop == "unrolled" else "layers"]
+    o_proj = layer["self_attn"]["o_proj"]
+    assert o_proj["kernel"].dtype == jnp.int8 and o_proj["kernel"].shape[-1] == cpu_ffi.PANEL
+    assert o_proj["kernel_scale"].shape[-1] == config.hidden_size  # one per output column
+    lowered = jax.jit(lambda p: _forward(packed, p, config)).lower(packed_params).as_text()
+    assert "jaxserve_packed_matmul_int8" in lowered
+    assert ("jaxserve_grouped_packed_matmul_int8" in lowered) == (config.moe is not None)
+    hidden, logits = _forward(quantized, params, config)
+    packed_hidden, packed_logits = _forward(packed, packed_params, config)
+    # Weight-only: the same products summed in another order. W8A8: the same int32 sums; a row's
+    # activation scale may differ in its last bit (XLA's division), moving a tie's rounding.
+    tol = 1e-5 if activations is None else 2e-4
+    np.testing.assert_allclose(packed_hidden, hidden, rtol=tol, atol=tol)
+    np.testing.assert_allclose(packed_logits, logits, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("scheme", [None, QuantScheme(weights="int8")], ids=["float32", "int8"])
+def test_a_packed_projection_leaves_the_bucket_s_padding_rows_uncomputed(scheme):
+    """`_dense` over packed panels computes the step's real tokens alone: the bucket's padding
+    rows come back 0 (the work a padded bucket skips), the real ones as the unpacked layer's."""
+    from jaxserve.models.llama import _dense
+
+    if scheme is not None and not cpu_ffi.int8_matmul_available():
+        pytest.skip("this CPU has no AVX-512: the int8 kernel is not used")
+    batch = pack_chunks(
+        [SeqChunk(list(range(3, 8)), 0, [0, 1])],
+        page_size=4,
+        num_tokens=8,
+        num_seqs=2,
+        pages_per_seq=2,
+        num_pages=4,
+    )  # 5 real tokens, 3 of padding
+    x = jax.random.normal(jax.random.key(2), (8, 64))
+    plain = _dense(128, False, jnp.float32, "p", quant=scheme)
+    w = 0.1 * jax.random.normal(jax.random.key(3), (64, 128))
+    params = {"kernel": w}
+    if scheme is not None:
+        params = dict(zip(("kernel", "kernel_scale"), quantize_weight(w, "int8", -2), strict=True))
+    packed = _dense(128, False, jnp.float32, "p", packed=True, batch=batch, quant=scheme)
+    packed_params = {"kernel": cpu_ffi.pack_weight(params["kernel"])}
+    if scheme is not None:
+        packed_params["kernel_scale"] = params["kernel_scale"]
+    got = packed.func.apply({"params": packed_params}, x, **packed.keywords)
+    want = plain.apply({"params": params}, x)
+    np.testing.assert_allclose(got[:5], want[:5], rtol=1e-5, atol=1e-5)
+    assert bool(jnp.all(got[5:] == 0)) and bool(jnp.all(want[5:] != 0))
 
 
 def _runner():

@@ -197,6 +197,33 @@ def test_h200_target_compiles_too():
     lowered.compile()
 
 
+@needs_cuda_plugin
+def test_fp8_w8a8_model_compiles_for_the_h100_and_int8_w8a8_is_refused(tmp_path):
+    """`jaxserve compile --target h100 --quantization fp8`: the H100 has fp8 matmuls, so the
+    scheme is W8A8 with e4m3 kernels; int8-w8a8 asks for an int8 dot no GPU path has here and
+    is refused, naming the scheme and the chip."""
+    import json
+    import subprocess
+    import sys
+
+    common = ["--target", "h100", "--model", "llama-tiny", "--max-num-seqs", "4",
+              "--max-num-batched-tokens", "16", "--buckets", "1,16"]  # fmt: skip
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "jaxserve.cli", "compile", *common, "--json", str(out)]
+    proc = subprocess.run(
+        [*cmd, "--quantization", "fp8"], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["quantization"] == "fp8 W8A8" and report["quantization_note"] is None
+    assert "float8_e4m3fn" in report["param_bytes_by_dtype"]
+    assert all(b["compiled"] for b in report["buckets"])
+    proc = subprocess.run(
+        [*cmd, "--quantization", "int8-w8a8"], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode != 0 and "int8-w8a8" in proc.stderr and "H100" in proc.stderr
+
+
 # Triton launches whose SMEM need is read off the compiler: (shape, tuning row).
 SMEM_CALIBRATION = [
     (Shape(jnp.bfloat16, 256, 128, 4, 64, 4, 8), H100),  # 3 stages, 128-key blocks
