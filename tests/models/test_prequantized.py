@@ -20,15 +20,18 @@ rows. Written:
   input per token.
 
 Tolerances: where both sides compute with the same dequantized weights and float activations
-(fp8 blocks; W8A8 served weight-only against transformers with its activation quantization
-off) the float32 parity bound of test_parity.py, 1e-4. W8A8 with activations quantized on both
-sides cannot agree that closely: compressed-tensors' int8 scale is max|x| / 127.5 (its range
--128..127), jaxserve's max|x| / 127, so the two round different grids, and either rounding of
-a value near a half-step tie may go the other way; fp8's per-token grids agree but e4m3 ties
-round apart in float32. The bound is a fraction of the logits' spread, 2% of their standard
-deviation (measured: MEASURED below), five times the measured gap and still an order below
-what a weight error does (the same models served with their scales swapped for the weight-only
-per-column maxima miss by more than 10%).
+(fp8 blocks; compressed-tensors served weight-only against transformers with its activation
+quantization off) the float32 parity bound of test_parity.py, 1e-4 (measured 3e-6 to 1.2e-5),
+and the greedy tokens equal. W8A8 with activations quantized on both sides: fp8's per-token
+grids are the same (max|x| / 448), so 1e-3 (measured 2.5e-4 and 9.5e-5: e4m3 ties rounding
+apart in float32), greedy equal. int8's grids are not: compressed-tensors' scale is
+max|x| / 127.5 (its range -128..127), jaxserve's max|x| / 127, so every activation rounds on
+another grid and the two forwards are independent draws of the activations' rounding noise
+(on these high-gain random models even a 1e-6 nudge of transformers' own input moves its W8A8
+logits by 0.13). The bound is twice the noise transformers' own activation quantization adds
+(its W8A8 forward against its weight-only one), in the max and in the mean (measured on the
+Llama shape: ours 0.28 / 0.051 against its 0.32 / 0.045), and the teacher-forced greedy
+choice the same at 90% of the positions (measured 94% and 100%).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ DIVISIBLE = {**SHAPE, "intermediate_size": 384}  # blocks divide every matmul
 PROMPT = [5, 9, 3, 77, 12, 100, 1, 2, 3, 4, 5, 6, 8, 90, 33, 17]
 GREEDY = 16
 ATOL = 1e-4
-W8A8_FP8_ATOL = 1e-3  # fp8 W8A8: measured 2.5e-4 (e4m3 ties rounding apart in float32)
+W8A8_FP8_ATOL = 1e-3  # fp8 W8A8: measured 2.5e-4 and 9.5e-5 (e4m3 ties rounding apart)
 INT8_W8A8_AGREEMENT = 0.9  # greedy agreement, teacher forced (measured 94% and 100%)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FP8_MAX = 448.0
@@ -216,7 +219,7 @@ def max_diff(loaded, ref) -> float:
 # --- fp8, 128x128 blocks ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def fp8_pair(request, tmp_path_factory):
     """(transformers' reference of the folder, jaxserve's load of it) with partial blocks."""
     hf = build_hf_model(request.param, **SHAPE)
@@ -288,7 +291,7 @@ def test_fp8_blocks_differ_from_the_float_model(fp8_pair):
 CT = [("W8A8", "int-quantized"), ("W8A8", "naive-quantized"), ("FP8_DYNAMIC", "float-quantized")]
 
 
-CT_CASES = [("llama", *c) for c in CT] + [("qwen3", *CT[0])]
+CT_CASES = [("llama", *c) for c in CT] + [("qwen2", *CT[2]), ("qwen3", *CT[0])]
 
 
 @pytest.fixture(scope="module")
