@@ -144,12 +144,13 @@ class PackedDense(nn.Module):
 
 
 class PackedQuantDense(nn.Module):
-    """QuantDense's x [T, in] -> [T, *features] over int8 panels, i8[prod(features) / 64, in,
-    64] (`pack_params` of its `kernel`) and f32[prod(features)] scales (its `kernel_scale`,
-    flattened), through cpu_matmul_int8.cc: the weights stream from memory as int8, a quarter
-    of float32's bytes, which bound a decode step. Weight-only schemes widen them in registers;
-    W8A8 quantizes each row of x on the way in (`cpu_ffi.packed_matmul_int8`), as QuantDense's
-    dot does, with exact int32 sums. Only for int8 schemes (`packs_weights` says where)."""
+    """QuantDense's x [T, in] -> [T, *features] over 8-bit panels, i8 | f8e4m3[prod(features)
+    / 64, in, 64] (`pack_params` of its `kernel`) and f32[prod(features)] scales (its
+    `kernel_scale`, flattened), through cpu_matmul_int8.cc: the weights stream from memory in
+    one byte, a quarter of float32's, which bound a decode step. Weight-only schemes (int8, and
+    fp8, which is weight-only on the CPU) widen them in registers; W8A8 quantizes each row of x
+    on the way in (`cpu_ffi.packed_matmul_int8`), as QuantDense's dot does, with exact int32
+    sums. `packs_weights` says where the runner packs them."""
 
     features: tuple[int, ...]
     use_bias: bool
@@ -161,7 +162,7 @@ class PackedQuantDense(nn.Module):
         # x: [T, in]; valid: i32[], rows of x that are real (the rest come back 0, or the bias)
         n = math.prod(self.features)
         shape = (n // cpu_ffi.PANEL, x.shape[-1], cpu_ffi.PANEL)
-        kernel = self.param("kernel", nn.initializers.zeros, shape, jnp.int8)
+        kernel = self.param("kernel", nn.initializers.zeros, shape, self.scheme.weight_dtype)
         scale = self.param("kernel" + SCALE_SUFFIX, nn.initializers.ones, (n,), jnp.float32)
         activations = "float" if self.scheme.activations is None else "int8"
         out = cpu_ffi.packed_matmul_int8(x, kernel, scale, valid, activations).astype(self.dtype)
@@ -488,9 +489,11 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype
         )
-        if self.packed_weights and self.quant is not None and self.quant.weights != "int8":
+        quant = self.quant
+        fp8 = quant is not None and quant.weights == "fp8"
+        if self.packed_weights and fp8 and (quant.activations is not None or quant.transposed):
             raise ValueError(
-                f"Only int8 kernels are packed (cpu_matmul_int8.cc); {self.quant.label} "
+                f"Packed e4m3 kernels run weight-only (cpu_matmul_int8.cc); {quant.label} "
                 "weights need packed_weights=False."
             )
         layer_args = (c, self.attention_backend, self.dtype, self.plan, self.packed_weights)

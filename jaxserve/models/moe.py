@@ -93,9 +93,9 @@ class SparseMoe(nn.Module):
                 "applies one scale a column after its dot, so block-scaled experts are not "
                 "supported."
             )
-        # Packed (one CPU device): float32 experts, or int8 ones (cpu_matmul_int8.cc's grouped
-        # kernel, the scales applied inside it); fp8 experts never are (`packs_weights`).
-        packable = self.packed and (quant is None or quant.weights == "int8")
+        # Packed (one CPU device): float32 experts, or 8-bit ones (cpu_matmul_int8.cc's
+        # grouped kernel, weight-only, the scales applied inside it).
+        packable = self.packed
         pack_up = packable and (2 * i) % cpu_ffi.PANEL == 0
         pack_down = packable and h % cpu_ffi.PANEL == 0
         up_shape = (e, 2 * i // cpu_ffi.PANEL, h, cpu_ffi.PANEL) if pack_up else (e, h, 2, i)

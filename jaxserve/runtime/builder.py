@@ -173,7 +173,11 @@ def quantize_model(
     scheme, note = resolve_checkpoint_quantization(name, checkpoint, target.current())
     if note:
         logger.warning(note)
-    if scheme is None or model.quant == scheme:
+    if scheme is None:
+        return model
+    if model.quant == scheme:  # a folder read quantized, param by param (load_model's quant)
+        how = "read pre-quantized" if checkpoint is not None else "quantized as they loaded"
+        logger.info("Decoder matmul weights %s: %s.", how, scheme.label)
         return model
     if model.quant is not None:
         raise ValueError(

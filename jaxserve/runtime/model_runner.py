@@ -177,12 +177,15 @@ def packs_weights(dtype, sharding: ShardingPlan, quant=None) -> bool:
     $JAXSERVE_CPU_PACKED_WEIGHTS=0. The runner then holds both trees: the canonical params (what
     update_weights, sleep and trainers read) and their packed kernels, a second copy of the
     matmul weights in host memory. Quantized weights (`quant`, models/quant.py) are packed
-    where they are int8 and cpu_matmul_int8.cc has the scheme's vector kernel (weight-only:
-    AVX-512F; W8A8: VNNI too): their int8 panels, a quarter of float32's bytes. fp8 kernels
-    and block-scaled ones are not packed (XLA's dot widens them)."""
+    where cpu_matmul_int8.cc has the scheme's vector kernel (weight-only int8 or e4m3:
+    AVX-512F; W8A8, int8 only: VNNI too): their 8-bit panels, a quarter of float32's bytes.
+    (XLA:CPU's dot widened e4m3 weights into a float32 copy every step, 7-15x slower than
+    float32.) Block-scaled kernels (a pre-quantized fp8 checkpoint's 128-row scales) are not
+    packed: the kernel applies one scale a column."""
     if quant is not None and not (
-        quant.weights == "int8"
-        and quant.block is None  # block scales (pre-quantized fp8's layout) have no kernel
+        (quant.weights == "int8" or quant.activations is None)
+        and not quant.transposed
+        and quant.block is None
         and cpu_ffi.int8_matmul_available("float" if quant.activations is None else "int8")
     ):
         return False
@@ -218,7 +221,12 @@ class ModelRunner:
             quant=model.quant,
         )
         if packed:
-            logger.info("The matmuls run on weights packed for the CPU (cpu_matmul.cc).")
+            logger.info(
+                "The matmuls run on weights packed for the CPU (%s).",
+                "cpu_matmul.cc"
+                if model.quant is None
+                else f"{model.quant.weights}, cpu_matmul_int8.cc",
+            )
         # Jitted once: packing new weights (a swap, a wake-up) compiles nothing after the first.
         self._pack = (
             jax.jit(

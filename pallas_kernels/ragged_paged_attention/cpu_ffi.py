@@ -455,14 +455,33 @@ def _int8_checks(name: str, k: int, activations: str) -> None:
         raise RuntimeError(f"{name} needs the CPU kernels' library, which did not load.")
 
 
+def _check_weight_kind(name: str, wq: jax.Array, activations: str) -> None:
+    """Refuses weights neither int8 nor e4m3, and e4m3 with int8 activations (the e4m3 path is
+    weight-only). The kernel reads the dtype itself: no bitcast, which XLA:CPU would run as a
+    copy of the whole weight every call."""
+    if wq.dtype == jnp.int8:
+        return
+    if wq.dtype != jnp.float8_e4m3fn:
+        raise ValueError(
+            f"{name} takes int8 (pack_weight_int8) or float8_e4m3fn weights; got {wq.dtype}."
+        )
+    if activations != "float":
+        raise ValueError(
+            f"{name} runs e4m3 weights weight-only (activations='float'); got "
+            f"activations={activations!r}."
+        )
+
+
 def packed_matmul_int8(
     x: jax.Array,  # f32[..., K]
-    wq: jax.Array,  # i8[P, K, PANEL] (pack_weight_int8)
+    wq: jax.Array,  # i8 | f8e4m3[P, K, PANEL] (pack_weight_int8; pack_weight of e4m3)
     scales: jax.Array,  # f32[P * PANEL]
     valid: jax.Array | int | None = None,  # i32[]: rows of x (flattened) that are real
     activations: str = "float",
 ) -> jax.Array:  # f32[..., P * PANEL]
-    """x @ dequantize_int8(wq, scales) with the weights read as int8 (cpu_matmul_int8.cc).
+    """x @ dequantize_int8(wq, scales) with the weights read as int8 (cpu_matmul_int8.cc), or
+    as e4m3 where wq is float8_e4m3fn (the same panels; weight-only, each byte widened to its
+    exact float32 value in registers: XLA:CPU's dot widens it into a copy of the weight).
 
     activations="float" (weight-only, for decode, where the weights' bytes are the bound): each
     output (sum_k x[k] * float(wq[k])) * scale, one chain of fused multiply-adds over k in order,
@@ -479,10 +498,7 @@ def packed_matmul_int8(
             f"{tuple(x.shape)} and weights {tuple(wq.shape)}."
         )
     p = wq.shape[0]
-    if wq.dtype != jnp.int8:
-        raise ValueError(
-            f"packed_matmul_int8 takes int8 weights (pack_weight_int8); got {wq.dtype}."
-        )
+    _check_weight_kind("packed_matmul_int8", wq, activations)
     if tuple(scales.shape) != (p * PANEL,):
         raise ValueError(
             f"packed_matmul_int8 takes one scale per output column, ({p * PANEL},) for weights "
@@ -510,7 +526,7 @@ def packed_matmul_int8(
 
 def grouped_packed_matmul_int8(
     x: jax.Array,  # f32[M, K] rows sorted by group
-    wq: jax.Array,  # i8[G, P, K, PANEL] (pack_weight_int8 of w f32[G, K, N])
+    wq: jax.Array,  # i8 | f8e4m3[G, P, K, PANEL] (pack_weight_int8 of w f32[G, K, N])
     scales: jax.Array,  # f32[G, P * PANEL]
     group_sizes: jax.Array,  # i32[G] rows of each group in order; rows past their sum: padding
     activations: str = "float",
@@ -526,10 +542,7 @@ def grouped_packed_matmul_int8(
             f"{PANEL}]; got x {tuple(x.shape)} and weights {tuple(wq.shape)}."
         )
     groups, panels = wq.shape[:2]
-    if wq.dtype != jnp.int8:
-        raise ValueError(
-            f"grouped_packed_matmul_int8 takes int8 weights (pack_weight_int8); got {wq.dtype}."
-        )
+    _check_weight_kind("grouped_packed_matmul_int8", wq, activations)
     if tuple(scales.shape) != (groups, panels * PANEL):
         raise ValueError(
             f"grouped_packed_matmul_int8 takes one scale per expert and output column, "

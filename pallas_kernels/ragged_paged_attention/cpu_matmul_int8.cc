@@ -24,6 +24,10 @@
 //
 // Rows past `valid` (a bucket's padding) come back 0, uncomputed, as in cpu_matmul.cc; grouped
 // variants run a mixture of experts' rows sorted by expert against each expert's panels.
+//
+// The weight-only path also takes float8 e4m3 weights (the same panels, typed float8_e4m3fn), widened to float32 exactly in registers by bit arithmetic: XLA:CPU widens an
+// e4m3 operand element by element into a float32 copy of the whole weight before its dot, which
+// made fp8 decode 7-15x slower than float32 (docs/benchmarks.md).
 
 #include <algorithm>
 #include <cmath>
@@ -64,18 +68,47 @@ constexpr int64_t kGroupRows = 48;  // rows per work item (eight tiles), one pan
 // out[r, 0:64] = (sum_{k < K} a[r, k] * float(panel[k, 0:64])) * scale[0:64] for MR rows
 // (a: lda apart; out: ldc apart): cpu_matmul.cc's Tile from zero over the whole K, the 64 bytes
 // of each k widened to four vectors of 16 floats (exact) once for all MR rows.
-template <int MR>
+// 16 int8 weights as floats (exact).
+inline __m512 WidenInt8(const __m128i* b) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b)));
+}
+
+// 32 e4m3 weights (bytes s eeee mmm, exponent bias 7, no infinities) as two vectors of 16
+// floats, each 2^-8 times the weight's value, exactly: the byte's magnitude bits moved into a
+// float16's exponent and mantissa (bias 15, so every e4m3 value, its subnormals included, is
+// 2^-8 times a float16 that vcvtph2ps widens exactly, in hardware) and the sign into bit 15.
+// The 2^8 goes into the column's scale after the chain (TileW8's `unit`), so the widening is
+// integer shifts and one conversion per 16 weights: a float multiply here would meet the
+// subnormal floats small bytes make, each a microcode assist. e4m3's NaN (s 1111 111) is never
+// stored: quantization clips to +-448.
+inline void WidenE4m3(const __m256i* b, __m512& lo, __m512& hi) {
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(b));
+  const __m512i mag = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x7F)), 7);
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
+  const __m512i half = _mm512_or_si512(mag, sign);
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+}
+
+template <int MR, bool FP8>
 inline void TileW8(const float* a, int64_t lda, const int8_t* panel, int64_t K,
                    const float* scale, float* out, int64_t ldc) {
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const __m128i* b = reinterpret_cast<const __m128i*>(panel + k * kLanes);
-    const __m512 b0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b)));
-    const __m512 b1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b + 1)));
-    const __m512 b2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b + 2)));
-    const __m512 b3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b + 3)));
+    __m512 b0, b1, b2, b3;
+    if constexpr (FP8) {
+      const __m256i* b = reinterpret_cast<const __m256i*>(panel + k * kLanes);
+      WidenE4m3(b, b0, b1);
+      WidenE4m3(b + 1, b2, b3);
+    } else {
+      const __m128i* b = reinterpret_cast<const __m128i*>(panel + k * kLanes);
+      b0 = WidenInt8(b);
+      b1 = WidenInt8(b + 1);
+      b2 = WidenInt8(b + 2);
+      b3 = WidenInt8(b + 3);
+    }
     for (int r = 0; r < MR; ++r) {
       const __m512 av = _mm512_set1_ps(a[r * lda + k]);
       acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
@@ -84,40 +117,55 @@ inline void TileW8(const float* a, int64_t lda, const int8_t* panel, int64_t K,
       acc[r][3] = _mm512_fmadd_ps(av, b3, acc[r][3]);
     }
   }
+  // The e4m3 widening's 2^-8 (WidenE4m3), undone exactly on the way out.
+  const __m512 unit = _mm512_set1_ps(FP8 ? 256.0f : 1.0f);
   for (int i = 0; i < 4; ++i) {
-    const __m512 s = _mm512_loadu_ps(scale + 16 * i);
+    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * i), unit);
     for (int r = 0; r < MR; ++r)
       _mm512_storeu_ps(out + r * ldc + 16 * i, _mm512_mul_ps(acc[r][i], s));
   }
 }
 
-// Rows [m0, m1) of x [., K] against one int8 panel, in tiles of kRowBlock rows and one of the rest.
+// Rows [m0, m1) of x [., K] against one 8-bit panel, in tiles of kRowBlock rows and one of the
+// rest.
+template <bool FP8>
 void PanelRowsW8(const float* x, int64_t m0, int64_t m1, int64_t K, const int8_t* panel,
                  const float* scale, float* out, int64_t N) {
   int64_t m = m0;
   for (; m + kRowBlock <= m1; m += kRowBlock)
-    TileW8<6>(x + m * K, K, panel, K, scale, out + m * N, N);
+    TileW8<6, FP8>(x + m * K, K, panel, K, scale, out + m * N, N);
   const float* a = x + m * K;
   float* o = out + m * N;
   switch (m1 - m) {
-    case 5: TileW8<5>(a, K, panel, K, scale, o, N); break;
-    case 4: TileW8<4>(a, K, panel, K, scale, o, N); break;
-    case 3: TileW8<3>(a, K, panel, K, scale, o, N); break;
-    case 2: TileW8<2>(a, K, panel, K, scale, o, N); break;
-    case 1: TileW8<1>(a, K, panel, K, scale, o, N); break;
+    case 5: TileW8<5, FP8>(a, K, panel, K, scale, o, N); break;
+    case 4: TileW8<4, FP8>(a, K, panel, K, scale, o, N); break;
+    case 3: TileW8<3, FP8>(a, K, panel, K, scale, o, N); break;
+    case 2: TileW8<2, FP8>(a, K, panel, K, scale, o, N); break;
+    case 1: TileW8<1, FP8>(a, K, panel, K, scale, o, N); break;
     default: break;
   }
 }
 #else
+// An e4m3 byte's value (see WidenE4m3), for the scalar path.
+inline float E4m3(int8_t byte) {
+  const int v = static_cast<uint8_t>(byte), e = (v >> 3) & 0xF, m = v & 7;
+  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+                           : std::ldexp(1.0f + m / 8.0f, e - 7);
+  return (v & 0x80) ? -mag : mag;
+}
+
 // The same chains one fused multiply-add at a time (the model takes these calls only where the
 // CPU has AVX-512; this keeps the library buildable and its bits the same elsewhere).
+template <bool FP8>
 void PanelRowsW8(const float* x, int64_t m0, int64_t m1, int64_t K, const int8_t* panel,
                  const float* scale, float* out, int64_t N) {
   for (int64_t m = m0; m < m1; ++m) {
     float acc[kLanes] = {};
     for (int64_t k = 0; k < K; ++k)
-      for (int64_t j = 0; j < kLanes; ++j)
-        acc[j] = std::fma(x[m * K + k], static_cast<float>(panel[k * kLanes + j]), acc[j]);
+      for (int64_t j = 0; j < kLanes; ++j) {
+        const int8_t w = panel[k * kLanes + j];
+        acc[j] = std::fma(x[m * K + k], FP8 ? E4m3(w) : static_cast<float>(w), acc[j]);
+      }
     for (int64_t j = 0; j < kLanes; ++j) out[m * N + j] = acc[j] * scale[j];
   }
 }
@@ -306,6 +354,22 @@ std::string Dims(ffi::Span<const int64_t> d) {
   return s + "]";
 }
 
+// The weights' type: int8, or e4m3 (weight-only: its bytes are widened, never multiplied as
+// integers).
+ffi::Error CheckWeights(const ffi::AnyBuffer& w, bool w8a8) {
+  const ffi::DataType t = w.element_type();
+  if (t != ffi::DataType::S8 && t != ffi::DataType::F8E4M3FN) {
+    return ffi::Error::InvalidArgument(
+        "jaxserve's 8-bit matmuls take int8 or float8_e4m3fn weights; got element type " +
+        std::to_string(static_cast<int>(t)) + ".");
+  }
+  if (t == ffi::DataType::F8E4M3FN && w8a8) {
+    return ffi::Error::InvalidArgument(
+        "float8_e4m3fn weights run weight-only here: int8_activations must be 0.");
+  }
+  return ffi::Error::Success();
+}
+
 // One work item: rows [m0, m1) against panel `panel` of one matrix (an expert's, when grouped).
 struct Item {
   int64_t matrix, panel, m0, m1;
@@ -326,7 +390,7 @@ struct Operands {
 // Runs `items` over the pool. For W8A8 each chunk interleaves a panel into its scratch when the
 // item's (matrix, panel) differs from the last one it interleaved: items come in panel order.
 void RunItems(ffi::ThreadPool& pool, const Operands& o, const std::vector<Item>& items,
-              bool w8a8) {
+              bool w8a8, bool fp8) {
   const int64_t K = o.K, N = o.panels * kLanes;
   std::vector<int64_t> cost(items.size());
   for (size_t i = 0; i < items.size(); ++i)
@@ -343,7 +407,11 @@ void RunItems(ffi::ThreadPool& pool, const Operands& o, const std::vector<Item>&
       const float* scale = o.scale + id * kLanes;
       float* out = o.out + it.panel * kLanes;
       if (!w8a8) {
-        PanelRowsW8(o.x, it.m0, it.m1, K, panel, scale, out, N);
+        if (fp8) {
+          PanelRowsW8<true>(o.x, it.m0, it.m1, K, panel, scale, out, N);
+        } else {
+          PanelRowsW8<false>(o.x, it.m0, it.m1, K, panel, scale, out, N);
+        }
         continue;
       }
       if (id != have) InterleavePanel(panel, K, quads.data(), corr);
@@ -364,10 +432,9 @@ void Prepare(ffi::ThreadPool& pool, Operands& o, int64_t used, bool w8a8,
   o.sx = sx.data();
 }
 
-ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scales,
-                            ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> out,
-                            int64_t int8_activations) {
+ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> valid,
+                            ffi::ResultBuffer<ffi::F32> out, int64_t int8_activations) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scales.dimensions();
   const auto od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 1 || od.size() != 2 || wd[2] != kLanes ||
@@ -387,9 +454,10 @@ ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t M = K > 0 ? std::clamp<int64_t>(valid.typed_data()[0], 0, xd[0]) : 0;
   std::fill(out->typed_data() + M * N, out->typed_data() + xd[0] * N, 0.0f);
   if (M == 0 || panels == 0) return ffi::Error::Success();
-  const bool w8a8 = int8_activations != 0;
-  Operands o{x.typed_data(), nullptr, nullptr, w.typed_data(), scales.typed_data(),
-             out->typed_data(), K, panels};
+  const bool w8a8 = int8_activations != 0, fp8 = w.element_type() == ffi::DataType::F8E4M3FN;
+  if (ffi::Error e = CheckWeights(w, w8a8); e.failure()) return e;
+  Operands o{x.typed_data(), nullptr, nullptr, static_cast<const int8_t*>(w.untyped_data()),
+             scales.typed_data(), out->typed_data(), K, panels};
   std::vector<uint8_t> q;
   std::vector<float> sx;
   Prepare(pool, o, M, w8a8, q, sx);
@@ -398,7 +466,7 @@ ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   for (int64_t p = 0; p < panels; ++p)
     for (int64_t m0 = 0; m0 < M; m0 += kGroupRows)
       items.push_back({0, p, m0, std::min(M, m0 + kGroupRows)});
-  RunItems(pool, o, items, w8a8);
+  RunItems(pool, o, items, w8a8, fp8);
   return ffi::Error::Success();
 }
 
@@ -407,7 +475,7 @@ ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // (scales [G, N]). A negative size is 0, the runs stop at M, the rows after them are 0; an
 // expert without rows is never read. A row's bits are PackedMatmulInt8's of that row alone.
 ffi::Error GroupedPackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                                   ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scales,
+                                   ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scales,
                                    ffi::Buffer<ffi::S32> group_sizes,
                                    ffi::ResultBuffer<ffi::F32> out, int64_t int8_activations) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scales.dimensions();
@@ -430,9 +498,10 @@ ffi::Error GroupedPackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x
   const int64_t used = K > 0 ? starts[G] : 0;  // with K = 0 every sum is empty: 0
   std::fill(out->typed_data() + used * N, out->typed_data() + M * N, 0.0f);
   if (used == 0 || panels == 0) return ffi::Error::Success();
-  const bool w8a8 = int8_activations != 0;
-  Operands o{x.typed_data(), nullptr, nullptr, w.typed_data(), scales.typed_data(),
-             out->typed_data(), K, panels};
+  const bool w8a8 = int8_activations != 0, fp8 = w.element_type() == ffi::DataType::F8E4M3FN;
+  if (ffi::Error e = CheckWeights(w, w8a8); e.failure()) return e;
+  Operands o{x.typed_data(), nullptr, nullptr, static_cast<const int8_t*>(w.untyped_data()),
+             scales.typed_data(), out->typed_data(), K, panels};
   std::vector<uint8_t> q;
   std::vector<float> sx;
   Prepare(pool, o, used, w8a8, q, sx);
@@ -442,7 +511,7 @@ ffi::Error GroupedPackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x
     for (int64_t p = 0; p < panels; ++p)
       for (int64_t m0 = starts[g]; m0 < starts[g + 1]; m0 += kGroupRows)
         items.push_back({g, p, m0, std::min(starts[g + 1], m0 + kGroupRows)});
-  RunItems(pool, o, items, w8a8);
+  RunItems(pool, o, items, w8a8, fp8);
   return ffi::Error::Success();
 }
 
@@ -452,7 +521,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePackedMatmulInt8, PackedMatmulInt8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // weights [N / 64, K, 64]
+                                  .Arg<ffi::AnyBuffer>()  // i8 | f8e4m3 weights [N / 64, K, 64]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // real rows [] (the rest: 0)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
@@ -462,7 +531,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedPackedMatmulInt8, GroupedPackedMatm
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K], sorted by group
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // weights [G, N / 64, K, 64]
+                                  .Arg<ffi::AnyBuffer>()  // i8 | f8e4m3 weights [G, N / 64, K, 64]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [G, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group sizes [G]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]

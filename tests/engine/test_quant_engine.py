@@ -61,14 +61,14 @@ def test_each_scheme_serves_8_bit_weights_without_a_compile(
     kernels = [p for p in flat if p + SCALE_SUFFIX in flat]
     assert len(kernels) == 4 * float_model.config.num_layers  # qkv, o, gate_up, down a layer
     assert all(flat[p].dtype == KERNEL_DTYPES[scheme] for p in kernels)
-    # int8 kernels step packed for cpu_matmul_int8.cc where this CPU has its vector kernel;
-    # fp8 ones never are (XLA's dot widens them).
+    # 8-bit kernels step packed for cpu_matmul_int8.cc where this CPU has its vector kernel
+    # (fp8 is weight-only on the CPU: its e4m3 bytes widened in registers).
     mode = "int8" if scheme == "int8-w8a8" else "float"
-    packs = scheme != "fp8" and cpu_ffi.int8_matmul_available(mode)
+    packs = cpu_ffi.int8_matmul_available(mode)
     assert engine.runner.module.packed_weights == packs
     stepped = engine.runner.step_params["layers_0"]["self_attn"]["o_proj"]["kernel"]
     if packs:
-        assert stepped.dtype == jnp.int8 and stepped.shape[-1] == cpu_ffi.PANEL
+        assert stepped.dtype == KERNEL_DTYPES[scheme] and stepped.shape[-1] == cpu_ffi.PANEL
     else:
         assert engine.runner.step_params is engine.runner.params
     # The float model handed in is untouched: quantizing did not free or replace its leaves.
@@ -120,3 +120,17 @@ def test_a_folder_swapped_into_a_quantized_engine_loads_quantized(stories_engine
     assert kinds == {jnp.dtype(jnp.int8), jnp.dtype(jnp.float32)}
     assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids == before
     assert engine.metrics.stats.compiles_after_warmup == 0
+
+
+def test_an_engine_loading_its_folder_quantized_says_so(caplog):
+    """The default folder read quantized param by param: the log names the scheme (it said
+    nothing when the weights were quantized as they loaded) and the int8 kernel they run on."""
+    from jaxserve.engine.build import build_engine
+
+    with caplog.at_level("INFO", logger="jaxserve"):
+        engine = build_engine(EngineConfig(quantization="int8", **TINY))
+    assert engine.model.quant is not None and engine.model.quant.label == "int8 weight-only"
+    said = [r.getMessage() for r in caplog.records]
+    assert "Decoder matmul weights quantized as they loaded: int8 weight-only." in said
+    if cpu_ffi.int8_matmul_available():
+        assert "The matmuls run on weights packed for the CPU (int8, cpu_matmul_int8.cc)." in said

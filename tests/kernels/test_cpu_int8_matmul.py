@@ -323,8 +323,11 @@ def test_bad_shapes_are_sentences_naming_them():
         mm(x, jnp.zeros((1, 9, 64), jnp.int8), s)
     with pytest.raises(ValueError, match=r"got x \(2, 8\) and weights \(1, 8, 32\)\."):
         mm(x, jnp.zeros((1, 8, 32), jnp.int8), s)
-    with pytest.raises(ValueError, match=r"int8 weights \(pack_weight_int8\); got float32\."):
+    with pytest.raises(ValueError, match=r"float8_e4m3fn weights; got float32\."):
         mm(x, jnp.zeros((1, 8, 64)), s)
+    fp8_w8a8 = r"weight-only \(activations='float'\); got activations='int8'\."
+    with pytest.raises(ValueError, match=fp8_w8a8):
+        mm(x, jnp.zeros((1, 8, 64), jnp.float8_e4m3fn), s, activations="int8")
     with pytest.raises(ValueError, match=r"\(64,\) for weights \(1, 8, 64\); got scales \(128,\)"):
         mm(x, wq, jnp.ones(128))
     with pytest.raises(ValueError, match=r"one of \('float', 'int8'\); got 'int4'\."):
@@ -338,6 +341,9 @@ def test_bad_shapes_are_sentences_naming_them():
         mm(big_x, big_w, s, activations="int8")
 
 
+MODE = {"int8_activations": np.int64(0)}
+
+
 def test_the_kernel_refuses_bad_shapes_itself_naming_them():
     """Past the wrapper (a call built by hand), the kernel's own InvalidArgument shows every
     operand's dimensions rather than reading out of bounds."""
@@ -345,9 +351,58 @@ def test_the_kernel_refuses_bad_shapes_itself_naming_them():
     call = jax.ffi.ffi_call(cpu_ffi._INT8_MATMUL_TARGET, jax.ShapeDtypeStruct((2, 64), jnp.float32))
     x, v = jnp.zeros((2, 8)), jnp.int32(2)
     with pytest.raises(Exception, match=r"weights \[1, 8, 64\], scales \[32\], out \[2, 64\]\."):
-        call(x, jnp.zeros((1, 8, 64), jnp.int8), jnp.ones(32), v, int8_activations=np.int64(0))
+        call(x, jnp.zeros((1, 8, 64), jnp.int8), jnp.ones(32), v, **MODE)
     with pytest.raises(Exception, match=r"got x \[2, 8\], weights \[1, 9, 64\]"):
-        call(x, jnp.zeros((1, 9, 64), jnp.int8), jnp.ones(64), v, int8_activations=np.int64(1))
+        call(
+            x,
+            jnp.zeros((1, 9, 64), jnp.int8),
+            jnp.ones(64),
+            v,
+            **{**MODE, "int8_activations": np.int64(1)},
+        )
+    w8 = jnp.zeros((1, 8, 64), jnp.float8_e4m3fn)
+    with pytest.raises(Exception, match=r"weight-only here: int8_activations must be 0\."):
+        call(x, w8, jnp.ones(64), v, int8_activations=np.int64(1))
+    with pytest.raises(Exception, match=r"take int8 or float8_e4m3fn weights; got element type"):
+        call(x, jnp.zeros((1, 8, 64), jnp.int16), jnp.ones(64), v, **MODE)
+
+
+# ---- e4m3 weights (weight-only) ----
+
+
+def _every_e4m3_value() -> jax.Array:  # f8e4m3[254]: every byte but the two NaNs
+    """Every finite e4m3 value, from its 256 bytes (0x7F and 0xFF are e4m3fn's NaNs)."""
+    bytes_ = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)
+    return jax.lax.bitcast_convert_type(jnp.asarray(bytes_), jnp.float8_e4m3fn)
+
+
+def test_every_e4m3_byte_widens_to_its_exact_value():
+    """Row i of the identity times a panel whose column 0 holds every finite e4m3 value:
+    each comes back exactly (normals, the 7 subnormals, both zeros' sign aside)."""
+    values = _every_e4m3_value()
+    n = values.shape[0]
+    w = jnp.zeros((n, 64), jnp.float8_e4m3fn).at[:, 0].set(values).at[:, 5].set(values[::-1])
+    out = cpu_ffi.packed_matmul_int8(jnp.eye(n), cpu_ffi.pack_weight(w), jnp.ones(64))
+    np.testing.assert_array_equal(out[:, 0], values.astype(jnp.float32))
+    np.testing.assert_array_equal(out[:, 5], values[::-1].astype(jnp.float32))
+    magnitudes = jnp.abs(values.astype(jnp.float32))
+    assert float(jnp.min(jnp.where(magnitudes > 0, magnitudes, 1.0))) == 2.0**-9  # subnormals
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_e4m3_weight_only_is_the_float_kernel_on_the_e4m3_values_bit_for_bit(m, k, n):
+    x = jax.random.normal(jax.random.key(m + k), (m, k), jnp.float32)
+    w = jax.random.normal(jax.random.key(n), (k, n)) * jnp.logspace(-3, 2, n)
+    w8 = jnp.clip(w, -448, 448).astype(jnp.float8_e4m3fn)
+    scales = jnp.linspace(0.5, 2.0, n, dtype=jnp.float32)
+    out = jax.jit(cpu_ffi.packed_matmul_int8)(x, cpu_ffi.pack_weight(w8), scales)
+    on_values = cpu_ffi.packed_matmul(x, cpu_ffi.pack_weight(w8.astype(jnp.float32)), k_block=0)
+    np.testing.assert_array_equal(out, np.asarray(on_values) * np.asarray(scales))
+    sizes = jnp.array([m // 2, m - m // 2], jnp.int32)
+    grouped = cpu_ffi.grouped_packed_matmul_int8(
+        x, cpu_ffi.pack_weight(jnp.stack([w8, w8])), jnp.stack([scales, scales]), sizes
+    )
+    np.testing.assert_array_equal(grouped, out)
 
 
 # ---- Grouped (a mixture of experts' rows, sorted by expert) ----

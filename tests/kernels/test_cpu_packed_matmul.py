@@ -183,12 +183,15 @@ QUANT_CONFIGS = {
 
 @pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
 @pytest.mark.parametrize("name", sorted(QUANT_CONFIGS))
-@pytest.mark.parametrize("activations", [None, "int8"], ids=["int8", "int8-w8a8"])
-def test_the_packed_int8_model_computes_the_quantized_one(name, layer_loop, activations):
+@pytest.mark.parametrize(
+    "weights, activations", [("int8", None), ("int8", "int8"), ("fp8", None)],
+    ids=["int8", "int8-w8a8", "fp8"],
+)  # fmt: skip
+def test_the_packed_int8_model_computes_the_quantized_one(name, layer_loop, weights, activations):
     if not cpu_ffi.int8_matmul_available("float" if activations is None else "int8"):
         pytest.skip("this CPU has no AVX-512 (VNNI for W8A8): the int8 kernels are not used")
     config = QUANT_CONFIGS[name]
-    scheme = QuantScheme(weights="int8", activations=activations)
+    scheme = QuantScheme(weights=weights, activations=activations)
     quantized = model_for(config, jnp.float32, "reference", layer_loop=layer_loop, quant=scheme)
     packed = model_for(
         config, jnp.float32, "reference", layer_loop=layer_loop, packed_weights=True, quant=scheme
@@ -204,7 +207,8 @@ def test_the_packed_int8_model_computes_the_quantized_one(name, layer_loop, acti
     )
     layer = packed_params["layers_0" if layer_loop == "unrolled" else "layers"]
     o_proj = layer["self_attn"]["o_proj"]
-    assert o_proj["kernel"].dtype == jnp.int8 and o_proj["kernel"].shape[-1] == cpu_ffi.PANEL
+    assert o_proj["kernel"].dtype == scheme.weight_dtype
+    assert o_proj["kernel"].shape[-1] == cpu_ffi.PANEL
     assert o_proj["kernel_scale"].shape[-1] == config.hidden_size  # one per output column
     lowered = jax.jit(lambda p: _forward(packed, p, config)).lower(packed_params).as_text()
     assert "jaxserve_packed_matmul_int8" in lowered
