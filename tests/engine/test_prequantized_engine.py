@@ -14,6 +14,7 @@ from jaxserve.engine.core import Engine
 from jaxserve.engine.llm import LLM
 from jaxserve.engine_config import EngineConfig
 from jaxserve.quantization import QuantScheme
+from jaxserve.runtime.model_runner import packs_weights
 from jaxserve.sampling_params import SamplingParams
 from tests.engine.conftest import TINY
 from tests.models.helpers import build_hf_model, hf_greedy
@@ -51,6 +52,8 @@ def test_an_fp8_block_folder_serves_as_its_own_scheme(folders):
     engine = Engine(EngineConfig(model=str(fp8), **TINY))
     assert engine.runner.model.quant == QuantScheme(weights="fp8", block=128)
     assert _kernel(engine, ("mlp", "down_proj", "kernel")).dtype == jnp.float8_e4m3fn
+    # Never packed for the CPU's kernels (they apply one scale a column; packs_weights).
+    assert engine.runner.step_params is engine.runner.params
     out = LLM(engine=engine).generate([PROMPT], GREEDY)[0].token_ids
     assert list(out) == hf_greedy(fp8_reference(hf, fp8), PROMPT, GREEDY.max_tokens)
     # The same folder again (update_weights): read as stored, served with no compile.
@@ -65,6 +68,9 @@ def test_an_int8_w8a8_folder_serves_int8_matmuls_and_its_own_name_agrees(folders
         engine = Engine(EngineConfig(model=str(int8), quantization=name, **TINY))
         assert engine.runner.model.quant == QuantScheme(weights="int8", activations="int8")
         assert _kernel(engine, ("self_attn", "qkv_proj", "kernel")).dtype == jnp.int8
+    # Packed like any int8 tree where the CPU's int8 kernels exist (packs_weights).
+    packs = packs_weights(jnp.float32, engine.runner.sharding, engine.runner.model.quant)
+    assert (engine.runner.step_params is not engine.runner.params) == packs
     ref = load_hf(int8)
     out = LLM(engine=engine).generate([PROMPT], GREEDY)[0].token_ids
     # W8A8 int8's two activation grids (test_prequantized.py): the first tokens agree.
