@@ -30,13 +30,19 @@ __all__ = [
 
 
 def config_to_json(config: ModelConfig) -> dict:
+    """`config` as plain JSON data (what orbax checkpoints store beside the params)."""
     return dataclasses.asdict(config)
 
 
 def config_from_json(data: dict) -> ModelConfig:
+    """The `ModelConfig` of `config_to_json`'s data (older checkpoints lack the newer keys)."""
     data = dict(data)
     data["rope"] = RopeConfig(**data["rope"])
     data["eos_token_ids"] = tuple(data["eos_token_ids"])
+    if data.get("layer_types") is not None:  # JSON lists back to the hashable tuple
+        data["layer_types"] = tuple(data["layer_types"])
+    if data.get("local_rope") is not None:
+        data["local_rope"] = RopeConfig(**data["local_rope"])
     if data.get("moe") is not None:  # absent in configs written before the experts
         data["moe"] = MoeConfig(**data["moe"])
     return ModelConfig(**data)

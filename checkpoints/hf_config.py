@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` -> `ModelConfig`, for the Llama-family architectures jaxserve runs."""
+"""Hugging Face `config.json` -> `ModelConfig`, for the Llama-family and Gemma architectures
+jaxserve runs."""
 
 from __future__ import annotations
 
@@ -13,16 +14,25 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    # Gemma 3's multimodal folders: the text model nested as `text_config` (its vision tower
+    # and projector are not served; checkpoints/weights.py skips their tensors).
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
+GEMMA_FAMILIES = ("gemma2", "gemma3")
 
 
 class UnsupportedModelError(ValueError):
     """The model folder holds an architecture or a feature jaxserve does not implement."""
 
 
-def _rope_config(hf: Any) -> RopeConfig:
+def _rope_config(hf: Any, params: dict | None = None) -> RopeConfig:
+    """The RoPE of `hf` (or of one layer type's `params`, Gemma 3's per-type dicts)."""
     # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x in rope_theta/rope_scaling.
-    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    if params is None:
+        params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
+    params = dict(params or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     if rope_type not in ("default", "linear", "llama3"):
@@ -79,9 +89,59 @@ def _sliding_window(hf: Any, family: str) -> int | None:
     return None
 
 
+def _gemma_fields(hf: Any, family: str) -> dict:
+    """The `ModelConfig` fields of a Gemma 2 or 3 text config, refusing what we cannot run."""
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None)
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(
+            f"{family} with hidden_activation={act!r} is not supported: jaxserve runs Gemma's "
+            "GeGLU with gelu_pytorch_tanh only."
+        )
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            f"{family} with use_bidirectional_attention=True (an encoder, as EmbeddingGemma) is "
+            "not supported: jaxserve serves causal decoders."
+        )
+    layer_types = tuple(getattr(hf, "layer_types", None) or ())
+    if set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(
+            f"{family} with layer_types {sorted(set(layer_types))} is not supported: jaxserve "
+            "runs sliding_attention and full_attention layers."
+        )
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    if family == "gemma3" and "full_attention" in params:  # transformers 5: one dict per type
+        rope = _rope_config(hf, params["full_attention"])
+        local = _rope_config(hf, params.get("sliding_attention") or {"rope_theta": 10000.0})
+    else:
+        rope, local = _rope_config(hf), None
+    if family == "gemma3" and local is None:  # transformers 4.x's flat fields
+        local = RopeConfig(theta=float(getattr(hf, "rope_local_base_freq", 10000.0)))
+    soft = {
+        name: None if value is None else float(value)
+        for name, value in (
+            ("attn_logit_softcap", getattr(hf, "attn_logit_softcapping", None)),
+            ("final_logit_softcap", getattr(hf, "final_logit_softcapping", None)),
+        )
+    }
+    return dict(
+        rope=rope,
+        local_rope=local,
+        layer_types=layer_types or None,
+        query_pre_attn_scalar=float(hf.query_pre_attn_scalar),
+        hidden_act="gelu_pytorch_tanh",
+        gemma_norms=True,
+        sliding_window=getattr(hf, "sliding_window", None)
+        if "sliding_attention" in layer_types
+        else None,
+        **soft,
+    )
+
+
 def model_config_from_hf(hf: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:
     """Maps a transformers config object onto `ModelConfig`, refusing what we cannot run exactly."""
     architectures = list(getattr(hf, "architectures", None) or [])
+    if not architectures and getattr(hf, "model_type", None) in ("gemma2", "gemma3_text"):
+        architectures = ["Gemma2ForCausalLM" if hf.model_type == "gemma2" else "Gemma3ForCausalLM"]
     arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedModelError(
@@ -89,6 +149,8 @@ def model_config_from_hf(hf: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelC
             f"{sorted(SUPPORTED_ARCHITECTURES)}."
         )
     family = SUPPORTED_ARCHITECTURES[arch]
+    if family in GEMMA_FAMILIES:
+        return _gemma_config(hf, family, eos_token_ids)
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act={hf.hidden_act!r} is not supported (only silu).")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -117,4 +179,40 @@ def model_config_from_hf(hf: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelC
         eos_token_ids=tuple(sorted(eos)),
         architecture=family,
         moe=_moe_config(hf, family),
+    )
+
+
+def _gemma_config(hf: Any, family: str, eos_token_ids: tuple[int, ...]) -> ModelConfig:
+    """A Gemma 2 or 3 config (a multimodal Gemma 3's `text_config`) as a `ModelConfig`."""
+    outer = hf
+    if getattr(hf, "text_config", None) is not None:
+        hf = hf.text_config
+    if getattr(hf, "attention_bias", False):
+        raise UnsupportedModelError(
+            f"{family} with attention_bias=True is not supported: no released Gemma has one."
+        )
+    eos = set(eos_token_ids)
+    hf_eos = getattr(hf, "eos_token_id", None)
+    if hf_eos is None:
+        hf_eos = getattr(outer, "eos_token_id", None)
+    eos.update([hf_eos] if isinstance(hf_eos, int) else (hf_eos or []))
+    return ModelConfig(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        max_position_embeddings=hf.max_position_embeddings,
+        rms_norm_eps=float(hf.rms_norm_eps),
+        # Gemma always ties its head to the embedding (a multimodal config says so outside).
+        tie_word_embeddings=bool(
+            getattr(outer, "tie_word_embeddings", getattr(hf, "tie_word_embeddings", True))
+        ),
+        qk_norm=family == "gemma3",
+        bos_token_id=getattr(hf, "bos_token_id", None),
+        eos_token_ids=tuple(sorted(eos)),
+        architecture=family,
+        **_gemma_fields(hf, family),
     )

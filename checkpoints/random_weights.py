@@ -184,6 +184,60 @@ NAMED_SHAPES["qwen3-30b-a3b"] = ModelConfig(
 )
 
 
+# Gemma (issue 46). gemma3-1b is google/gemma-3-1b-pt's shape: 5 sliding layers (window 512,
+# RoPE base 10k) to each global one (base 1M), the 262k vocabulary, one KV head of 256.
+NAMED_SHAPES["gemma3-1b"] = ModelConfig(
+    vocab_size=262144,
+    hidden_size=1152,
+    intermediate_size=6912,
+    num_layers=26,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=256,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope=RopeConfig(theta=1000000.0),
+    local_rope=RopeConfig(theta=10000.0),
+    layer_types=tuple(
+        "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)
+    ),
+    sliding_window=512,
+    query_pre_attn_scalar=256.0,
+    hidden_act="gelu_pytorch_tanh",
+    gemma_norms=True,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    eos_token_ids=(1, 106),  # <eos>, <end_of_turn>
+    bos_token_id=2,
+    architecture="gemma3",
+)
+# google/gemma-2-2b's shape: sliding (4096) and global layers alternating, both RoPE base 10k,
+# attention logits capped at 50 and final logits at 30.
+NAMED_SHAPES["gemma2-2b"] = ModelConfig(
+    vocab_size=256000,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_layers=26,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=256,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-6,
+    rope=RopeConfig(theta=10000.0),
+    layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(26)),
+    sliding_window=4096,
+    query_pre_attn_scalar=256.0,
+    attn_logit_softcap=50.0,
+    final_logit_softcap=30.0,
+    hidden_act="gelu_pytorch_tanh",
+    gemma_norms=True,
+    tie_word_embeddings=True,
+    eos_token_ids=(1,),
+    bos_token_id=2,
+    architecture="gemma2",
+)
+
+
 def random_params(abstract_params: dict, seed: int, shardings: dict | None = None) -> dict:
     """Fills a param tree of `jax.ShapeDtypeStruct`s with seeded random weights.
 

@@ -20,6 +20,13 @@ A mixture of experts (Qwen3-MoE's `mlp.experts.{j}.gate_proj`, Mixtral's
 (and gate/up at their range of axis -2), so an expert-parallel shard reads only its experts.
 The router (`mlp.gate`, `block_sparse_moe.gate`) is `mlp/router` [hidden, num_experts].
 
+Gemma 2 and 3 use the same names plus `pre_feedforward_layernorm` and
+`post_feedforward_layernorm` (their `post_attention_layernorm` is the attention's output norm,
+not the MLP's input norm as in Llama: the module reads each by name). A multimodal Gemma 3
+(Gemma3ForConditionalGeneration) keeps its text model under `model.language_model.` (or
+`language_model.model.`, older exports), read as `model.`; its vision tower and projector are
+skipped: jaxserve serves the text model.
+
 A pre-quantized checkpoint (checkpoints/prequantized.py) fills a quantized tree: each decoder
 matmul's 8-bit `weight` goes to its kernel as above, and its scales, renamed
 `<module>.weight_scale` ([out] or [out, blocks]), to the kernel's `kernel_scale`, transposed
@@ -72,6 +79,9 @@ LAYER_TABLE: dict[str, Target] = {
     "mlp.down_proj.bias": Target(("mlp", "down_proj", "bias"), False),
     "input_layernorm.weight": Target(("input_layernorm", "scale"), False),
     "post_attention_layernorm.weight": Target(("post_attention_layernorm", "scale"), False),
+    # Gemma's sandwich: the MLP's input and output norms.
+    "pre_feedforward_layernorm.weight": Target(("pre_feedforward_layernorm", "scale"), False),
+    "post_feedforward_layernorm.weight": Target(("post_feedforward_layernorm", "scale"), False),
 }
 # HF suffix under model.layers.{i}.{mlp|block_sparse_moe}.experts.{j}. -> its expert's target
 EXPERT_TABLE: dict[str, Target] = {
@@ -109,14 +119,31 @@ TOP_TABLE: dict[str, Target] = {
 }
 # Buffers some exporters save that carry no weights of their own.
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# A multimodal Gemma 3's image side: not served (only its text model is).
+_VISION = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+# A multimodal Gemma 3's text model, under either export's prefix -> the plain model's names.
+_TEXT_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_NAME = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(.+)$")
 
 
+def canonical_name(name: str) -> str:
+    """`name` with a multimodal Gemma 3's text-model prefix read as the plain model's."""
+    for prefix, plain in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return plain + name[len(prefix) :]
+    return name
+
+
 def map_name(name: str) -> tuple[Target, int | None] | None:
     """(target with its path under params, layer index or None) of an HF tensor; None if ignored."""
-    if IGNORED.match(name):
+    if IGNORED.match(name) or _VISION.match(name):
         return None
+    name = canonical_name(name)
     if m := _LAYER_NAME.match(name):
         layer, suffix = int(m.group(1)), m.group(2)
         target = LAYER_TABLE.get(suffix) or ROUTER_TABLE.get(suffix)
@@ -235,6 +262,7 @@ def index_hf_tensors(
     seen: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in tensors:
+        name = canonical_name(name)
         try:
             mapped = map_name(name)
         except KeyError:

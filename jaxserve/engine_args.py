@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from jaxserve.engine_config import EngineConfig
-from jaxserve.quantization import QUANTIZATIONS
+from jaxserve.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
 from jaxserve.scheduling.kv_events import KV_EVENTS_FORMATS
 from jaxserve.scheduling.types import BATCHING_MODES, POLICIES, PREEMPTION_MODES
 
@@ -81,6 +81,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("max_model_len", metavar="N"),
     Flag("page_size", metavar="N"),
     Flag("num_pages", metavar="N"),
+    Flag("kv_cache_dtype", choices=KV_CACHE_DTYPES),
     Flag("kv_cache_memory_gb", metavar="GB"),
     Flag("kv_cache_memory_fraction", metavar="F"),
     Flag("tensor_parallel", metavar="N"),

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import os
 
-from jaxserve.quantization import QUANTIZATIONS
+from jaxserve.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
 from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.scheduling.kv_events import KV_EVENTS_FORMATS
 from jaxserve.scheduling.speculation import SpeculativeConfig
@@ -94,6 +94,11 @@ class EngineConfig:
     """KV-cache pages; None: sized from free device memory (or kv_cache_memory_gb)."""
     kv_cache_memory_gb: float = 1.0
     """KV-cache memory per device, where JAX reports no device memory (the CPU)."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's dtype: auto (the model's), int8 or fp8 (e4m3): 8-bit keys and values, each
+    token's keys and values of each KV head with a power-of-two scale kept in the page beside
+    them, so a page takes about half the bytes of bfloat16 (a quarter of float32) and the pool
+    sized from memory holds about twice as many (docs/architecture.md, "Quantized KV cache")."""
     kv_cache_memory_fraction: float = 0.9
     """Share of each device's memory, free once params are placed, that the KV cache takes."""
     tensor_parallel: int = 1
@@ -231,6 +236,12 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"max_num_seqs={self.max_num_seqs}: every running request needs a token a step."
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}: 'auto' "
+                "keeps the KV cache in the model's dtype, 'int8' and 'fp8' (e4m3) store it in "
+                "8 bits with scales."
             )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} must be one of {QUANTIZATIONS}.")

@@ -25,6 +25,9 @@ from __future__ import annotations
 import dataclasses
 
 QUANTIZATIONS = ("none", "int8", "fp8", "int8-w8a8")
+# `--kv-cache-dtype` (EngineConfig.kv_cache_dtype): the model's dtype, or 8-bit keys and values
+# with per-(token, KV head) power-of-two scales (models/kv_pool.py; "Quantized KV cache").
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 WEIGHT_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn"}  # scheme weights -> numpy dtype name
 # The largest magnitude of each 8-bit type: a column's max|w| maps there (the scale's divisor).
 QMAX = {"int8": 127.0, "fp8": 448.0}

@@ -1,8 +1,10 @@
 """How far 8-bit weights move a model from its float self (issue 43; docs/benchmarks.md).
 
     PYTHONPATH=. python docs/history/quant_accuracy.py [--models stories260k,qwen3-tiny]
+    PYTHONPATH=. python docs/history/quant_accuracy.py --schemes kv-int8,kv-fp8   # the KV cache
 
-Per model and scheme (int8, fp8, int8-w8a8), through the engine (`LLM`, float32 compute, the
+Per model and scheme (int8, fp8, int8-w8a8 for the weights; kv-int8, kv-fp8 for an 8-bit KV cache
+of float weights, `--kv-cache-dtype`), through the engine (`LLM`, float32 compute, the
 CPU), against the float32 model of the same weights:
 - greedy agreement over 256 tokens: the tokens the quantized model generates from each prompt
   before its first difference from the float model's greedy output (of 256), and the share of
@@ -30,6 +32,7 @@ from jaxserve.engine_config import EngineConfig
 from jaxserve.sampling_params import SamplingParams
 
 SCHEMES = ("int8", "fp8", "int8-w8a8")
+KV_SCHEMES = ("kv-int8", "kv-fp8")  # float weights, the KV cache in 8 bits (--kv-cache-dtype)
 TEXT = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
     "park with her friends. One day, she saw a big red ball under a tree. She ran to the ball "
@@ -53,8 +56,14 @@ ENGINE = dict(
 )
 
 
-def _engine(model: str | None, quantization: str, loaded=None) -> LLM:
-    return LLM(EngineConfig(model=model, quantization=quantization, **ENGINE), model=loaded)
+def _engine(model: str | None, scheme: str, loaded=None) -> LLM:
+    """An engine of `model` (or the `loaded` weights) for `scheme`: a weight scheme, a "kv-"
+    scheme (float weights, that KV cache dtype), or "none"."""
+    if scheme.startswith("kv-"):
+        config = EngineConfig(model=model, kv_cache_dtype=scheme.removeprefix("kv-"), **ENGINE)
+    else:
+        config = EngineConfig(model=model, quantization=scheme, **ENGINE)
+    return LLM(config, model=loaded)
 
 
 def _prompts(llm: LLM, rng) -> tuple[list[list[int]], list[int]]:
@@ -67,7 +76,7 @@ def _prompts(llm: LLM, rng) -> tuple[list[list[int]], list[int]]:
     return [tok.encode(p) for p in PROMPTS], tok.encode(TEXT)
 
 
-def measure(model: str | None) -> dict:
+def measure(model: str | None, schemes=SCHEMES) -> dict:
     rng = np.random.default_rng(0)
     float_llm = _engine(model, "none")
     prompts, text = _prompts(float_llm, rng)
@@ -76,7 +85,7 @@ def measure(model: str | None) -> dict:
     ref_text = float_llm.score([text[:1]], [text[1:]])[0]
     float_model = float_llm.engine.model
     rows = {}
-    for scheme in SCHEMES:
+    for scheme in schemes:
         llm = _engine(model, scheme, float_model)  # the same float weights, quantized at load
         outs = [o.token_ids for o in llm.generate(prompts, greedy)]
         prefix = [
@@ -116,9 +125,15 @@ def measure(model: str | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="stories260k,qwen3-tiny")
+    parser.add_argument(
+        "--schemes", default=",".join(SCHEMES), help=f"of {SCHEMES + KV_SCHEMES}, comma-separated"
+    )
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args()
-    results = [measure(None if name == "stories260k" else name) for name in args.models.split(",")]
+    schemes = tuple(args.schemes.split(","))
+    results = [
+        measure(None if name == "stories260k" else name, schemes) for name in args.models.split(",")
+    ]
     for r in results:
         print(f"\n{r['model']}: float NLL {r['float_nll']:.3f} nats/token over {r['text_tokens']}")
         print(

@@ -326,8 +326,9 @@ def _correctness_of(s: Stage, backend: str) -> list[list[int]]:
     start = time.perf_counter()
     tokens = greedy_tokens(engine, prompts, p["correctness_tokens"])
     rc, cfg = engine.runner.config, engine.config
+    kv_dtype = engine.runner.kv_dtype  # the pool's: the model's, or 8 bits (--kv-cache-dtype)
     page_bytes = kv_bytes_per_page(
-        engine.model.config, rc.page_size, engine.model.dtype, engine.runner.sharding.kv_lanes
+        engine.model.config, rc.page_size, kv_dtype, engine.runner.sharding.pool_lanes(kv_dtype)
     )
     cap = cfg.max_num_seqs * rc.pages_per_seq  # what the engine would take with memory to spare
     s.put(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
@@ -38,6 +39,7 @@ ATTENTION_BACKENDS = (
 )
 
 AttentionFn = Callable[..., jax.Array]
+logger = logging.getLogger(__name__)
 
 _KERNEL_PLATFORMS = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 
@@ -210,7 +212,22 @@ def _chosen_gpu_kernel(compute_capability, device_kind, q, kv_pool, *args, **kwa
         return gpu_kernel.ragged_paged_attention(
             q, kv_pool, *args, block_sizes=sizes, compute_capability=compute_capability, **kwargs
         )
+    if common.is_quantized(kv_pool.dtype):
+        _log_quantized_fallback(str(kv_pool.dtype), compute_capability)
     return xla_blocked.ragged_paged_attention(q, kv_pool, *args, **kwargs)
+
+
+@functools.cache
+def _log_quantized_fallback(dtype: str, compute_capability) -> None:
+    """Says once per pool dtype and GPU (when the step is traced) that 8-bit pages are read by
+    the XLA attention: no GPU kernel takes them there (e4m3 before compute capability 8.9)."""
+    logger.warning(
+        "The KV pool is %s (--kv-cache-dtype): on this GPU (compute capability %s) the XLA "
+        "attention reads and dequantizes its pages; no GPU kernel takes them here (the Triton "
+        "kernel reads int8 from 8.0 and e4m3 from 8.9, Mosaic GPU 16-bit pools only).",
+        dtype,
+        compute_capability,
+    )
 
 
 @functools.partial(jax.named_call, name="write_kv")
@@ -224,10 +241,12 @@ def write_kv(
     rows_sharding: jax.sharding.Sharding | None = None,  # ShardingPlan.kv_rows, split over a mesh
 ) -> jax.Array:
     """Scatters this step's keys and values into their slots, one [lanes] row per token (keys
-    and values side by side, `common.fuse_kv`); padding rows are dropped."""
+    and values side by side, `common.fuse_kv`); padding rows are dropped. Into a quantized pool
+    (int8 / e4m3) each token's keys and values are quantized per KV head first, their scale
+    exponents in the same row, so the one scatter writes them too."""
     page_size, lanes = kv_pool.shape[2], kv_pool.shape[3]
     page, offset = slot_mapping // page_size, slot_mapping % page_size
-    rows = common.fuse_kv(k.astype(kv_pool.dtype), v.astype(kv_pool.dtype), lanes, shards)
+    rows = common.fuse_kv(k, v, lanes, shards, kv_pool.dtype)
     if rows_sharding is not None:
         # Rows split as the pool's lanes are. Left to itself XLA may split them finer where KV
         # heads are replicated (over model_rep too), then split the pool that way for the

@@ -55,6 +55,11 @@ class RopeConfig:
 
 
 ROUTER_NORMALIZATIONS = ("softmax_topk", "softmax_topk_renorm")
+# A layer's attention kind, as transformers' `config.layer_types` names it (Gemma 2 and 3).
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# The MLP's gate activation: SwiGLU (Llama family) or GeGLU with gelu's tanh approximation
+# (Gemma's `gelu_pytorch_tanh`).
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,7 +100,14 @@ class MoeConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shape and switches of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM),
-    and of the mixtures of experts built on it (Qwen3-MoE, Mixtral: `moe`)."""
+    of the mixtures of experts built on it (Qwen3-MoE, Mixtral: `moe`), and of Gemma 2 and 3
+    (`gemma_norms`, `layer_types`, `local_rope`, the soft caps, `query_pre_attn_scalar`).
+
+    Per-layer attention (Gemma): `layer_types[i]` says whether layer i is "sliding_attention"
+    (local: the last `sliding_window` positions, RoPE `local_rope` where set) or
+    "full_attention" (global: every position, RoPE `rope`). None means every layer alike,
+    windowed where `sliding_window` is set (Mistral). `layer_window` / `layer_rope` answer per
+    layer; a config whose layers differ runs the unrolled layer loop (`layers_differ`)."""
 
     vocab_size: int
     hidden_size: int
@@ -117,6 +129,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
     moe: MoeConfig | None = None  # the experts that replace the MLP (None: a dense model)
+    # Gemma 2 / 3 (see the class docstring; all off for the Llama family).
+    layer_types: tuple[str, ...] | None = None  # per layer, one of LAYER_TYPES
+    local_rope: RopeConfig | None = None  # RoPE of sliding layers (Gemma 3); None: `rope`
+    query_pre_attn_scalar: float | None = None  # queries scaled by its **-0.5 (None: head_dim)
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap), before masking
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    hidden_act: str = "silu"  # one of HIDDEN_ACTS
+    # Gemma's block: RMSNorm scaled by (1 + w), norms before and after both the attention and
+    # the MLP, embeddings multiplied by sqrt(hidden_size) in the compute dtype.
+    gemma_norms: bool = False
 
     def __post_init__(self):
         for name in (
@@ -138,10 +160,54 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings.")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 or None.")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not one of {HIDDEN_ACTS}.")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name}={value!r} must be positive or None.")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(
+                LAYER_TYPES
+            ):
+                raise ValueError(
+                    f"layer_types={self.layer_types!r} must name one of {LAYER_TYPES} for each "
+                    f"of the {self.num_layers} layers."
+                )
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but no sliding_window.")
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def _is_local(self, layer: int | None) -> bool:
+        """Whether `layer` (None: any layer of a config whose layers are alike) is windowed."""
+        if self.layer_types is None:
+            return self.sliding_window is not None
+        return self.layer_types[layer or 0] == "sliding_attention"
+
+    def layer_window(self, layer: int | None = None) -> int | None:
+        """The sliding window of decoder layer `layer` (None: a full-attention layer)."""
+        return self.sliding_window if self._is_local(layer) else None
+
+    def layer_rope(self, layer: int | None = None) -> RopeConfig:
+        """The RoPE of decoder layer `layer`: `local_rope` for a sliding layer where set."""
+        if self.local_rope is not None and self._is_local(layer):
+            return self.local_rope
+        return self.rope
+
+    @property
+    def layers_differ(self) -> bool:
+        """Whether layers differ in window or RoPE (Gemma): such a model runs unrolled."""
+        kinds = {(self.layer_window(i), self.layer_rope(i)) for i in range(self.num_layers)}
+        return len(kinds) > 1
+
+    @property
+    def sm_scale(self) -> float:
+        """The attention's query scale: query_pre_attn_scalar**-0.5 where set, else
+        head_dim**-0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

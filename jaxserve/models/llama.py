@@ -1,5 +1,9 @@
 """The Llama family in Flax, as one functional step over a ragged batch and a paged KV pool.
 
+Gemma 2 and 3 are this model with ModelConfig's switches (docs/architecture.md, "Gemma"):
+(1 + w) sandwich norms, GeGLU, embeddings times sqrt(hidden), query_pre_attn_scalar, per-layer
+windows and RoPE (the unrolled loop), soft caps on attention logits and on the final logits.
+
     hidden, kv = model.apply({"params": params}, kv, batch)          # hidden: [T, hidden_size]
     logits = model.apply({"params": params}, hidden[rows], method="logits")
 
@@ -62,20 +66,25 @@ from jaxserve.models.quant import SCALE_SUFFIX, QuantDense
 from jaxserve.models.sharding import ShardingPlan, attention_over_heads
 from jaxserve.models.step_batch import StepBatch, real_tokens
 from jaxserve.quantization import QuantScheme
-from pallas_kernels.ragged_paged_attention import cpu_ffi
+from pallas_kernels.ragged_paged_attention import common, cpu_ffi
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, as Hugging Face's Llama does."""
+    """RMSNorm computed in float32, as Hugging Face's Llama does; `plus_one` (Gemma): scaled by
+    (1 + w) in float32 and then cast, as Hugging Face's Gemma does (w starts at zero)."""
 
     eps: float
     dtype: jnp.dtype = jnp.float32
+    plus_one: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # x: [..., dim]
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:  # Gemma: (x * (1 + w)) in float32, then the cast
+            return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
         return scale * normed.astype(x.dtype)
 
 
@@ -173,16 +182,22 @@ class PackedQuantDense(nn.Module):
 
 
 class Attention(nn.Module):
+    """One layer's attention: the fused q/k/v projection, RoPE, the pool write, the ragged
+    paged attention (with the layer's own window and, for Gemma 2, its logits soft-capped) and
+    o_proj. x: [T, hidden]; cos, sin: f32[T, head_dim] of this layer's RoPE."""
+
     config: ModelConfig
     attention_backend: str
     dtype: jnp.dtype
     plan: ShardingPlan | None = None  # tensor parallel: attention runs on each device's heads
     packed: bool = False  # the kernels in cpu_matmul.cc's panels (`_dense`)
     quant: QuantScheme | None = None  # 8-bit q/k/v and o kernels (models/quant.py)
+    layer_index: int | None = None  # the unrolled loop's layer (its window); None: any layer
 
     @nn.compact
     def __call__(self, x, kv_pool, layer, batch: StepBatch, cos, sin):
         c = self.config
+        window = c.layer_window(self.layer_index)
         t = x.shape[0]
         # One matmul for q, k and v: per KV head, its group of q heads, then its k, then its v.
         g = c.q_per_kv
@@ -207,11 +222,18 @@ class Attention(nn.Module):
             k = k + _lora(self, batch, "k_proj", layer, x).reshape(k.shape)
             v = v + _lora(self, batch, "v_proj", layer, x).reshape(v.shape)
         if c.qk_norm:
-            q = RMSNorm(c.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(c.rms_norm_eps, self.dtype, name="k_norm")(k)
+            q = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms, name="q_norm")(q)
+            k = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms, name="k_norm")(k)
         backend = resolve_backend(self.attention_backend)
-        # RoPE, the pool write and the attention as one C++ call (float32 on this CPU).
-        if not split and backend == "xla" and cpu_ffi.ragged_runs_here(q, kv_pool, c.head_dim):
+        # RoPE, the pool write and the attention as one C++ call (float32 on this CPU). The
+        # call has no soft cap: a soft-capped layer (Gemma 2) takes the jnp path below.
+        fusable = c.attn_logit_softcap is None
+        if (
+            fusable
+            and not split
+            and backend == "xla"
+            and cpu_ffi.ragged_runs_here(q, kv_pool, c.head_dim)
+        ):
 
             def fused(q, k, v, kv_pool):  # RoPE, the pool write and the attention, in C++
                 out, kv_pool = cpu_ffi.rope_write_attention(
@@ -227,20 +249,24 @@ class Attention(nn.Module):
                     batch.kv_lens,
                     batch.page_tables,
                     batch.num_seqs,
-                    c.head_dim**-0.5,
-                    c.sliding_window,
+                    c.sm_scale,
+                    window,
                 )
                 return out.reshape(t, -1).astype(q.dtype), kv_pool
 
             def unfused(q, k, v, kv_pool):
-                return self._attend(q, k, v, kv_pool, layer, batch, cos, sin, backend, split)
+                return self._attend(
+                    q, k, v, kv_pool, layer, batch, cos, sin, backend, split, window
+                )
 
             # Chosen when the step is lowered: a step compiled for an accelerator is unfused.
             heads, kv_pool = jax.lax.platform_dependent(
                 q, k, v, kv_pool, cpu=fused, default=unfused
             )
         else:
-            heads, kv_pool = self._attend(q, k, v, kv_pool, layer, batch, cos, sin, backend, split)
+            heads, kv_pool = self._attend(
+                q, k, v, kv_pool, layer, batch, cos, sin, backend, split, window
+            )
         out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj", self.packed, batch, self.quant)(
             heads
         )
@@ -248,9 +274,12 @@ class Attention(nn.Module):
             out = out + _lora(self, batch, "o_proj", layer, heads)
         return out, kv_pool
 
-    def _attend(self, q, k, v, kv_pool, layer, batch: StepBatch, cos, sin, backend, split):
+    def _attend(self, q, k, v, kv_pool, layer, batch: StepBatch, cos, sin, backend, split, window):
         """RoPE, this step's keys and values into the pool, attention: heads [T, H * d]."""
         c, t = self.config, q.shape[0]
+        # Only a soft-capped model passes the keyword: the Pallas kernels do not take it (and
+        # LlamaForCausalLM refuses such a model on them).
+        cap = {} if c.attn_logit_softcap is None else {"soft_cap": c.attn_logit_softcap}
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         kv_pool = write_kv(
             kv_pool,
@@ -261,9 +290,9 @@ class Attention(nn.Module):
             1 if self.plan is None else self.plan.kv_shards,
             rows_sharding=self.plan.kv_rows if split else None,
         )
-        out = attention_over_heads(
-            get_attention_fn(backend), self.plan, kernel=backend.startswith("pallas")
-        )(
+        # A quantized pool's scale lanes end each device's block: read per device, as a kernel.
+        per_device = backend.startswith("pallas") or common.is_quantized(kv_pool.dtype)
+        out = attention_over_heads(get_attention_fn(backend), self.plan, kernel=per_device)(
             q,
             kv_pool,
             layer,
@@ -273,14 +302,17 @@ class Attention(nn.Module):
             batch.num_seqs,
             # The xla backend's tile list, made once per step before the layer loop.
             *(() if batch.attention_plan is None else (batch.attention_plan,)),
-            sm_scale=c.head_dim**-0.5,
+            sm_scale=c.sm_scale,
             num_kv_heads=c.num_kv_heads,
-            sliding_window=c.sliding_window,
+            sliding_window=window,
+            **cap,
         )
         return out.reshape(t, -1), kv_pool
 
 
 class MLP(nn.Module):
+    """The gated MLP: SwiGLU (silu) or Gemma's GeGLU (gelu, tanh approximation). x: [T, hidden]."""
+
     config: ModelConfig
     dtype: jnp.dtype
     packed: bool = False  # the kernels in cpu_matmul.cc's panels (`_dense`)
@@ -303,7 +335,10 @@ class MLP(nn.Module):
         if lora:  # each token's adapter adds its low-rank update
             gate = gate + _lora(self, batch, "gate_proj", layer, x)
             up = up + _lora(self, batch, "up_proj", layer, x)
-        act = nn.silu(gate) * up
+        if c.hidden_act == "gelu_pytorch_tanh":  # Gemma's GeGLU
+            act = jax.nn.gelu(gate, approximate=True) * up
+        else:
+            act = nn.silu(gate) * up
         out = _dense(
             c.hidden_size, c.mlp_bias, self.dtype, "down_proj", self.packed, batch, self.quant
         )(act)
@@ -324,7 +359,11 @@ class DecoderLayer(nn.Module):
     """One pre-norm block; its call signature is the `nn.scan` body (and the unrolled loop's).
 
     The carry is (hidden [T, hidden_size], the pool, the layer index i32[], and for a mixture of
-    experts the tokens routed to each expert so far, i32[num_layers, num_experts], else None)."""
+    experts the tokens routed to each expert so far, i32[num_layers, num_experts], else None).
+    Gemma (`gemma_norms`) wraps both the attention and the MLP in norms before and after:
+    h + post_attention_layernorm(attn(input_layernorm(h))), then
+    h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))); Llama's
+    post_attention_layernorm is the MLP's input norm instead."""
 
     config: ModelConfig
     attention_backend: str
@@ -333,11 +372,17 @@ class DecoderLayer(nn.Module):
     packed: bool = False  # the kernels in cpu_matmul.cc's panels (`_dense`)
     sparse: bool = False  # the experts (models/moe.py) in place of the dense MLP
     quant: QuantScheme | None = None  # 8-bit matmul kernels (models/quant.py)
+    layer_index: int | None = None  # the unrolled loop's layer (its window); None: scanned
 
     @nn.compact
     def __call__(self, carry, batch: StepBatch, cos, sin):
         h, kv_pool, layer, load = carry
         c = self.config
+        gemma = c.gemma_norms
+
+        def norm(name):
+            return RMSNorm(c.rms_norm_eps, self.dtype, gemma, name=name)
+
         attention = Attention(
             c,
             self.attention_backend,
@@ -345,18 +390,14 @@ class DecoderLayer(nn.Module):
             self.plan,
             self.packed,
             self.quant,
+            self.layer_index,
             name="self_attn",
         )
-        attn_out, kv_pool = attention(
-            RMSNorm(c.rms_norm_eps, self.dtype, name="input_layernorm")(h),
-            kv_pool,
-            layer,
-            batch,
-            cos,
-            sin,
-        )
+        attn_out, kv_pool = attention(norm("input_layernorm")(h), kv_pool, layer, batch, cos, sin)
+        if gemma:
+            attn_out = norm("post_attention_layernorm")(attn_out)
         h = h + attn_out
-        normed = RMSNorm(c.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h)
+        normed = norm("pre_feedforward_layernorm" if gemma else "post_attention_layernorm")(h)
         if self.sparse:
             out, routed = SparseMoe(c, self.dtype, self.plan, self.packed, self.quant, name="mlp")(
                 normed, batch
@@ -364,6 +405,8 @@ class DecoderLayer(nn.Module):
             load = load.at[layer].set(routed)
         else:
             out = MLP(c, self.dtype, self.packed, self.quant, name="mlp")(normed, batch, layer)
+        if gemma:
+            out = norm("post_feedforward_layernorm")(out)
         return (h + out, kv_pool, layer + 1, load), None
 
 
@@ -419,6 +462,26 @@ def logits_of_rows(
     return jax.lax.switch(index, [tier(n) for n in tiers])
 
 
+def _rope_angles(rope, head_dim: int, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin f32[T, head_dim] of `rope` (a RopeConfig) at `positions` i32[T]."""
+    inv_freq = jnp.asarray(rope.inv_freq(head_dim))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def refuse_soft_cap(config: ModelConfig, attention_backend: str) -> None:
+    """Raises ValueError for a model with soft-capped attention logits (Gemma 2) on a Pallas
+    kernel: the TPU and GPU kernels take no soft cap yet, and would compute another model."""
+    backend = resolve_backend(attention_backend)
+    if config.attn_logit_softcap is not None and backend.startswith("pallas"):
+        raise ValueError(
+            f"The {config.architecture} model caps its attention logits "
+            f"(attn_logit_softcap={config.attn_logit_softcap}), which the {backend} kernel "
+            "does not do yet; use attention_backend='xla' or 'reference' for this model."
+        )
+
+
 # Decoder weights above which the CPU unrolls the layer loop: past the caches, the scan's copy of
 # each weight slice streams the weights from memory twice more per step (see the docstring).
 UNROLL_MIN_LAYER_BYTES = 64 * 2**20
@@ -452,7 +515,13 @@ def resolve_layer_loop(
     accelerators and for deep models with small weights, where compile time (one layer body
     instead of num_layers) matters more. Without a `config` "auto" means the scan. Loaders and
     `LlamaForCausalLM` resolve it the same way, so the params' layout and the module agree.
+
+    A model whose layers differ in window or RoPE (Gemma: `ModelConfig.layers_differ`) is
+    unrolled whatever was asked: each layer's window is a static argument of the attention, and
+    one scanned body cannot hold two (docs/architecture.md, "Gemma").
     """
+    if layer_loop in LAYER_LOOPS and config is not None and config.layers_differ:
+        return "unrolled"
     if layer_loop == "auto":
         unroll = config is not None and (
             layer_weight_bytes(config, dtype) > UNROLL_MIN_LAYER_BYTES
@@ -496,6 +565,7 @@ class LlamaForCausalLM(nn.Module):
                 f"Packed e4m3 kernels run weight-only (cpu_matmul_int8.cc); {quant.label} "
                 "weights need packed_weights=False."
             )
+        refuse_soft_cap(c, self.attention_backend)
         layer_args = (c, self.attention_backend, self.dtype, self.plan, self.packed_weights)
         quant = self.quant
         if resolve_layer_loop(self.layer_loop, c, self.dtype) == "scan":
@@ -509,9 +579,10 @@ class LlamaForCausalLM(nn.Module):
         else:  # params "layers_0" ... "layers_{n-1}", each its own array (see the docstring)
             sparse = c.moe is not None
             self.layers = [
-                DecoderLayer(*layer_args, sparse=sparse, quant=quant) for _ in range(c.num_layers)
+                DecoderLayer(*layer_args, sparse=sparse, quant=quant, layer_index=i)
+                for i in range(c.num_layers)
             ]
-        self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        self.norm = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms)
         if not c.tie_word_embeddings:
             self.lm_head = _dense(c.vocab_size, False, self.dtype, "lm_head", self.packed_weights)
         elif self._packs_head():
@@ -534,26 +605,30 @@ class LlamaForCausalLM(nn.Module):
         """Runs every token of `batch`: final hidden states [T, hidden_size] and the new pool."""
         batch = jax.tree.map(jnp.asarray, batch)  # host numpy batches work outside jit too
         batch = with_attention_plan(self.attention_backend, batch)  # once, not once per layer
-        inv_freq = jnp.asarray(self.config.rope.inv_freq(self.config.head_dim))
-        freqs = batch.positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-        angles = jnp.concatenate([freqs, freqs], axis=-1)  # f32[T, head_dim]
+        c = self.config
         h = self.embed_tokens(batch.token_ids)
-        moe = self.config.moe
-        load = None if moe is None else jnp.zeros((self.config.num_layers, moe.num_experts), "i4")
+        if c.gemma_norms:  # Gemma: times sqrt(hidden) rounded to the compute dtype, as HF does
+            h = h * jnp.asarray(math.sqrt(c.hidden_size), self.dtype)
+        moe = c.moe
+        load = None if moe is None else jnp.zeros((c.num_layers, moe.num_experts), "i4")
         carry = (h, kv.kv, jnp.int32(0), load)
-        h, kv_pool, load = self._run_layers(carry, batch, jnp.cos(angles), jnp.sin(angles))
+        # cos and sin f32[T, head_dim] of each RoPE the layers use (Gemma 3: local and global).
+        ropes = {c.layer_rope(i) for i in range(c.num_layers)}
+        trig = {rope: _rope_angles(rope, c.head_dim, batch.positions) for rope in ropes}
+        h, kv_pool, load = self._run_layers(carry, batch, trig)
         if load is not None:  # read by the step (model_runner.step_impl) with the outputs
             self.sow("intermediates", "expert_load", load)
         return self.norm(h), KVPages(kv=kv_pool)
 
-    def _run_layers(self, carry, batch: StepBatch, cos: jax.Array, sin: jax.Array):
-        """The decoder layers over `carry` (DecoderLayer's): scanned or unrolled; returns
+    def _run_layers(self, carry, batch: StepBatch, trig: dict):
+        """The decoder layers over `carry` (DecoderLayer's): scanned or unrolled, each layer
+        with the cos and sin of its own RoPE (`trig`: RopeConfig -> (cos, sin)); returns
         (h, kv_pool, load)."""
-        if isinstance(self.layers, nn.Module):  # the scan
-            carry, _ = self.layers(carry, batch, cos, sin)
+        if isinstance(self.layers, nn.Module):  # the scan: every layer alike
+            carry, _ = self.layers(carry, batch, *trig[self.config.layer_rope()])
         else:
-            for layer in self.layers:
-                carry, _ = layer(carry, batch, cos, sin)
+            for i, layer in enumerate(self.layers):
+                carry, _ = layer(carry, batch, *trig[self.config.layer_rope(i)])
         h, kv_pool, _, load = carry
         return h, kv_pool, load
 
@@ -578,4 +653,8 @@ class LlamaForCausalLM(nn.Module):
             out = self.lm_head(hidden, valid)
         else:
             out = self.lm_head(hidden)
-        return out.astype(jnp.float32)
+        out = out.astype(jnp.float32)
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            out = cap * jnp.tanh(out / cap)
+        return out

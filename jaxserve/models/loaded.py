@@ -78,6 +78,10 @@ def abstract_params(
     tree of the packed module (`pack_params`), `quant` for the quantized module's
     (`quantize_params`: 8-bit kernels and their float32 scales).
     """
+    if layer_loop == "scan" and config.layers_differ:
+        # Such a model always runs unrolled (resolve_layer_loop); its stacked tree, what
+        # checkpoints store, is the unrolled one's layers stacked.
+        return stack_layers(abstract_params(config, dtype, "unrolled", packed, quant))
     # The reference attention: a param's shape never depends on the attention, and no kernel may
     # refuse this one-token, one-slot pool (issue 28, defect 4: the auto choice refused it).
     model = model_for(

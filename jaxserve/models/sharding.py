@@ -203,6 +203,11 @@ class ShardingPlan:
         to whole 128-lane tiles on TPU (jaxserve/models/kv_pool.py)."""
         return kv_lanes(self.config, self.kv_shards, self.platform)
 
+    def pool_lanes(self, kv_dtype) -> int:
+        """`kv_lanes` for a pool of `kv_dtype`: a quantized one (int8 / e4m3) adds each shard's
+        2 * heads scale exponents before the padding (jaxserve/models/kv_pool.py)."""
+        return kv_lanes(self.config, self.kv_shards, self.platform, kv_dtype)
+
     @property
     def qkv_out(self) -> NamedSharding:
         """The fused projection's output [T, num_kv_heads, group + 2, head_dim]: by KV head, each
@@ -303,7 +308,9 @@ def attention_over_heads(
     to XLA's partitioner, but a Pallas kernel (`kernel`) cannot be partitioned by it (a custom
     call: "Mosaic kernels cannot be automatically partitioned"), so each device runs the query
     heads of the KV heads it holds: q resharded to the KV split, the devices that share a KV
-    shard computing the same heads (issue 28, defect 1).
+    shard computing the same heads (issue 28, defect 1). Callers treat attention over a
+    quantized pool as a `kernel` too: its scale lanes end each shard's block, so only a
+    device's own block reads as a pool (common.split_kv).
     """
     if plan is None or plan.tensor_parallel == 1:
         return fn

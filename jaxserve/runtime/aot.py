@@ -28,7 +28,7 @@ import numpy as np
 from jaxserve import target as targets
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.kv_pool import KVPages, padded_bytes, pool_padding
+from jaxserve.models.kv_pool import KVPages, padded_bytes, pool_padding, resolve_kv_cache_dtype
 from jaxserve.models.llama import resolve_layer_loop
 from jaxserve.models.loaded import abstract_params, layer_loop_of, model_for, unstack_layers
 from jaxserve.models.quant import contracting_axis, weight_bytes_by_dtype
@@ -63,6 +63,7 @@ class _StepProgram:
     layer_loop: str  # "scan" or "unrolled", as the params are laid out
     itemsize: int  # bytes of one weight (and of one KV element)
     weight_itemsize: int  # bytes of one decoder matmul weight (1 where quantized)
+    kv_itemsize: int = 0  # bytes of one KV element (1 for an 8-bit pool); 0: itemsize
 
 
 @dataclasses.dataclass
@@ -112,7 +113,9 @@ class CompileReport:
     num_pages: int
     page_size: int
     pool_bytes_per_device: int
-    pool_padding: float  # the pool's device bytes over its keys' and values' own (1.0: none)
+    # The pool's device bytes over its keys' and values' own (1.0: none); a quantized pool's
+    # scale lanes count as overhead here.
+    pool_padding: float
     param_bytes_per_device: int
     hbm_bytes_per_device: int | None
     buckets: list[BucketReport]
@@ -121,6 +124,7 @@ class CompileReport:
     max_model_len: int = 0  # the longest sequence served: the pool must hold one to serve it
     # The params' bytes on one device by dtype ({"bfloat16": ..., "int8": ..., "float32": ...})
     param_bytes_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)
+    kv_cache_dtype: str = ""  # the pool's dtype ("bfloat16", "int8", "float8_e4m3fn")
 
     @property
     def ok(self) -> bool:
@@ -224,8 +228,9 @@ def size_pool(
 def pool_page_bytes(model: ModelConfig, page_size: int, dtype, sharding: ShardingPlan) -> int:
     """Bytes of one page on each device: its KV shard's lanes over all layers, padded as the
     platform lays them out (kv_pool.padded_bytes: whole 128-lane tiles on TPU, whose lanes are
-    already a multiple of 128, so only the sublane rows of a page_size under 8 pad there)."""
-    shard_lanes = sharding.kv_lanes // sharding.kv_shards
+    already a multiple of 128, so only the sublane rows of a short page pad there). `dtype` is
+    the pool's: a quantized one has 1-byte lanes and its scale lanes (ShardingPlan.pool_lanes)."""
+    shard_lanes = sharding.pool_lanes(dtype) // sharding.kv_shards
     return model.num_layers * padded_bytes((page_size, shard_lanes), dtype, sharding.platform)
 
 
@@ -335,7 +340,8 @@ def compile_for_target(
             model.max_position_embeddings,
         )
         hbm = _hbm_per_device(where)
-        page_bytes = pool_page_bytes(model, config.page_size, dtype, sharding)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+        page_bytes = pool_page_bytes(model, config.page_size, kv_dtype, sharding)
         module = model_for(
             model, dtype, config.attention_backend, sharding, layer_loop=layer_loop, quant=scheme
         )
@@ -348,6 +354,7 @@ def compile_for_target(
                 token_buckets=config.token_buckets,
                 seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
                 attention_backend=config.attention_backend,
+                kv_cache_dtype=config.kv_cache_dtype,
             )
             return step_program(module, params, param_shardings, runner, sharding, where)
 
@@ -393,8 +400,14 @@ def compile_for_target(
         page_size=config.page_size,
         pool_bytes_per_device=pool_bytes,
         pool_padding=pool_padding(
-            model, sharding.kv_lanes, config.page_size, dtype, where.platform, sharding.kv_shards
+            model,
+            sharding.pool_lanes(kv_dtype),
+            config.page_size,
+            kv_dtype,
+            where.platform,
+            sharding.kv_shards,
         ),
+        kv_cache_dtype=kv_dtype.name,
         param_bytes_per_device=param_bytes,
         hbm_bytes_per_device=hbm,
         buckets=reports,
@@ -412,11 +425,12 @@ def step_program(
     arrays) laid out as `param_shardings`, the pool and the penalty state as shapes on
     `sharding`'s mesh, compiled for target `where`."""
     mc = sharding.config
-    dtype = params["embed_tokens"]["embedding"].dtype  # the model's (and the pool's) dtype
+    dtype = params["embed_tokens"]["embedding"].dtype  # the model's dtype
+    kv_dtype = resolve_kv_cache_dtype(runner.kv_cache_dtype, dtype)  # the pool's
     params = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, param_shardings
     )
-    pool_shape = (mc.num_layers, runner.num_pages, runner.page_size, sharding.kv_lanes)
+    pool_shape = (mc.num_layers, runner.num_pages, runner.page_size, sharding.pool_lanes(kv_dtype))
     kv_sharding = sharding.kv_pages
     rep = sharding.replicated
     max_seqs = runner.seq_buckets[-1]
@@ -427,7 +441,7 @@ def step_program(
     return _StepProgram(
         module=module,
         params=params,
-        kv=KVPages(kv=jax.ShapeDtypeStruct(pool_shape, dtype, sharding=kv_sharding)),
+        kv=KVPages(kv=jax.ShapeDtypeStruct(pool_shape, kv_dtype, sharding=kv_sharding)),
         pen=pen,
         last=jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=rep),
         param_shardings=param_shardings,
@@ -442,6 +456,7 @@ def step_program(
         layer_loop=layer_loop_of(params),
         itemsize=jnp.dtype(dtype).itemsize,
         weight_itemsize=_matmul_itemsize(params),
+        kv_itemsize=kv_dtype.itemsize,
     )
 
 
@@ -527,6 +542,7 @@ def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketRe
         layer_loop=p.layer_loop,
         dense_experts=p.target.platform == "gpu",  # XLA:GPU's ragged_dot: a dense masked dot
         weight_itemsize=p.weight_itemsize,
+        kv_itemsize=p.kv_itemsize or None,
     )
     report.floor_flops, report.floor_bytes = floor.flops, floor.bytes
     if p.peaks is not None:
@@ -546,6 +562,7 @@ def predict_bucket(
     layer_loop: str = "scan",
     dense_experts: bool = False,
     weight_itemsize: int | None = None,
+    kv_itemsize: int | None = None,
 ) -> tuple[StepWork, float | None]:
     """(the floor, the predicted step time or None without peaks) of one bucket on one device.
 
@@ -553,12 +570,14 @@ def predict_bucket(
     prices a while loop's body once, so under the scan the other num_layers - 1 layers are
     added at the floor's per-layer work (tests/unit/test_roofline.py measures the undercount).
     `dense_experts`: a mixture of experts' grouped matmul runs every expert (roofline.py).
-    `weight_itemsize`: bytes of a decoder matmul weight where quantized (None: `itemsize`).
+    `weight_itemsize`: bytes of a decoder matmul weight where quantized (None: `itemsize`);
+    `kv_itemsize` likewise of a KV element (1 for an 8-bit pool).
     """
     kw = dict(
         tensor_parallel=tensor_parallel,
         dense_experts=dense_experts,
         weight_itemsize=weight_itemsize,
+        kv_itemsize=kv_itemsize,
     )
     floor = step_floor(model, num_tokens, num_seqs, itemsize, **kw)
     if peaks is None:

@@ -23,7 +23,7 @@ from checkpoints.weights import hf_arrays_to_params
 from jaxserve import target
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.kv_pool import free_device_bytes, pages_that_fit
+from jaxserve.models.kv_pool import free_device_bytes, pages_that_fit, resolve_kv_cache_dtype
 from jaxserve.models.loaded import abstract_params, layer_loop_of, model_for
 from jaxserve.models.quant import quantize_params
 from jaxserve.models.sharding import MESH_AXES, ShardingPlan, make_mesh
@@ -143,12 +143,15 @@ def build_runner(
         attention_backend=config.attention_backend,
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     if not config.num_pages:
         devices = list(mesh.devices.flat)
         cap = config.max_num_seqs * pages_per_seq
+        # The pool's own dtype: 8-bit pages (with their scale lanes) fit about twice as many.
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         fit = pages_that_fit(
-            aot.pool_page_bytes(model.config, config.page_size, model.dtype, sharding),
+            aot.pool_page_bytes(model.config, config.page_size, kv_dtype, sharding),
             devices,
             fraction=config.kv_cache_memory_fraction,
             fallback_gb=config.kv_cache_memory_gb,

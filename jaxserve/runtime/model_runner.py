@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.attention import import_kernels, warm_up_batches
-from jaxserve.models.kv_pool import KVPages, init_kv_pages
+from jaxserve.models.kv_pool import KVPages, init_kv_pages, resolve_kv_cache_dtype
 from jaxserve.models.llama import logits_of_rows
 from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for, pack_params
 from jaxserve.models.lora import LoraAdapter, empty_slots, set_slot, slot_weights
@@ -68,10 +68,13 @@ class RunnerConfig:
     # 0 slots: the step carries no adapter arrays and adds nothing.
     max_loras: int = 0
     max_lora_rank: int = 16
+    # The pool's dtype (kv_pool.resolve_kv_cache_dtype): "auto" (the model's), "int8" or "fp8".
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if self.num_pages < 1 or self.page_size < 1:
             raise ValueError(f"Need {self.num_pages=} >= 1 and {self.page_size=} >= 1.")
+        resolve_kv_cache_dtype(self.kv_cache_dtype, jnp.float32)  # a ValueError naming it
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"Need {self.max_loras=} >= 0 and {self.max_lora_rank=} >= 1.")
         if list(self.token_buckets) != sorted(set(self.token_buckets)) or not self.token_buckets:
@@ -238,6 +241,8 @@ class ModelRunner:
             else None
         )
         self.params = self.sharding.place(model.params)  # a no-op when loaded so
+        # The pool's dtype: the model's, or 8 bits with scale lanes (--kv-cache-dtype).
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         self.kv: KVPages = self.new_kv_pool()
         # Token counts of the penalties, one row per batch slot (sampling.PenaltyState).
         self.penalties = jax.device_put(
@@ -313,9 +318,9 @@ class ModelRunner:
             self.model.config,
             num_pages=self.config.num_pages,
             page_size=self.config.page_size,
-            dtype=self.model.dtype,
+            dtype=self.kv_dtype,
             sharding=self.sharding.kv_pages,
-            lanes=self.sharding.kv_lanes,  # padded to whole 128-lane tiles on TPU
+            lanes=self.sharding.pool_lanes(self.kv_dtype),  # whole 128-lane tiles on TPU
         )
 
     def _step_words(self, params, kv: KVPages, words: jax.Array, pen, last, mask, layout, lora):

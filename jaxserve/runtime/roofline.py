@@ -22,8 +22,9 @@ dot (pallas_kernels/grouped_matmul/xla.py): every token passes every local exper
 local expert is read, and the floor counts that work, which is what the compiled program does.
 
 Quantized decoder weights (`weight_itemsize` 1: int8 or e4m3, jaxserve/models/quant.py) are
-read at their own size; the embedding, the head and the KV keep the model dtype's `itemsize`
-(their per-column float32 scales are not counted: the floor only ever errs low).
+read at their own size, and so is an 8-bit KV pool (`kv_itemsize` 1, --kv-cache-dtype); the
+embedding and the head keep the model dtype's `itemsize` (the weights' per-column float32
+scales and the pool's exponent lanes are not counted: the floor only ever errs low).
 
 Both are per device under tensor parallelism, split as jaxserve/models/sharding.py splits the
 model: the fused qkv projection and the KV over the KV-head split, everything else over the
@@ -133,9 +134,11 @@ def layer_floor(
     context: int = 0,
     dense_experts: bool = False,
     weight_itemsize: float | None = None,
+    kv_itemsize: float | None = None,
 ) -> StepWork:
     """One decoder layer's share of `step_floor`: its weights (of `weight_itemsize` bytes,
-    None: `itemsize`), its KV written and read, its matmuls and its attention, on one device."""
+    None: `itemsize`), its KV written and read (`kv_itemsize` bytes an element, 1 for an 8-bit
+    pool; None: `itemsize`), its matmuls and its attention, on one device."""
     c, tp = model, tensor_parallel
     if num_tokens < num_seqs or num_seqs < 1 or context < 0:
         raise ValueError(
@@ -143,7 +146,8 @@ def layer_floor(
             f"{num_tokens=}, {num_seqs=}, {context=}."
         )
     weights = layer_weights(c, tp, num_tokens, dense_experts)
-    kv_per_token = 2 * c.num_kv_heads * c.head_dim * itemsize / kv_split(tp, c.num_kv_heads)
+    kv_size = itemsize if kv_itemsize is None else kv_itemsize
+    kv_per_token = 2 * c.num_kv_heads * c.head_dim * kv_size / kv_split(tp, c.num_kv_heads)
     # Written: the step's tokens; read back by attention: each sequence's context and its own.
     kv_bytes = kv_per_token * (num_tokens + num_tokens + num_seqs * context)
     q = num_tokens / num_seqs  # each sequence's new tokens (even: the fewest causal pairs)
@@ -165,6 +169,7 @@ def step_floor(
     context: int = 0,
     dense_experts: bool = False,
     weight_itemsize: float | None = None,
+    kv_itemsize: float | None = None,
 ) -> StepWork:
     """The least one device does in a full step of `num_tokens` tokens over `num_seqs`
     sequences with `context` earlier tokens each (weights of `itemsize` bytes, the decoder's
@@ -180,6 +185,7 @@ def step_floor(
         context=context,
         dense_experts=dense_experts,
         weight_itemsize=weight_itemsize,
+        kv_itemsize=kv_itemsize,
     )
     table = c.vocab_size * c.hidden_size / tp  # split by vocabulary rows
     head_bytes = table * itemsize  # the LM head reads all of it, tied or not

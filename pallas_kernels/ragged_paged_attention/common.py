@@ -20,35 +20,110 @@ import jax.numpy as jnp
 LANES = 128
 
 
-def kv_lanes(num_kv_heads: int, head_dim: int, shards: int = 1, align: int = 1) -> int:
+def kv_lanes(
+    num_kv_heads: int, head_dim: int, shards: int = 1, align: int = 1, quantized: bool = False
+) -> int:
     """The pool's minor dimension: each of `shards` holds its num_kv_heads / shards heads' keys
-    and values side by side (2 * heads * head_dim lanes), padded to a multiple of `align`
-    (LANES on TPU, 1 elsewhere)."""
-    per_shard = num_kv_heads // shards * 2 * head_dim
+    and values side by side (2 * heads * head_dim lanes), in a quantized pool followed by their
+    2 * heads scale exponents (`fuse_kv`), padded to a multiple of `align` (LANES on TPU, 1
+    elsewhere)."""
+    heads = num_kv_heads // shards
+    per_shard = heads * 2 * head_dim + (2 * heads if quantized else 0)
     return shards * (-(-per_shard // align) * align)
+
+
+# Quantized pools (jaxserve/models/kv_pool.py, "Quantized KV cache" in docs/architecture.md):
+# keys and values in 8 bits, each token's keys (and, apart, its values) of each KV head with one
+# power-of-two scale 2^e. The exponent e is an integer stored in the pool's own dtype (int8 and
+# e4m3 both hold every integer of [SCALE_EXP_MIN, SCALE_EXP_MAX] exactly) in the LAST 2 * heads
+# lanes of each shard's block: local head i's key exponent at lane lanes - 2 * heads + 2i, its
+# value exponent right after. So a page carries its scales wherever it is copied, and a reader
+# finds them from the block's width alone, whatever padding the platform added before them.
+KV_CACHE_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
+_QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+SCALE_EXP_MIN, SCALE_EXP_MAX = -16, 16
+
+
+def is_quantized(dtype) -> bool:
+    """Whether a pool of `dtype` holds 8-bit keys and values with scale lanes (`fuse_kv`)."""
+    return jnp.dtype(dtype) in _QMAX
+
+
+def pow2(e: jax.Array) -> jax.Array:
+    """f32 2^e for integer-valued e in [-126, 127], exactly (built from its bits: XLA:CPU's exp2
+    of an integer is not always exact)."""
+    bits = (e.astype(jnp.int32) + 127) << 23
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (values [..., D] in `dtype`, exponents i32[...]): symmetric over the last
+    axis, x ~= values * 2^e with e the least exponent putting max|x| below the format's largest
+    value (127 for int8, 448 for e4m3), clipped to [SCALE_EXP_MIN, SCALE_EXP_MAX]; int8 rounds
+    half to even, e4m3 as the conversion does, both saturating."""
+    dtype = jnp.dtype(dtype)
+    qmax = _QMAX[dtype]
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    _, e = jnp.frexp(amax / qmax)  # amax / qmax < 2^e
+    e = jnp.clip(e, SCALE_EXP_MIN, SCALE_EXP_MAX).astype(jnp.int32)
+    y = jnp.clip(x * pow2(-e)[..., None], -qmax, qmax)  # exact: a power of two
+    if dtype == jnp.int8:
+        y = jnp.round(y)
+    return y.astype(dtype), e
 
 
 def kv_heads_of(kv_pool: jax.Array, head_dim: int, num_kv_heads: int | None) -> int:
     """The KV heads a pool holds: given, or its whole (unpadded) minor dimension's."""
-    return num_kv_heads if num_kv_heads is not None else kv_pool.shape[-1] // (2 * head_dim)
+    if num_kv_heads is not None:
+        return num_kv_heads
+    return kv_pool.shape[-1] // (2 * head_dim + (2 if is_quantized(kv_pool.dtype) else 0))
 
 
-def fuse_kv(k: jax.Array, v: jax.Array, lanes: int, shards: int = 1) -> jax.Array:
-    """k, v [..., num_kv_heads, D] -> [..., lanes]: head h's keys at lanes [2hD, 2hD + D), its
-    values at [2hD + D, 2hD + 2D), each of `shards` contiguous blocks of heads padded to
-    lanes / shards. The pool's layout (jaxserve/models/kv_pool.py); `split_kv` reads it back."""
+def fuse_kv(k: jax.Array, v: jax.Array, lanes: int, shards: int = 1, dtype=None) -> jax.Array:
+    """k, v [..., num_kv_heads, D] -> [..., lanes] in `dtype` (default k's): head h's keys at
+    lanes [2hD, 2hD + D), its values at [2hD + D, 2hD + 2D), each of `shards` contiguous blocks
+    of heads padded to lanes / shards. In a quantized `dtype` (`is_quantized`) k and v are
+    quantized per (token, head) and each block ends with its heads' scale exponents (key, value,
+    key, ...). The pool's layout (jaxserve/models/kv_pool.py); `split_kv` reads it back."""
     *batch, heads, head_dim = k.shape
-    kv = jnp.stack([k, v], axis=-2).reshape(*batch, shards, heads // shards * 2 * head_dim)
+    dtype = jnp.dtype(k.dtype if dtype is None else dtype)
+    per = heads // shards
+    if is_quantized(dtype):
+        (kq, ek), (vq, ev) = quantize(k, dtype), quantize(v, dtype)
+        kv = jnp.stack([kq, vq], axis=-2).reshape(*batch, shards, per * 2 * head_dim)
+        exps = jnp.stack([ek, ev], axis=-1).reshape(*batch, shards, 2 * per).astype(dtype)
+        pad = lanes // shards - kv.shape[-1] - exps.shape[-1]
+        gap = jnp.zeros((*batch, shards, pad), dtype)
+        return jnp.concatenate([kv, gap, exps], axis=-1).reshape(*batch, lanes)
+    kv = jnp.stack([k.astype(dtype), v.astype(dtype)], axis=-2)
+    kv = kv.reshape(*batch, shards, per * 2 * head_dim)
     pad = lanes // shards - kv.shape[-1]
     if pad:
         kv = jnp.pad(kv, [(0, 0)] * (kv.ndim - 1) + [(0, pad)])
     return kv.reshape(*batch, lanes)
 
 
-def split_kv(kv: jax.Array, num_kv_heads: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
-    """[..., lanes] of one shard (or an unsharded pool) -> k, v [..., num_kv_heads, D]."""
-    kv = kv[..., : 2 * num_kv_heads * head_dim].reshape(*kv.shape[:-1], num_kv_heads, 2, head_dim)
-    return kv[..., 0, :], kv[..., 1, :]
+def split_kv(
+    kv: jax.Array, num_kv_heads: int, head_dim: int, dtype=None
+) -> tuple[jax.Array, jax.Array]:
+    """[..., lanes] of one shard (or an unsharded pool) -> k, v [..., num_kv_heads, D]. A
+    quantized block is dequantized with its scale lanes into `dtype` (default float32), exactly
+    (8-bit values times a power of two fit bfloat16's mantissa); a float one keeps its dtype."""
+    data = kv[..., : 2 * num_kv_heads * head_dim].reshape(*kv.shape[:-1], num_kv_heads, 2, head_dim)
+    if is_quantized(kv.dtype):
+        exps = kv[..., kv.shape[-1] - 2 * num_kv_heads :].astype(jnp.float32)
+        scale = pow2(exps.reshape(*kv.shape[:-1], num_kv_heads, 2))
+        data = (data.astype(jnp.float32) * scale[..., None]).astype(dtype or jnp.float32)
+    return data[..., 0, :], data[..., 1, :]
+
+
+def dequantize_pool(kv_pool: jax.Array, num_kv_heads: int, head_dim: int, dtype) -> jax.Array:
+    """A quantized pool [..., lanes] (unsharded) as the float pool of the same keys and values,
+    [..., 2 * num_kv_heads * head_dim] in `dtype`: what tests compare a kernel on quantized pages
+    against (the reference over this pool)."""
+    k, v = split_kv(kv_pool, num_kv_heads, head_dim, dtype)
+    return fuse_kv(k, v, 2 * num_kv_heads * head_dim)
 
 
 def check_args(
@@ -67,10 +142,11 @@ def check_args(
             f"{kv_pool.shape=}."
         )
     num_heads, head_dim = q.shape[1:]
-    if num_kv_heads < 1 or kv_pool.shape[-1] < 2 * num_kv_heads * head_dim:
+    needed = kv_lanes(num_kv_heads, head_dim, quantized=is_quantized(kv_pool.dtype))
+    if num_kv_heads < 1 or kv_pool.shape[-1] < needed:
         raise ValueError(
             f"The pool's {kv_pool.shape[-1]} lanes cannot hold {num_kv_heads} KV heads of keys "
-            f"and values of head_dim {head_dim}."
+            f"and values of head_dim {head_dim} (in {kv_pool.dtype}: {needed} lanes)."
         )
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} is not a multiple of {num_kv_heads=} (GQA groups).")

@@ -303,6 +303,146 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q
   return ffi::Error::Success();
 }
 
+// Quantized pools (common.fuse_kv; docs/architecture.md, "Quantized KV cache"): keys and values
+// in int8 or float8_e4m3fn, each (token, KV head) of keys and of values scaled by 2^e, e an
+// integer stored in the pool's own type in the last 2 * num_kv_heads lanes of the row (head h's
+// key exponent at lanes - 2 * Hkv + 2h, its value exponent after it). One table per format maps
+// a byte to its value, for the 8-bit values and for the exponents alike.
+struct Q8Table {
+  float value[256];
+};
+
+float E4m3fnToFloat(uint8_t b) {
+  const int sign = b >> 7, exp = (b >> 3) & 15, man = b & 7;
+  float x;
+  if (exp == 15 && man == 7) {
+    x = NAN;
+  } else if (exp == 0) {
+    x = std::ldexp(static_cast<float>(man), -9);  // subnormal: man / 8 * 2^-6
+  } else {
+    x = std::ldexp(1.0f + man / 8.0f, exp - 7);
+  }
+  return sign ? -x : x;
+}
+
+const Q8Table* Tables() {
+  static const std::vector<Q8Table> tables = [] {
+    std::vector<Q8Table> t(2);
+    for (int b = 0; b < 256; ++b) {
+      t[0].value[b] = static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(b)));
+      t[1].value[b] = E4m3fnToFloat(static_cast<uint8_t>(b));
+    }
+    return t;
+  }();
+  return tables.data();
+}
+
+// One (slot, KV head) of a quantized pool: AttendOne's arithmetic on the dequantized rows. Each
+// key row is dequantized once (value times its scale) for the g query heads; a value row's scale
+// is folded into each head's probability.
+void AttendOneQ8(const Shape& s, const float* q, const uint8_t* pool, const Q8Table& t,
+                 int64_t layer, const int32_t* table, int32_t kv_len, int32_t lowest,
+                 float sm_scale, int64_t kv_head, float* out, std::vector<float>& scores,
+                 std::vector<float>& row_buf) {
+  const int64_t g = s.group, d = s.head_dim;
+  if (kv_len <= 0) {
+    std::fill(out, out + g * d, 0.0f);
+    return;
+  }
+  lowest = std::max<int32_t>(lowest, 0);
+  const int64_t n = kv_len - lowest;
+  scores.resize(g * n);
+  row_buf.resize(d);
+  float* kd = row_buf.data();
+  const uint8_t* layer_base = pool + layer * s.num_pages * s.page_size * s.lanes;
+  const int64_t k_off = kv_head * 2 * d, v_off = k_off + d;
+  const int64_t e_off = s.lanes - 2 * s.num_kv_heads + 2 * kv_head;  // key exponent; value: +1
+  for (int64_t pos = lowest; pos < kv_len; ++pos) {
+    const int64_t page = table[pos / s.page_size];
+    const uint8_t* row = layer_base + (page * s.page_size + pos % s.page_size) * s.lanes;
+    const float scale = std::ldexp(1.0f, static_cast<int>(t.value[row[e_off]]));
+    for (int64_t j = 0; j < d; ++j) kd[j] = t.value[row[k_off + j]] * scale;
+    for (int64_t h = 0; h < g; ++h) {
+      const float* qh = q + h * d;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < d; ++j) dot += qh[j] * kd[j];
+      scores[h * n + (pos - lowest)] = dot * sm_scale;
+    }
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    float* sh = scores.data() + h * n;
+    float mx = sh[0];
+    for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sh[i]);
+    float denom = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      sh[i] = std::exp(sh[i] - mx);
+      denom += sh[i];
+    }
+    const float inv = 1.0f / denom;
+    for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
+  }
+  std::fill(out, out + g * d, 0.0f);
+  for (int64_t pos = lowest; pos < kv_len; ++pos) {
+    const int64_t page = table[pos / s.page_size];
+    const uint8_t* row = layer_base + (page * s.page_size + pos % s.page_size) * s.lanes;
+    const float scale = std::ldexp(1.0f, static_cast<int>(t.value[row[e_off + 1]]));
+    for (int64_t j = 0; j < d; ++j) kd[j] = t.value[row[v_off + j]];
+    for (int64_t h = 0; h < g; ++h) {
+      const float p = scores[h * n + (pos - lowest)] * scale;
+      float* oh = out + h * d;
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) oh[j] += p * kd[j];
+    }
+  }
+}
+
+// DecodeAttention over a quantized pool (int8 or float8_e4m3fn; `AnyBuffer`, its type read here).
+ffi::Error DecodeAttentionQ8(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q,
+                             ffi::AnyBuffer kv_pool, ffi::Buffer<ffi::S32> layer,
+                             ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> kv_lens,
+                             ffi::Buffer<ffi::S32> lowest, float sm_scale,
+                             ffi::ResultBuffer<ffi::F32> out) {
+  const ffi::DataType type = kv_pool.element_type();
+  if (type != ffi::DataType::S8 && type != ffi::DataType::F8E4M3FN) {
+    return ffi::Error::InvalidArgument("quantized decode attention: the pool must be int8 or "
+                                       "float8_e4m3fn");
+  }
+  Shape s;
+  if (ffi::Error e = ShapeOf("quantized decode attention", q.dimensions(), kv_pool.dimensions(),
+                             page_tables.dimensions(), false, &s);
+      e.failure()) {
+    return e;
+  }
+  if (2 * s.num_kv_heads * s.head_dim + 2 * s.num_kv_heads > s.lanes) {
+    return ffi::Error::InvalidArgument("quantized decode attention: the pool's lanes hold "
+                                       "no scale exponents after the keys and values");
+  }
+  const Q8Table& t = Tables()[type == ffi::DataType::F8E4M3FN ? 1 : 0];
+  const int64_t lyr = layer.typed_data()[0];
+  const float* qp = q.typed_data();
+  const uint8_t* pp = static_cast<const uint8_t*>(kv_pool.untyped_data());
+  const int32_t* tp = page_tables.typed_data();
+  const int32_t* lens = kv_lens.typed_data();
+  const int32_t* low = lowest.typed_data();
+  float* op = out->typed_data();
+  const int64_t items = s.num_slots * s.num_kv_heads;
+  const int64_t per = s.group * s.head_dim;
+  auto run = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, row_buf;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t slot = i / s.num_kv_heads, h = i % s.num_kv_heads;
+      AttendOneQ8(s, qp + slot * s.num_kv_heads * per + h * per, pp, t, lyr,
+                  tp + slot * s.pages_per_seq, lens[slot], low[slot], sm_scale, h,
+                  op + slot * s.num_kv_heads * per + h * per, scores, row_buf);
+    }
+  };
+  std::vector<int64_t> cost(items);
+  for (int64_t i = 0; i < items; ++i) cost[i] = std::max(lens[i / s.num_kv_heads], 0);
+  SplitByCost(pool_threads, cost, 1024, run);
+  return ffi::Error::Success();
+}
+
 #if defined(__AVX512F__)
 // Query rows per prefill work item: each block of keys is transposed once for this many rows.
 constexpr int64_t kPrefillRows = 16;
@@ -595,6 +735,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDecodeAttention, DecodeAttention,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [S, Hkv, g, d], unscaled
                                   .Arg<ffi::Buffer<ffi::F32>>()  // pool [L, P, page, lanes]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page tables [S, P]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_len [S]; 0: not decoding
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lowest position [S]
+                                  .Attr<float>("sm_scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // out [S, Hkv, g, d]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDecodeAttentionQ8, DecodeAttentionQ8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [S, Hkv, g, d], unscaled
+                                  .Arg<ffi::AnyBuffer>()         // pool [L, P, page, lanes], 8-bit
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page tables [S, P]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_len [S]; 0: not decoding

@@ -38,10 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.ragged_paged_attention import common
+
 _HERE = pathlib.Path(__file__).parent
 _SOURCES = (_HERE / "cpu_decode.cc", _HERE / "cpu_matmul.cc", _HERE / "cpu_matmul_int8.cc")
 _HEADERS = (_HERE / "cpu_pool.h",)
 _TARGET = "jaxserve_decode_attention"
+_Q8_TARGET = "jaxserve_decode_attention_q8"
 _RAGGED_TARGET = "jaxserve_ragged_attention"
 _FUSED_TARGET = "jaxserve_rope_write_attention"
 _MATMUL_TARGET = "jaxserve_packed_matmul"
@@ -116,6 +119,9 @@ def available() -> bool:
             _TARGET, jax.ffi.pycapsule(lib.JaxserveDecodeAttention), platform="cpu"
         )
         jax.ffi.register_ffi_target(
+            _Q8_TARGET, jax.ffi.pycapsule(lib.JaxserveDecodeAttentionQ8), platform="cpu"
+        )
+        jax.ffi.register_ffi_target(
             _RAGGED_TARGET, jax.ffi.pycapsule(lib.JaxserveRaggedAttention), platform="cpu"
         )
         jax.ffi.register_ffi_target(
@@ -145,15 +151,19 @@ def available() -> bool:
 
 def decode_attention(
     q: jax.Array,  # f32[S, num_kv_heads, group, head_dim], unscaled
-    kv_pool: jax.Array,  # f32[num_layers, num_pages, page_size, lanes] (common.fuse_kv)
+    kv_pool: jax.Array,  # f32, i8 or f8e4m3fn[num_layers, num_pages, page_size, lanes] (fuse_kv)
     layer: jax.Array,  # i32[]
     page_tables: jax.Array,  # i32[S, P]
     kv_len: jax.Array,  # i32[S] context of each decoding slot; 0 for every other slot
     lowest: jax.Array,  # i32[S] first visible position (sliding window; 0 without one)
     sm_scale: float,
 ) -> jax.Array:  # f32[S, num_kv_heads, group, head_dim]; slots with kv_len 0 are 0
-    """Softmax(q k^T * sm_scale) v over each slot's keys [lowest, kv_len), read from its pages."""
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    """Softmax(q k^T * sm_scale) v over each slot's keys [lowest, kv_len), read from its pages.
+
+    A quantized pool (int8 or e4m3 with its scale lanes, common.fuse_kv) goes to the 8-bit call,
+    which dequantizes each row it reads (values times 2^e) in float32."""
+    target = _Q8_TARGET if common.is_quantized(kv_pool.dtype) else _TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32),
         kv_pool,

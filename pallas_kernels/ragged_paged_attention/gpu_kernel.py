@@ -25,7 +25,9 @@ The new keys and values are written by XLA's scatter (`write_kv`) before the ker
 TPU kernel (see tpu_kernel.py for why): this kernel only reads the pool.
 
 Limits (`supports` states them; kernel_choice.py reads it): compute capability 8.0 or later;
-f32, bf16 or f16 pools; head_dim and page_size powers of 2 (Triton tensor shapes), head_dim at
+f32, bf16 or f16 pools, or 8-bit ones (int8; e4m3 from 8.9), whose keys and values are
+dequantized as loaded, each token's exponent per head read beside them (common.fuse_kv);
+head_dim and page_size powers of 2 (Triton tensor shapes), head_dim at
 most 256 (what the tests compile); the SMEM Triton allocates within the GPU's per-block limit.
 That last one is a model (`smem_bound`), measured by compiling for sm_90a against a target with
 1 KiB of SMEM, where Triton reports what it asked for: two buffers per K and V block when
@@ -84,8 +86,17 @@ def supports(query: gpu_common.Query) -> str | None:
             f"tested on), got {compute_capability!r}."
         )
     dtype = jnp.dtype(query.dtype)
-    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"The Triton kernel runs f32, bf16 and f16 pools, got {dtype.name}."
+    if dtype == jnp.dtype(jnp.float8_e4m3fn) and version < (8, 9):
+        return (
+            f"The Triton kernel reads e4m3 pools from compute capability 8.9 (Triton's fp8 "
+            f"conversions), got {compute_capability!r}."
+        )
+    floats = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if dtype not in floats and not common.is_quantized(dtype):
+        return (
+            f"The Triton kernel runs f32, bf16 and f16 pools and 8-bit ones (int8, e4m3; "
+            f"--kv-cache-dtype), got {dtype.name}."
+        )
     if reason := _shape_refusal(query.head_dim, query.page_size):
         return reason
     if (bucket := query.bucket) is not None:
@@ -237,6 +248,8 @@ def _kernel(
     rows, pages_per_block, num_splits = program.rows, program.pages_per_block, program.num_splits
     item, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim, pages_per_seq = q_ref.shape[2], scalars.page_tables.shape[1]
+    num_kv_heads = q_ref.shape[0]  # the pool's (grouped q: [num_kv_heads, rows, D])
+    quantized = common.is_quantized(kv_ref.dtype)  # 8-bit pages with exponent lanes
     page_size, block_kv = program.page_size, program.block_kv
 
     @program.on_used_item(scalars, item, split)
@@ -265,9 +278,25 @@ def _kernel(
                 pages[:, None, None],
                 jnp.arange(page_size, dtype=jnp.int32)[None, :, None],
             )
+            seen = visible[:, :, 0]  # [pages_per_block, page_size]
             visible = jnp.broadcast_to(visible, (pages_per_block, page_size, head_dim))
-            k = plgpu.load(kv_ref.at[(*index, lanes)], mask=visible, other=0)
-            v = plgpu.load(kv_ref.at[(*index, lanes + head_dim)], mask=visible, other=0)
+            # A float zero for e4m3 pools: Triton's lowering casts no int to fp8.
+            zero = 0.0 if kv_ref.dtype == jnp.float8_e4m3fn else 0
+            k = plgpu.load(kv_ref.at[(*index, lanes)], mask=visible, other=zero)
+            v = plgpu.load(kv_ref.at[(*index, lanes + head_dim)], mask=visible, other=zero)
+            if quantized:
+                # 8-bit pages: head h's key exponent sits at lane lanes - 2 * heads + 2h of each
+                # token, its value exponent after it (common.fuse_kv); scale by 2^e in f32.
+                e_lane = kv_ref.shape[3] - 2 * num_kv_heads + 2 * h
+                tokens = jnp.arange(page_size, dtype=jnp.int32)[None, :]
+                # Masked slots read as exponent 0 (times the zeroed value): never 0 * inf.
+                at_k = (layer, pages[:, None], tokens, e_lane)
+                at_v = (layer, pages[:, None], tokens, e_lane + 1)
+                ek = plgpu.load(kv_ref.at[at_k], mask=seen, other=zero)
+                ev = plgpu.load(kv_ref.at[at_v], mask=seen, other=zero)
+                k = k.astype(jnp.float32) * common.pow2(ek.astype(jnp.float32))[..., None]
+                v = v.astype(jnp.float32) * common.pow2(ev.astype(jnp.float32))[..., None]
+                k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
             k = k.reshape(block_kv, head_dim)
             v = v.reshape(block_kv, head_dim)
             # Causal (and window) per row, without integer division: c <= t + pos_offset with

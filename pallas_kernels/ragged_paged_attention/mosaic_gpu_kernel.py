@@ -455,6 +455,13 @@ def _launch(call: gpu_common.Call) -> jax.Array:  # [T, num_heads, head_dim], q.
     num_tokens, num_kv_heads, group = bucket.num_tokens, bucket.num_kv_heads, bucket.group
     head_dim, dtype = bucket.head_dim, bucket.dtype
     interpret = None if call.interpret in (None, False) else call.interpret
+    if common.is_quantized(dtype):  # interpret mode too: it would read the bytes unscaled
+        raise ValueError(
+            f"The Mosaic GPU kernel cannot read a {dtype.name} KV pool (--kv-cache-dtype "
+            "int8/fp8): its wgmma path takes 16-bit pools. The Triton kernel "
+            "(attention_backend 'pallas_gpu' or 'pallas_gpu_triton') and 'xla' dequantize "
+            "8-bit pages."
+        )
     if interpret is None and not supports_dtype(dtype):
         raise NotImplementedError(
             f"The Mosaic GPU kernel runs 16-bit pools only (wgmma cannot take an f32 K^T), got "

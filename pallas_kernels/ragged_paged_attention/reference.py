@@ -35,8 +35,11 @@ def ragged_paged_attention(
     sm_scale: float,
     num_kv_heads: int | None = None,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
-    """Attention of every query row over its own sequence's cached keys and values."""
+    """Attention of every query row over its own sequence's cached keys and values.
+    `soft_cap` (Gemma 2): scaled scores become soft_cap * tanh(scores / soft_cap) before the
+    mask."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = common.kv_heads_of(kv_pool, head_dim, num_kv_heads)
     page_size = kv_pool.shape[2]
@@ -52,7 +55,8 @@ def ragged_paged_attention(
 
     pages = page_tables[seq]  # i32[T, P]
     context = pages.shape[1] * page_size
-    k, v = common.split_kv(kv_pool[layer, pages], num_kv_heads, head_dim)
+    # A quantized pool (int8 / e4m3 with scale lanes) is dequantized into q's dtype, exactly.
+    k, v = common.split_kv(kv_pool[layer, pages], num_kv_heads, head_dim, q.dtype)
     k = k.reshape(num_tokens, context, num_kv_heads, head_dim)
     v = v.reshape(num_tokens, context, num_kv_heads, head_dim)
 
@@ -66,6 +70,8 @@ def ragged_paged_attention(
     group = num_heads // num_kv_heads
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = jnp.einsum("tkgd,tckd->tkgc", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask[:, None, None, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum(

@@ -105,6 +105,7 @@ def _kernel(
 ):
     block = pl.program_id(0)
     _, pages_per_block, page_size, block_lanes = kv_buf.shape
+    quantized = common.is_quantized(kv_buf.dtype)  # 8-bit pages with scale lanes
     block_heads, _, head_dim = q_ref.shape  # KV heads of this step
     # This step's heads' lanes of the pool: all of them, or a slice (a strided DMA of each page).
     lane_slice = (
@@ -192,10 +193,30 @@ def _kernel(
         precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
         # Heads first, once per key block (see the module docstring): static lane slices.
+        if quantized:
+            # 8-bit pages: the scale exponents end each row (common.fuse_kv). The last lane tile
+            # of the block holds them all; each head's two exponents are picked out of it by a
+            # masked lane sum (a [keys, 1] column), and its keys and values dequantized here,
+            # once per key block, into the heads-first copy in q's dtype.
+            width = min(common.LANES, block_lanes)
+            tail = kv_buf[slot, :, :, pl.ds(block_lanes - width, width)].astype(jnp.float32)
+            tail = tail.reshape(block_kv, width)
+            lane = lax.broadcasted_iota(jnp.int32, (block_kv, width), 1)
+            half = lax.broadcasted_iota(jnp.int32, (block_kv, 2 * head_dim), 1) < head_dim
+
+            def scale(index):
+                exps = jnp.sum(jnp.where(lane == index, tail, 0.0), axis=1, keepdims=True)
+                return common.pow2(exps.astype(jnp.int32))  # [block_kv, 1]
+
         for h in range(block_heads):
-            kv_heads[h] = kv_buf[slot, :, :, pl.ds(2 * h * head_dim, 2 * head_dim)].reshape(
-                block_kv, 2 * head_dim
-            )
+            rows_kv = kv_buf[slot, :, :, pl.ds(2 * h * head_dim, 2 * head_dim)]
+            if quantized:
+                first = width - 2 * block_heads + 2 * h  # head h's key exponent in `tail`
+                factor = jnp.where(half, scale(first), scale(first + 1))
+                rows_kv = rows_kv.astype(jnp.float32).reshape(block_kv, 2 * head_dim) * factor
+                kv_heads[h] = rows_kv.astype(kv_heads.dtype)
+            else:
+                kv_heads[h] = rows_kv.reshape(block_kv, 2 * head_dim)
 
         @pl.loop(0, block_heads)
         def _(h):
@@ -376,6 +397,9 @@ def ragged_paged_attention(
     )
     block_tokens, rows, heads = plan.block_tokens, plan.rows, plan.heads_per_block
     pages_per_block = plan.pages_per_block
+    quantized = common.is_quantized(kv_pool.dtype)
+    if quantized and heads != num_kv_heads:  # plan_tpu_blocks keeps them together
+        raise AssertionError(f"{heads=} of {num_kv_heads} KV heads per step of a quantized pool")
     # Every head: the page's whole minor dim (padding lanes too), one contiguous DMA per page.
     block_lanes = lanes if heads == num_kv_heads else 2 * heads * head_dim
     num_blocks = pl.cdiv(num_tokens, block_tokens)
@@ -422,7 +446,11 @@ def ragged_paged_attention(
                 stats,
                 stats,
                 pltpu.VMEM((heads, rows, head_dim), jnp.float32),
-                pltpu.VMEM((heads, pages_per_block * page_size, 2 * head_dim), kv_pool.dtype),
+                # Dequantized keys and values (q's dtype) where the pool is 8-bit.
+                pltpu.VMEM(
+                    (heads, pages_per_block * page_size, 2 * head_dim),
+                    q.dtype if quantized else kv_pool.dtype,
+                ),
             ],
         ),
         out_shape=jax.ShapeDtypeStruct(q_grouped.shape, q.dtype),

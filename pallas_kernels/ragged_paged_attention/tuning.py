@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import chips
+from pallas_kernels.ragged_paged_attention import common
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -201,10 +202,12 @@ def tpu_vmem_bytes(
       as for v5e and later (measured), so there they count double.
     """
     block_kv = pages_per_block * page_size
-    lanes = lanes or 2 * heads * head_dim
+    quantized = common.is_quantized(kv_dtype)
+    lanes = lanes or common.kv_lanes(heads, head_dim, quantized=quantized)
     q_out = 2 * 2 * padded_bytes((heads, rows, head_dim), q_dtype)
     pages = 2 * padded_bytes((pages_per_block, page_size, lanes), kv_dtype)
-    heads_first = padded_bytes((heads, block_kv, 2 * head_dim), kv_dtype)
+    # 8-bit pages are dequantized into the heads-first copy, in q's dtype.
+    heads_first = padded_bytes((heads, block_kv, 2 * head_dim), q_dtype if quantized else kv_dtype)
     acc = padded_bytes((heads, rows, head_dim), jnp.float32)
     stats = 2 * padded_bytes((heads, rows, 1), jnp.float32)
     # Under 8 heads the heads-first copies' vector temporaries take more than their bytes: twice
@@ -215,6 +218,10 @@ def tpu_vmem_bytes(
         + 6 * padded_bytes((rows, block_kv), jnp.float32)
         + 2 * padded_bytes((rows, head_dim), jnp.float32)
     )
+    if quantized:  # the exponent tile, a head's f32 rows and their scale factor, in float32
+        temps += padded_bytes((block_kv, 128), jnp.float32) + 3 * padded_bytes(
+            (block_kv, 2 * head_dim), jnp.float32
+        )
     temps *= _TEMPS_FACTOR.get(chip, 1)
     return q_out + pages + heads_first + acc + stats + temps
 
@@ -281,6 +288,10 @@ def plan_tpu_blocks(
     group = num_heads // num_kv_heads
     sublanes = sublane_tile(q_dtype)
     head_choices = _head_choices(num_kv_heads)
+    if common.is_quantized(kv_dtype):
+        # A quantized page's scale lanes end the row (common.fuse_kv): a step takes every head,
+        # so that one DMA of the whole page brings its heads' exponents with them.
+        head_choices = [num_kv_heads]
     q_rows = sizes.q_rows
     heads = head_choices[0]
     pages = max(1, min(sizes.kv_tokens // page_size, pages_per_seq))

@@ -146,19 +146,26 @@ def ragged_paged_attention(
     sm_scale: float,
     num_kv_heads: int | None = None,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
     """Same contract as reference.ragged_paged_attention (see its module docstring).
 
     On the CPU in float32 with AVX-512, one native call per layer runs every row
-    (cpu_ffi.ragged_attention); elsewhere, and on accelerators, the jnp loops below.
+    (cpu_ffi.ragged_attention); elsewhere, and on accelerators, the jnp loops below. A
+    `soft_cap` (Gemma 2: scores -> soft_cap * tanh(scores / soft_cap)) always takes the jnp
+    loops: the native calls have none.
     """
     num_tokens, _, head_dim = q.shape
     num_kv_heads = common.kv_heads_of(kv_pool, head_dim, num_kv_heads)
     args = (q, kv_pool, layer, query_start, kv_lens, page_tables, num_seqs, plan)
     loops = functools.partial(
-        _loops, sm_scale=sm_scale, num_kv_heads=num_kv_heads, sliding_window=sliding_window
+        _loops,
+        sm_scale=sm_scale,
+        num_kv_heads=num_kv_heads,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
     )
-    if not cpu_ffi.ragged_runs_here(q, kv_pool, head_dim):
+    if soft_cap is not None or not cpu_ffi.ragged_runs_here(q, kv_pool, head_dim):
         return loops(*args)
 
     def native(q):
@@ -193,14 +200,15 @@ def _loops(
     sm_scale,
     num_kv_heads,
     sliding_window,
+    soft_cap=None,
 ) -> jax.Array:  # [T, num_heads, head_dim], q.dtype
     """The jnp path: the decode rows batched (or cpu_ffi's decode call), the prefill tiles."""
     num_tokens, _, head_dim = q.shape
     if plan is None:
         plan = plan_step(num_tokens, query_start, kv_lens, num_seqs)
-    pool = _Pool(kv_pool, layer, page_tables, kv_lens, num_kv_heads, head_dim)
+    pool = _Pool(kv_pool, layer, page_tables, kv_lens, num_kv_heads, head_dim, q.dtype)
     out = jnp.zeros((num_tokens, *q.shape[1:]), jnp.float32)
-    decoded = _decode(q, pool, plan, sm_scale, sliding_window)
+    decoded = _decode(q, pool, plan, sm_scale, sliding_window, soft_cap)
     out = out.at[plan.decode_rows].set(decoded, mode="drop")
     if num_tokens == 1:  # static: one token is a decode, never a prefill tile
         return out.astype(q.dtype)
@@ -208,7 +216,7 @@ def _loops(
     def prefill(out):
         # Padded by one tile so a tile's slice never runs off the end (dynamic_slice clamps).
         out = jnp.pad(out, ((0, _tile_rows(num_tokens)), (0, 0), (0, 0)))
-        out = _prefill_tiles(q, pool, query_start, plan, out, sm_scale, sliding_window)
+        out = _prefill_tiles(q, pool, query_start, plan, out, sm_scale, sliding_window, soft_cap)
         return out[:num_tokens]
 
     # A decode-only step skips the tile loop's set-up as well as the loop: the compiled step
@@ -228,6 +236,7 @@ class _Pool:
     kv_lens: jax.Array
     num_kv_heads: int
     head_dim: int
+    dtype: jnp.dtype = jnp.float32  # what a quantized pool's blocks are dequantized into (q's)
 
     @property
     def page_size(self) -> int:
@@ -235,8 +244,9 @@ class _Pool:
 
     def read(self, pages: jax.Array, keys: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values of `pages` [..., n] of the layer: each [..., keys, heads, head_dim]
-        (keys = n * page_size), one gather for both."""
-        k, v = common.split_kv(self.kv[self.layer, pages], self.num_kv_heads, self.head_dim)
+        (keys = n * page_size), one gather for both; a quantized pool's dequantized."""
+        rows = self.kv[self.layer, pages]
+        k, v = common.split_kv(rows, self.num_kv_heads, self.head_dim, self.dtype)
         shape = (*pages.shape[:-1], keys, self.num_kv_heads, self.head_dim)
         return k.reshape(shape), v.reshape(shape)
 
@@ -259,20 +269,27 @@ def _online_softmax_step(carry, scores, mask, v, spec: str):
     return new_max, denom, acc * rescale[..., None] + pv
 
 
-def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window):
+def _capped(scores: jax.Array, soft_cap: float | None) -> jax.Array:
+    """Scaled scores soft-capped (soft_cap * tanh(scores / soft_cap)), or as they are."""
+    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
+
+
+def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window, soft_cap=None):
     """Every decoding sequence's one query, batched over sequence slots: f32[S, H, d].
 
-    On the CPU, with a float32 pool, the native call (cpu_ffi) when it is built; the jnp loop
+    On the CPU, with a float32 pool or a quantized one (int8 / e4m3 pages, dequantized in the
+    call), the native call (cpu_ffi) when it is built; the jnp loop
     (`_decode_loop`) elsewhere, and on other platforms whatever this process runs on.
     """
     native = (
         q.dtype == jnp.float32
-        and pool.kv.dtype == jnp.float32
+        and (pool.kv.dtype == jnp.float32 or common.is_quantized(pool.kv.dtype))
         and jax.default_backend() == "cpu"
         and cpu_ffi.available()
+        and soft_cap is None
     )
     if not native:
-        return _decode_loop(q, pool, plan, sm_scale, sliding_window)
+        return _decode_loop(q, pool, plan, sm_scale, sliding_window, soft_cap)
 
     def on_cpu(q):
         num_slots, num_kv_heads = pool.page_tables.shape[0], pool.num_kv_heads
@@ -292,7 +309,7 @@ def _decode(q, pool, plan: StepPlan, sm_scale, sliding_window):
     )
 
 
-def _decode_loop(q, pool, plan: StepPlan, sm_scale, sliding_window):
+def _decode_loop(q, pool, plan: StepPlan, sm_scale, sliding_window, soft_cap=None):
     """The jnp decode: one batched loop over key blocks of every slot, f32[S, H, d]."""
     page_tables, kv_lens = pool.page_tables, pool.kv_lens
     page_size, num_kv_heads, head_dim = pool.page_size, pool.num_kv_heads, pool.head_dim
@@ -319,6 +336,7 @@ def _decode_loop(q, pool, plan: StepPlan, sm_scale, sliding_window):
         k, v = pool.read(pages, block_keys)  # [S, block_keys, num_kv_heads, head_dim] each
         v = jnp.where(mask[:, :, None, None], v, 0)  # unused slots may hold NaN; 0 * NaN = NaN
         scores = jnp.einsum("skgd,sckd->skgc", qd, k, preferred_element_type=jnp.float32)
+        scores = _capped(scores, soft_cap)
         return _online_softmax_step(carry, scores, mask[:, None, None, :], v, "skgc,sckd->skgd")
 
     shape = (num_slots, num_kv_heads, group)
@@ -332,7 +350,9 @@ def _decode_loop(q, pool, plan: StepPlan, sm_scale, sliding_window):
     return out.reshape(num_slots, num_kv_heads * group, head_dim)
 
 
-def _prefill_tiles(q, pool, query_start, plan: StepPlan, out, sm_scale, sliding_window):
+def _prefill_tiles(
+    q, pool, query_start, plan: StepPlan, out, sm_scale, sliding_window, soft_cap=None
+):
     """Runs the plan's query tiles, each over its own key blocks, into rows of `out` (f32)."""
     page_tables, kv_lens = pool.page_tables, pool.kv_lens
     page_size, num_kv_heads, head_dim = pool.page_size, pool.num_kv_heads, pool.head_dim
@@ -365,6 +385,7 @@ def _prefill_tiles(q, pool, query_start, plan: StepPlan, out, sm_scale, sliding_
             mask = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] >= lowest[:, None])
             mask &= (row < rows)[:, None]
             scores = jnp.einsum("qkgd,ckd->kgqc", qt, k, preferred_element_type=jnp.float32)
+            scores = _capped(scores, soft_cap)
             return _online_softmax_step(carry, scores, mask, v, "kgqc,ckd->kgqd")
 
         shape = (num_kv_heads, group, tile_rows)

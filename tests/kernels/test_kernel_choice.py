@@ -107,8 +107,14 @@ def test_choice_by_capability_and_dtype(capability, dtype, want):
     assert choose(capability, dtype, 128, 16, group=4) == want
 
 
-def test_int8_pool_has_no_kernel():
-    assert choose("9.0", jnp.int8, 128, 16) is None
+def test_8_bit_pools_go_to_triton_and_others_to_no_kernel():
+    """An 8-bit pool (--kv-cache-dtype: int8, e4m3 with exponent lanes) is Triton's, which
+    dequantizes it (e4m3 from 8.9, where Triton converts fp8), never Mosaic GPU's; a pool of
+    another dtype has no kernel (the XLA attention)."""
+    assert choose("9.0", jnp.int8, 128, 16) == choose("8.0", jnp.int8, 128, 16) == TRITON
+    assert choose("9.0", jnp.float8_e4m3fn, 128, 16) == TRITON
+    assert choose("8.0", jnp.float8_e4m3fn, 128, 16) is None
+    assert choose("9.0", jnp.int16, 128, 16) is None
 
 
 def test_head_dim_256_on_mosaic_depends_on_the_bucket():

@@ -55,6 +55,11 @@ class Shape:
     pages_per_seq: int = 16
     num_slots: int = 8
     sliding_window: int | None = None
+    kv_dtype: str | None = None  # the pool's; None: dtype. "int8" / "float8_e4m3fn": quantized
+
+    @property
+    def pool_dtype(self):
+        return jnp.dtype(self.kv_dtype or self.dtype)
 
     def plan(self, chip: str) -> tuning.TpuBlockPlan:
         return tuning.plan_tpu_blocks(
@@ -65,7 +70,7 @@ class Shape:
             page_size=self.page_size,
             pages_per_seq=self.pages_per_seq,
             q_dtype=self.dtype,
-            kv_dtype=self.dtype,
+            kv_dtype=self.pool_dtype,
             lanes=self.lanes,
             chip=chip,
         )
@@ -73,7 +78,8 @@ class Shape:
     @property
     def lanes(self) -> int:
         """The pool's minor dimension as the engine lays it out on TPU (whole 128-lane tiles)."""
-        return common.kv_lanes(self.num_kv_heads, self.head_dim, 1, common.LANES)
+        quantized = common.is_quantized(self.pool_dtype)
+        return common.kv_lanes(self.num_kv_heads, self.head_dim, 1, common.LANES, quantized)
 
 
 BASE = Shape()
@@ -102,6 +108,24 @@ AOT_CASES = {
     "v5e-window": ("v5e", dataclasses.replace(BASE, sliding_window=64)),
     "v5e-decode1": ("v5e", dataclasses.replace(BASE, num_tokens=1, num_slots=1)),
     "v5e-tokens512": ("v5e", dataclasses.replace(BASE, num_tokens=512)),
+    # 8-bit pools (--kv-cache-dtype): int8 and e4m3 pages with their scale lanes, dequantized
+    # per key block; llama3.1-8b's 8 KV heads of 128 among them, and short pages of int8.
+    "v5e-kv_int8": ("v5e", dataclasses.replace(BASE, kv_dtype="int8")),
+    "v6e-kv_int8": ("v6e", dataclasses.replace(BASE, kv_dtype="int8")),
+    "v5e-kv_fp8": ("v5e", dataclasses.replace(BASE, kv_dtype="float8_e4m3fn")),
+    "v6e-kv_fp8": ("v6e", dataclasses.replace(BASE, kv_dtype="float8_e4m3fn")),
+    "v5e-kv_int8_8b": (
+        "v5e",
+        dataclasses.replace(BASE, num_heads=32, num_kv_heads=8, num_tokens=256, kv_dtype="int8"),
+    ),
+    "v6e-kv_int8_page32": (
+        "v6e",
+        dataclasses.replace(BASE, page_size=32, pages_per_seq=8, kv_dtype="int8"),
+    ),
+    "v5e-kv_int8_f32_decode1": (
+        "v5e",
+        dataclasses.replace(BASE, dtype="float32", num_tokens=1, num_slots=1, kv_dtype="int8"),
+    ),
 }
 BIG_CASES = {
     f"{chip}-{name}": (chip, shape)
@@ -117,7 +141,7 @@ def _inputs(shape: Shape, sharding) -> tuple:
     pool = (2, num_pages, shape.page_size, shape.lanes)
     specs = [
         ((shape.num_tokens, shape.num_heads, shape.head_dim), dtype),
-        (pool, dtype),
+        (pool, shape.pool_dtype),
         ((), jnp.int32),
         ((shape.num_slots + 1,), jnp.int32),
         ((shape.num_slots,), jnp.int32),

@@ -46,6 +46,7 @@ SAMPLE = dict(
     max_model_len=512,
     page_size=32,
     num_pages=100,
+    kv_cache_dtype="fp8",
     kv_cache_memory_gb=2.5,
     kv_cache_memory_fraction=0.5,
     tensor_parallel=2,

@@ -1,0 +1,67 @@
+"""Gemma 2 and 3 split over 2 simulated devices against transformers' own forward (issue 46):
+the parity checks of tests/models/test_gemma_parity.py (prompts batched and alone, batched
+decode, a 32-token greedy loop) at tensor parallel 2, each device holding one of the 2 KV heads
+(and its query group), and the model loaded straight onto the mesh equal to the whole load."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import checkpoints
+from jaxserve.models.sharding import ShardingPlan, make_mesh
+from tests.models.gemma_helpers import GEMMA_FAMILIES, build_gemma
+from tests.models.helpers import PagedSession, hf_greedy, hf_logits, paged_greedy, save_hf
+from tests.models.test_gemma_parity import BUCKET, DECODE_STEPS, GREEDY_TOKENS, PROMPTS
+from tests.models.test_parity import assert_close
+
+TP = 2
+
+
+@pytest.fixture(scope="module", params=GEMMA_FAMILIES)
+def case(request, tmp_path_factory):
+    """(transformers model, jaxserve's load of its folder, the plan of tensor parallel 2)."""
+    hf = build_gemma(request.param)
+    folder = save_hf(hf, tmp_path_factory.mktemp(request.param))
+    loaded = checkpoints.load_model(folder, dtype="float32")
+    plan = ShardingPlan.create(make_mesh(TP), loaded.config)
+    return hf, dataclasses.replace(loaded, source=str(folder)), plan
+
+
+def test_split_by_kv_head_and_loaded_onto_the_mesh(case):
+    _, loaded, plan = case
+    assert plan.kv_shards == TP and plan.attention_is_local
+    split = checkpoints.load_model(loaded.source, dtype="float32", mesh=make_mesh(TP))
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(split.params),
+        jax.tree.leaves(loaded.params),
+        strict=True,
+    ):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+    qkv = split.params["layers_0"]["self_attn"]["qkv_proj"]["kernel"]
+    assert {s.data.shape[1] for s in qkv.addressable_shards} == {1}  # one KV head a device
+
+
+def test_prompts_batched_alone_decode_and_greedy(case):
+    hf, loaded, plan = case
+    session = PagedSession(loaded, plan=plan, **BUCKET)
+    ids = [session.add_seq() for _ in PROMPTS]
+    logits = session.step(list(zip(ids, PROMPTS, strict=True)))
+    for i, (ours, prompt) in enumerate(zip(logits, PROMPTS, strict=True)):
+        assert_close(ours, hf_logits(hf, prompt), f"prompt {i} batched, tp {TP}")
+    tokens = [int(lg[-1].argmax()) for lg in logits]
+    for step in range(DECODE_STEPS):
+        logits = session.step([(s, [t]) for s, t in zip(ids, tokens, strict=True)])
+        for s, ours in zip(ids, logits, strict=True):
+            ref = hf_logits(hf, session.seqs[s].tokens)[-1:]
+            assert_close(ours, ref, f"sequence {s}, decode step {step}, tp {TP}")
+        tokens = [int(lg[-1].argmax()) for lg in logits]
+    alone = session.add_seq()
+    (ours,) = session.step([(alone, PROMPTS[1])])
+    assert_close(ours, hf_logits(hf, PROMPTS[1]), f"prompt 1 alone, tp {TP}")
+    ours = paged_greedy(loaded, list(PROMPTS), GREEDY_TOKENS, plan=plan, **BUCKET)
+    for i, prompt in enumerate(PROMPTS):
+        assert ours[i] == hf_greedy(hf, prompt, GREEDY_TOKENS), f"prompt {i} greedy, tp {TP}"
