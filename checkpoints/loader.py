@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import jax
@@ -19,12 +20,15 @@ from checkpoints.config_json import (
 from checkpoints.hf_config import UnsupportedModelError, model_config_from_hf
 from checkpoints.orbax_io import MARKER as ORBAX_MARKER
 from checkpoints.orbax_io import is_orbax_dir, restore_orbax
+from checkpoints.prequantized import checkpoint_quantization
 from checkpoints.random_weights import NAMED_SHAPES, random_params
 from checkpoints.weights import load_hf_weights, place_hf_weights
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import resolve_layer_loop
-from jaxserve.models.quant import quantize_params
-from jaxserve.quantization import QuantScheme
+from jaxserve.models.quant import quantize_params, transpose_kernels
+from jaxserve.quantization import CheckpointQuant, QuantScheme, resolve_checkpoint_quantization
+
+logger = logging.getLogger(__name__)
 
 # The embedded default: stories260k ships inside the package, so nothing is ever downloaded.
 DEFAULT_MODEL_DIR = Path(__file__).parent / "stories260k"
@@ -59,7 +63,10 @@ def load_model(
     (jaxserve/models/quant.py). A Hugging Face folder on a mesh is read one param at a time,
     each quantized and its float copy freed before the next is read, so a model whose float
     weights exceed the device's memory loads where its quantized ones fit; orbax folders and
-    random shapes are quantized leaf by leaf after they load.
+    random shapes are quantized leaf by leaf after they load. A pre-quantized Hugging Face
+    folder (its config.json's `quantization_config`: checkpoints/prequantized.py) loads its
+    8-bit weights and scales as they are stored, in its own scheme for the target when
+    `quant` is None; a `quant` of other weights than the checkpoint's is refused.
 
     `spec` None means the embedded default model. Raises `ModelLoadError` with a one-line reason.
     With `mesh` (jaxserve.models.sharding.make_mesh) each device receives only its shard of the
@@ -163,6 +170,34 @@ def _plan(mesh, config):
     return ShardingPlan.create(mesh, config)
 
 
+def _checkpoint_scheme(
+    prequant: CheckpointQuant, quant: QuantScheme | None, path: Path
+) -> QuantScheme:
+    """The scheme a pre-quantized folder loads as: `quant` where its weights are the
+    checkpoint's own (their activations and layout are the caller's choice), else the
+    checkpoint's own scheme for the target (resolve_checkpoint_quantization), logged."""
+    if quant is None:
+        from jaxserve import target
+
+        quant, note = resolve_checkpoint_quantization("none", prequant, target.current())
+        logger.info(note)
+        return quant
+    if (quant.weights, quant.block) != (prequant.weights, prequant.block):
+        raise ValueError(
+            f"The folder is pre-quantized as {prequant.label}, which cannot load as "
+            f"{quant.label}: its weights are stored so (pass its own scheme, or none)."
+        )
+    return quant
+
+
+def _first_expert(path: Path) -> str:
+    """The first expert weight's name in the folder's safetensors headers (for messages)."""
+    from checkpoints.safetensors_io import read_header, weight_files
+
+    names = sorted(n for f in weight_files(path) for n in read_header(f)[0] if ".experts." in n)
+    return names[0] if names else "mlp.experts"
+
+
 def _load_hf(
     path: Path, dtype, mesh=None, layer_loop: str = "scan", quant: QuantScheme | None = None
 ) -> LoadedModel:
@@ -171,28 +206,47 @@ def _load_hf(
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} has no config.json (nor a jaxserve.json).")
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    prequant = checkpoint_quantization(json.loads((path / "config.json").read_text()), path)
+    if prequant is not None:
+        quant = _checkpoint_scheme(prequant, quant, path)
     eos: tuple[int, ...] = ()
     if (path / "generation_config.json").exists():
         gen = GenerationConfig.from_pretrained(path, local_files_only=True)
         ids = gen.eos_token_id
         eos = tuple([ids] if isinstance(ids, int) else (ids or []))
     config = model_config_from_hf(hf_config, eos)
-    abstract = abstract_params(config, dtype)
+    if prequant is not None and config.moe is not None:
+        raise ValueError(
+            f"Tensor {_first_expert(path)!r} is a mixture of experts' expert in a checkpoint "
+            f"pre-quantized as {prequant.label}: jaxserve loads pre-quantized dense models "
+            "(Llama, Mistral, Qwen2, Qwen3) only; load the float checkpoint with "
+            "--quantization to quantize its experts."
+        )
+    # Pre-quantized: the quantized tree, filled as stored (kernels [in, *features]: a
+    # transposed scheme's `kernel_t` are moved after, one 8-bit leaf at a time).
+    stored = None if prequant is None else dataclasses.replace(quant, transposed=False)
+    abstract = abstract_params(config, dtype, quant=stored)
     # Unrolled: read straight into per-layer arrays, no stacked copy on the way.
     if resolve_layer_loop(layer_loop, config, dtype) == "unrolled":
         abstract = unstack_layers(abstract)
     tied = config.tie_word_embeddings
     if mesh is None:
-        params = jax.device_put(load_hf_weights(path, abstract, tied_embeddings=tied))
-        if quant is not None:
+        params = jax.device_put(
+            load_hf_weights(path, abstract, tied_embeddings=tied, prequant=prequant)
+        )
+        if quant is not None and prequant is None:
             params = quantize_params(params, quant, donate=True)
     else:  # each device's shard read from the memory-mapped files
         shardings = _shardings(mesh, config, abstract)
         # Quantized: each param read, quantized and freed in turn (`lazy`), never all float.
-        lazy = quant is not None
-        params = place_hf_weights(path, abstract, shardings, tied_embeddings=tied, lazy=lazy)
+        lazy = quant is not None and prequant is None
+        params = place_hf_weights(
+            path, abstract, shardings, tied_embeddings=tied, lazy=lazy, prequant=prequant
+        )
         if lazy:
             params = quantize_params(params, quant, _plan(mesh, config), donate=True)
+    if prequant is not None and quant.transposed:
+        params = transpose_kernels(params, None if mesh is None else _plan(mesh, config))
     tokenizer = None
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,4 +1,4 @@
-"""Memory-mapped reading of `*.safetensors` files, bfloat16 included.
+"""Memory-mapped reading of `*.safetensors` files, bfloat16 and float8_e4m3fn included.
 
 The `safetensors` package's numpy loader rejects bfloat16, the usual dtype of released weights, so
 this reads the format directly: an 8-byte little-endian header length, a JSON header of
@@ -27,6 +27,7 @@ _DTYPES = {
     "I8": np.int8,
     "U8": np.uint8,
     "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # pre-quantized checkpoints' fp8 weights
 }
 
 

@@ -26,6 +26,11 @@ not the MLP's input norm as in Llama: the module reads each by name). A multimod
 (Gemma3ForConditionalGeneration) keeps its text model under `model.language_model.` (or
 `language_model.model.`, older exports), read as `model.`; its vision tower and projector are
 skipped: jaxserve serves the text model.
+
+A pre-quantized checkpoint (checkpoints/prequantized.py) fills a quantized tree: each decoder
+matmul's 8-bit `weight` goes to its kernel as above, and its scales, renamed
+`<module>.weight_scale` ([out] or [out, blocks]), to the kernel's `kernel_scale`, transposed
+and cut into the same fused pieces.
 """
 
 from __future__ import annotations
@@ -87,6 +92,21 @@ EXPERT_TABLE: dict[str, Target] = {
     "w3.weight": Target(("mlp", "experts_gate_up"), True, _UP),
     "w2.weight": Target(("mlp", "experts_down"), True),
 }
+
+
+def _with_scales(table: dict[str, Target]) -> dict[str, Target]:
+    """`table` plus each dense kernel's `.weight_scale` (a pre-quantized checkpoint's scales,
+    checkpoints/prequantized.py): its param's `kernel_scale` sibling, the same piece. The
+    experts have none: pre-quantized mixtures of experts are refused (checkpoints/loader.py)."""
+    out = dict(table)
+    for suffix, t in table.items():
+        if suffix.endswith("weight") and t.path[-1] == "kernel":
+            scale = dataclasses.replace(t, path=(*t.path[:-1], t.path[-1] + "_scale"))
+            out[suffix + "_scale"] = scale
+    return out
+
+
+LAYER_TABLE = _with_scales(LAYER_TABLE)
 # The routers, under model.layers.{i}.
 ROUTER_TABLE: dict[str, Target] = {
     "mlp.gate.weight": Target(("mlp", "router"), True),  # Qwen3-MoE
@@ -202,15 +222,23 @@ class Parts:
 Layout = dict[tuple[str, ...], dict[int | None, Parts]]
 
 
-def index_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings: bool) -> Layout:
+def index_hf_weights(
+    model_dir: Path, abstract_params: dict, *, tied_embeddings: bool, prequant=None
+) -> Layout:
     """Where each param's values are: {stacked param path: {layer (None if unstacked): Parts}}.
 
     The arrays are memory-mapped views, already transposed (and, for fused params, reshaped to
     their piece) in jaxserve's layout, so nothing is read until a loader slices them. Checks what
     the loaders rely on: every tensor is known, every param filled, every shape as the config
     says. `abstract_params` is the model's `jax.eval_shape` param tree (stacked or unstacked).
+    `prequant` (a jaxserve.quantization.CheckpointQuant): the folder is pre-quantized, and
+    `abstract_params` the quantized tree its 8-bit weights and scales fill as they are.
     """
     tensors = (pair for file in weight_files(model_dir) for pair in iter_tensors(file))
+    if prequant is not None:
+        from checkpoints.prequantized import prequantized_tensors
+
+        tensors = prequantized_tensors(tensors, prequant, model_dir)
     return index_hf_tensors(
         tensors, abstract_params, tied_embeddings=tied_embeddings, where=model_dir
     )
@@ -293,9 +321,14 @@ def hf_arrays_to_params(
     )
 
 
-def load_hf_weights(model_dir: Path, abstract_params: dict, *, tied_embeddings: bool) -> dict:
-    """Reads the safetensors tensors of `model_dir` into numpy arrays like `abstract_params`."""
-    layout = index_hf_weights(model_dir, abstract_params, tied_embeddings=tied_embeddings)
+def load_hf_weights(
+    model_dir: Path, abstract_params: dict, *, tied_embeddings: bool, prequant=None
+) -> dict:
+    """Reads the safetensors tensors of `model_dir` into numpy arrays like `abstract_params`
+    (`prequant`: a pre-quantized folder into its quantized tree, as index_hf_weights)."""
+    layout = index_hf_weights(
+        model_dir, abstract_params, tied_embeddings=tied_embeddings, prequant=prequant
+    )
     return jax.tree_util.tree_map_with_path(
         lambda kp, leaf: read_slice(layout, _path(kp), leaf.dtype, (slice(None),) * leaf.ndim),
         abstract_params,
@@ -309,6 +342,7 @@ def place_hf_weights(
     *,
     tied_embeddings: bool,
     lazy: bool = False,
+    prequant=None,
 ) -> dict:
     """Loads `model_dir` straight into `shardings`: each device's shard is read from the file.
 
@@ -316,8 +350,11 @@ def place_hf_weights(
     model larger than one device loads onto a mesh of them. `lazy`: each leaf is a function
     of no arguments that reads and places it when called, so a consumer that quantizes leaf
     by leaf (jaxserve/models/quant.py's quantize_params) never holds the whole float tree.
+    `prequant`: a pre-quantized folder's 8-bit weights and scales, as index_hf_weights.
     """
-    layout = index_hf_weights(model_dir, abstract_params, tied_embeddings=tied_embeddings)
+    layout = index_hf_weights(
+        model_dir, abstract_params, tied_embeddings=tied_embeddings, prequant=prequant
+    )
 
     def place(kp, leaf, sharding):
         path = _path(kp)

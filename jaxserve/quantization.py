@@ -11,6 +11,11 @@ int8 matmuls (v4, v5e, v5p, v6e's MXU, by the chip table's int8 rate; the CPU). 
 the model's layers are jaxserve/models/quant.py; docs/architecture.md, "Quantized weights",
 says why the representation is ours and not qwix's.
 
+A pre-quantized Hugging Face checkpoint (checkpoints/prequantized.py reads its
+`quantization_config` into a `CheckpointQuant`) brings its own scheme:
+`resolve_checkpoint_quantization` serves it as that scheme under "none", accepts the same name
+(and "int8" for an int8 W8A8 checkpoint, run weight-only) and refuses any other.
+
 Here without JAX (like jaxserve/target.py, beside which it sits), so that the command line can
 list the names and validate them before anything is imported.
 """
@@ -39,6 +44,10 @@ class QuantScheme:
     # GPUs' fp8 GEMM reads them: stored [in, *features] XLA:GPU transposes each one for it,
     # and under the scan hoists that copy of every layer (docs/architecture.md).
     transposed: bool = False
+    # Block-scaled weights (a pre-quantized `quant_method: fp8` checkpoint's 128x128 blocks):
+    # one scale per `block` rows of the contracting axis and per output column, `kernel_scale`
+    # [ceil(in / block), *features]; weight-only on every chip. None: one scale a column.
+    block: int | None = None
 
     def __post_init__(self):
         if self.weights not in WEIGHT_DTYPES:
@@ -47,6 +56,12 @@ class QuantScheme:
             raise ValueError(
                 f"QuantScheme activations={self.activations!r} must be None (weight-only) or "
                 f"{self.weights!r}, the weights' own type."
+            )
+        if self.block is not None and (self.activations or self.transposed or self.block < 1):
+            raise ValueError(
+                f"QuantScheme block={self.block!r} must be a positive row count of a weight-only, "
+                f"untransposed scheme (activations={self.activations!r}, "
+                f"transposed={self.transposed!r} here)."
             )
 
     @property
@@ -57,7 +72,83 @@ class QuantScheme:
     @property
     def label(self) -> str:
         """How logs and `jaxserve compile` name it: 'int8 weight-only', 'fp8 W8A8', ..."""
-        return f"{self.weights} {'W8A8' if self.activations else 'weight-only'}"
+        blocks = f" ({self.block}-row blocks)" if self.block else ""
+        return f"{self.weights} {'W8A8' if self.activations else 'weight-only'}{blocks}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointQuant:
+    """The scheme a pre-quantized Hugging Face checkpoint stores (its config.json's
+    `quantization_config`, read by checkpoints/prequantized.py)."""
+
+    method: str  # "fp8" | "compressed-tensors": the config's quant_method
+    weights: str  # "int8" | "fp8": the stored weights' type
+    activations: str | None  # "int8" | "fp8": dynamic per-token; None: weight-only
+    block: int | None = None  # fp8's weight_block_size (square); None: one scale a channel
+    detail: str = ""  # for messages: the format, the block size, ...
+
+    @property
+    def name(self) -> str:
+        """The --quantization name of this scheme: 'int8', 'int8-w8a8' or 'fp8'."""
+        if self.weights == "int8":
+            return "int8-w8a8" if self.activations else "int8"
+        return "fp8"
+
+    @property
+    def label(self) -> str:
+        """How messages name it: "compressed-tensors int8 W8A8 (int-quantized)", "fp8 W8A8
+        (128x128 blocks)"."""
+        kind = "W8A8" if self.activations else "weight-only"
+        weights = "" if self.method == self.weights else f" {self.weights}"
+        return f"{self.method}{weights} {kind}" + (f" ({self.detail})" if self.detail else "")
+
+
+def resolve_checkpoint_quantization(
+    name: str, checkpoint: CheckpointQuant | None, where
+) -> tuple[QuantScheme | None, str | None]:
+    """`resolve_quantization` for a model whose checkpoint may be pre-quantized: (the scheme,
+    a sentence to log at start or None). A float checkpoint (`checkpoint` None) resolves as
+    `name` does. A pre-quantized one is served in its own scheme: under "none" (the default)
+    or its own name; "int8" on an int8 W8A8 checkpoint runs its weights weight-only. The
+    activations fall back as resolve_quantization's do (int8 W8A8 runs weight-only on a chip
+    without int8 matmuls, fp8 W8A8 without fp8 matmuls), each said in the sentence; block
+    scales (fp8's 128x128) run weight-only everywhere.
+
+    Raises ValueError, naming both, for a name that asks another scheme than the checkpoint's
+    (weights of another type cannot be made from 8-bit ones), and as resolve_quantization does
+    for an explicit "int8-w8a8" on a chip without int8 matmuls."""
+    if checkpoint is None:
+        return resolve_quantization(name, where)
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"quantization={name!r} must be one of {QUANTIZATIONS}.")
+    own = checkpoint.name
+    allowed = {"none", own} | ({"int8"} if own == "int8-w8a8" else set())
+    if name not in allowed:
+        raise ValueError(
+            f"quantization={name!r} conflicts with the checkpoint, which is pre-quantized as "
+            f"{checkpoint.label} (quantization={own!r}); pass quantization={own!r} or 'none' to "
+            "serve it as it is, or load a float checkpoint to quantize it otherwise."
+        )
+    kind = where.device_kind if where.platform != "cpu" else "the CPU"
+    said = f"The checkpoint is pre-quantized as {checkpoint.label}"
+    if checkpoint.block is not None:
+        scheme = QuantScheme(weights=checkpoint.weights, block=checkpoint.block)
+        return scheme, (
+            f"{said}: served as {scheme.label}, its block scales applied to the weight "
+            "inside each dot (block-scaled activations are not implemented)."
+        )
+    if name == "int8" or checkpoint.activations is None:  # its weights, weight-only
+        scheme = QuantScheme(weights=checkpoint.weights)
+        return scheme, f"{said}: served as {scheme.label}."
+    if own == "int8-w8a8" and not has_int8_matmuls(where):
+        if name == own:  # an explicit request for a dot the chip lacks: refused as ever
+            resolve_quantization(name, where)
+        return QuantScheme(weights="int8"), (
+            f"{said}: {kind} has no int8 matmuls, so it runs weight-only (int8 weights, "
+            "activations unquantized)."
+        )
+    scheme, note = resolve_quantization(own, where)
+    return scheme, f"{said}: served as {scheme.label}" + (f"; {note}" if note else ".")
 
 
 def has_int8_matmuls(where) -> bool:

@@ -47,3 +47,16 @@ def require_peft():
 
         return peft
     return pytest.importorskip("peft", reason="peft needs torch: " + NO_TORCH)
+
+
+def require_compressed_tensors():
+    """compressed-tensors (the writer and reader of pre-quantized W8A8 checkpoints in
+    tests/models/test_prequantized.py; it needs torch), as `require_torch` treats torch."""
+    require_torch()
+    if os.environ.get("JAXSERVE_REQUIRE_TORCH") == "1":
+        import compressed_tensors
+
+        return compressed_tensors
+    return pytest.importorskip(
+        "compressed_tensors", reason="compressed-tensors needs torch: " + NO_TORCH
+    )

@@ -87,6 +87,12 @@ class SparseMoe(nn.Module):
         e, h, i = m.num_experts, c.hidden_size, m.intermediate_size
         router = self.param("router", nn.initializers.lecun_normal(), (h, e), self.dtype)
         quant = self.quant
+        if quant is not None and quant.block is not None:
+            raise ValueError(
+                f"A mixture of experts cannot run {quant.label}: the grouped expert matmul "
+                "applies one scale a column after its dot, so block-scaled experts are not "
+                "supported."
+            )
         # Packed (one CPU device): float32 experts, or 8-bit ones (cpu_matmul_int8.cc's
         # grouped kernel, weight-only, the scales applied inside it).
         packable = self.packed

@@ -34,7 +34,7 @@ from jaxserve.models.loaded import abstract_params, layer_loop_of, model_for, un
 from jaxserve.models.quant import contracting_axis, weight_bytes_by_dtype
 from jaxserve.models.sharding import ShardingPlan, make_mesh
 from jaxserve.models.step_batch import pack_chunks, to_words
-from jaxserve.quantization import resolve_quantization
+from jaxserve.quantization import resolve_checkpoint_quantization
 from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.runtime.model_runner import RunnerConfig, step_words
 from jaxserve.runtime.roofline import StepWork, layer_floor, predict, step_floor
@@ -313,6 +313,7 @@ def compile_for_target(
     """Compiles every step bucket of `config` for `target_name` (see jaxserve.target.resolve),
     or the token buckets listed in `buckets`; the model is read for its config only."""
     from checkpoints.loader import default_dtype, model_config_of
+    from checkpoints.prequantized import checkpoint_quantization_of
 
     tp = config.mesh_shape[1] if config.mesh_shape else config.tensor_parallel
     where = targets.resolve(target_name, min_devices=tp)
@@ -322,7 +323,9 @@ def compile_for_target(
         mesh = make_mesh(config.tensor_parallel, config.mesh_shape, devices=where.devices)
         sharding = ShardingPlan.create(mesh, model)
         layer_loop = resolve_layer_loop("auto", model, dtype)
-        scheme, note = resolve_quantization(config.quantization, where)
+        # A pre-quantized folder compiles in its own scheme (checkpoints/prequantized.py).
+        checkpoint = checkpoint_quantization_of(config.model)
+        scheme, note = resolve_checkpoint_quantization(config.quantization, checkpoint, where)
         shapes = abstract_params(model, dtype, quant=scheme)
         if layer_loop == "unrolled":
             shapes = unstack_layers(shapes)

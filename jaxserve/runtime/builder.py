@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from checkpoints import LoadedModel, load_model
+from checkpoints.prequantized import checkpoint_quantization_of
 from checkpoints.weights import hf_arrays_to_params
 from jaxserve import target
 from jaxserve.engine_config import EngineConfig
@@ -26,7 +27,7 @@ from jaxserve.models.kv_pool import free_device_bytes, pages_that_fit, resolve_k
 from jaxserve.models.loaded import abstract_params, layer_loop_of, model_for
 from jaxserve.models.quant import quantize_params
 from jaxserve.models.sharding import MESH_AXES, ShardingPlan, make_mesh
-from jaxserve.quantization import resolve_quantization
+from jaxserve.quantization import resolve_checkpoint_quantization
 from jaxserve.runtime import aot
 from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.runtime.model_runner import ModelRunner, RunnerConfig, enable_compilation_cache
@@ -119,7 +120,11 @@ def build_runner(
     mesh = engine_mesh(config, devices, mesh)
     owned = model is None  # loaded here: its float leaves may be freed as they are quantized
     if model is None:  # quantized as it loads: the float tree is never whole on the devices
-        scheme, _ = resolve_quantization(config.quantization, target.current())
+        # A pre-quantized folder: its own scheme, read as stored (checkpoints/prequantized.py).
+        checkpoint = checkpoint_quantization_of(config.model)
+        scheme, _ = resolve_checkpoint_quantization(
+            config.quantization, checkpoint, target.current()
+        )
         model = load_model(
             config.model, dtype=config.dtype, seed=config.seed, mesh=mesh, quant=scheme
         )
@@ -163,15 +168,19 @@ def quantize_model(
     the target in use, onto `sharding`'s devices; the model itself for "none" or when it is
     already in that scheme. Logs the scheme, and the sentence saying where it falls back to
     weight-only. `donate`: the float leaves are freed as they are replaced (the caller owns
-    them). Raises ValueError for a scheme the target refuses, or a model already quantized
-    otherwise."""
-    scheme, note = resolve_quantization(name, target.current())
+    them). A model loaded from a pre-quantized folder is already in its scheme: `name` must
+    agree with it (resolve_checkpoint_quantization), and it is logged. Raises ValueError for
+    a scheme the target refuses, a name that conflicts with a pre-quantized checkpoint, or a
+    model already quantized otherwise."""
+    checkpoint = checkpoint_quantization_of(model.source) if model.quant is not None else None
+    scheme, note = resolve_checkpoint_quantization(name, checkpoint, target.current())
     if note:
         logger.warning(note)
     if scheme is None:
         return model
     if model.quant == scheme:  # a folder read quantized, param by param (load_model's quant)
-        logger.info("Decoder matmul weights quantized as they loaded: %s.", scheme.label)
+        how = "read pre-quantized" if checkpoint is not None else "quantized as they loaded"
+        logger.info("Decoder matmul weights %s: %s.", how, scheme.label)
         return model
     if model.quant is not None:
         raise ValueError(
@@ -242,6 +251,12 @@ def load_params(source, model: LoadedModel, sharding: ShardingPlan) -> dict:
     devices = sharding.mesh.devices
     mesh = Mesh(devices.reshape(devices.shape[0], -1), MESH_AXES)
     layer_loop = layer_loop_of(model.params)
+    checkpoint = checkpoint_quantization_of(source)
+    if checkpoint is not None and model.quant is None:
+        raise ValueError(
+            f"The checkpoint {str(source)!r} is pre-quantized as {checkpoint.label}, but the "
+            "model served is float: serve the pre-quantized checkpoint, or swap in float weights."
+        )
     loaded = load_model(
         source, dtype=model.dtype, mesh=mesh, layer_loop=layer_loop, quant=model.quant
     )

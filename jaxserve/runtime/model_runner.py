@@ -183,10 +183,12 @@ def packs_weights(dtype, sharding: ShardingPlan, quant=None) -> bool:
     where cpu_matmul_int8.cc has the scheme's vector kernel (weight-only int8 or e4m3:
     AVX-512F; W8A8, int8 only: VNNI too): their 8-bit panels, a quarter of float32's bytes.
     (XLA:CPU's dot widened e4m3 weights into a float32 copy every step, 7-15x slower than
-    float32.)"""
+    float32.) Block-scaled kernels (a pre-quantized fp8 checkpoint's 128-row scales) are not
+    packed: the kernel applies one scale a column."""
     if quant is not None and not (
         (quant.weights == "int8" or quant.activations is None)
         and not quant.transposed
+        and quant.block is None
         and cpu_ffi.int8_matmul_available("float" if quant.activations is None else "int8")
     ):
         return False

@@ -214,14 +214,26 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) ->
     return out[0, len(prompt) :].tolist()
 
 
-@functools.partial(jax.jit, static_argnames=("config", "dtype", "plan"), donate_argnames=("kv",))
+@functools.partial(
+    jax.jit, static_argnames=("config", "dtype", "plan", "quant"), donate_argnames=("kv",)
+)
 def paged_step(
-    config: ModelConfig, dtype: str, params: dict, kv: KVPages, batch, lora=None, plan=None
+    config: ModelConfig,
+    dtype: str,
+    params: dict,
+    kv: KVPages,
+    batch,
+    lora=None,
+    plan=None,
+    quant=None,
 ):
     """One ragged step: logits of every token f32[T, vocab] and the updated pool. `lora`: the
     adapters' slot arrays (jaxserve.models.lora.empty_slots), read by each token's lora_slot;
-    `plan`: the ShardingPlan the model is split by (None: one device)."""
-    model = model_for(config, jnp.dtype(dtype), plan=plan, layer_loop=layer_loop_of(params))
+    `plan`: the ShardingPlan the model is split by (None: one device); `quant`: the params'
+    QuantScheme (a quantized model's, LoadedModel.quant)."""
+    model = model_for(
+        config, jnp.dtype(dtype), plan=plan, layer_loop=layer_loop_of(params), quant=quant
+    )
     batch = dataclasses.replace(batch, lora=lora)
     hidden, kv = model.apply({"params": params}, kv, batch)
     return model.apply({"params": params}, hidden, method="logits"), kv
@@ -307,6 +319,7 @@ class PagedSession:
             batch,
             self.lora,
             self.plan,
+            self.loaded.quant,
         )
         logits = np.asarray(logits)
         out = []
