@@ -237,6 +237,29 @@ def test_fp8_w8a8_model_compiles_for_the_h100_and_int8_w8a8_is_refused(tmp_path)
     assert proc.returncode != 0 and "int8-w8a8" in proc.stderr and "H100" in proc.stderr
 
 
+@needs_cuda_plugin
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_an_8_bit_kv_pool_compiles_for_the_h100_through_the_triton_kernel(tmp_path, kv):
+    """`jaxserve compile --target h100 --kv-cache-dtype int8|fp8 --attention-backend pallas`:
+    the step with its 8-bit pool (scale exponents in the page's lanes) goes to the Triton
+    kernel, which dequantizes as it loads, and compiles for sm_90a."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "jaxserve.cli", "compile", "--target", "h100", "--model",
+           "qwen3-tiny", "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--buckets",
+           "1,16", "--kv-cache-dtype", kv, "--attention-backend", "pallas",
+           "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["kv_cache_dtype"] == {"int8": "int8", "fp8": "float8_e4m3fn"}[kv]
+    assert report["attention_backend"] == "pallas_gpu"
+    assert all(b["compiled"] for b in report["buckets"])
+
+
 # Triton launches whose SMEM need is read off the compiler: (shape, tuning row).
 SMEM_CALIBRATION = [
     (Shape(jnp.bfloat16, 256, 128, 4, 64, 4, 8), H100),  # 3 stages, 128-key blocks
