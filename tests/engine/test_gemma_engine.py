@@ -64,3 +64,59 @@ def test_served_packed_where_the_cpu_packs(served):
     params = runner.step_params
     assert "packed_head" in params
     assert params["layers_0"]["mlp"]["gate_up_proj"]["kernel"].ndim == 3  # [N / 64, K, 64]
+
+
+# ---- Gemma's 262,144-word vocabulary: the grammar mask's width, the head's cost ----
+
+GEMMA_VOCAB = 262_144
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """(transformers model, engine) of a tiny Gemma 3 with Gemma's real vocabulary width,
+    serving the embedded model's 512-word tokenizer: ids 512 and up are words no grammar may
+    emit, as a checkpoint's padded vocabulary rows are."""
+    hf = build_gemma(
+        "gemma3", vocab_size=GEMMA_VOCAB, max_position_embeddings=1024, eos_token_id=2
+    )  # stories260k's </s>: the grammar engine needs an end of sequence
+    folder = save_hf(hf, tmp_path_factory.mktemp("gemma3-wide"))
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_MODEL_DIR / name, folder / name)
+    return hf, Engine(EngineConfig(model=str(folder), **SMALL))
+
+
+def test_a_262k_vocabulary_serves_grammars_logprobs_and_greedy_text(wide):
+    """The mask rows are 262,144 / 32 words wide; choice and regex constraints hold although
+    most of the head's 262k logits belong to no token of the tokenizer; logprobs are
+    transformers' log_softmax over all 262,144; greedy equals generate; no compile after
+    warm-up."""
+    import re
+
+    import numpy as np
+    import torch
+
+    hf, engine = wide
+    assert engine.model.config.vocab_size == GEMMA_VOCAB
+    assert engine.runner.mask_words == GEMMA_VOCAB // 32
+    llm = LLM(engine=engine)
+    before = compiles.serving()
+    choices = ["red", "green", "light blue"]
+    regex = r"[0-9]{2}\.[0-9] (EUR|USD)"
+    params = [SamplingParams(max_tokens=12, seed=i, structured_output={"choice": choices})
+              for i in range(4)]  # fmt: skip
+    params += [SamplingParams(max_tokens=16, seed=i, structured_output={"regex": regex})
+               for i in range(4)]  # fmt: skip
+    outs = llm.generate(["Colour:"] * 4 + ["Price:"] * 4, params)
+    assert all(o.text in choices for o in outs[:4]), [o.text for o in outs[:4]]
+    assert all(re.fullmatch(regex, o.text) for o in outs[4:]), [o.text for o in outs[4:]]
+    assert all(t < 512 for o in outs for t in o.token_ids)  # never a word past the tokenizer's
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    out = llm.generate([PROMPTS[0]], greedy)[0]
+    assert out.token_ids == _hf_greedy(hf, out.prompt_token_ids, 12)
+    with torch.no_grad():
+        ids = torch.tensor([out.prompt_token_ids + out.token_ids[:1]])
+        want = torch.log_softmax(hf(ids).logits[0, len(out.prompt_token_ids) - 1], -1)
+    first = out.logprobs[0]
+    assert first.token_id == out.token_ids[0]
+    np.testing.assert_allclose(first.logprob, float(want[first.token_id]), atol=1e-4)
+    assert compiles.serving() == before, f"compiled after warm-up: {compiles.recent()}"
