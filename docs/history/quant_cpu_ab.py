@@ -2,6 +2,7 @@
 process, rounds interleaved (issue 43; docs/benchmarks.md, "Quantized weights").
 
     PYTHONPATH=. python docs/history/quant_cpu_ab.py none,int8,int8-w8a8 3
+    PYTHONPATH=. python docs/history/quant_cpu_ab.py none,kv-int8,kv-fp8 2   # the KV cache
 
 Three engines over the same random weights, each quantized at load as named; each round
 generates 48 greedy tokens from 16-token random prompts at batch 1, then 16, on every engine in
@@ -44,7 +45,9 @@ def main(schemes: list[str], rounds: int) -> None:
             max_num_batched_tokens=256,
             max_model_len=512,
             num_pages=16 * 8 + 8,
-            quantization=q,
+            # "kv-int8" / "kv-fp8": float weights, the KV cache in 8 bits (--kv-cache-dtype)
+            quantization="none" if q.startswith("kv-") else q,
+            kv_cache_dtype=q.removeprefix("kv-") if q.startswith("kv-") else "auto",
             show_progress=False,
         )
         llms[q] = LLM(engine=build_engine(config, model=model))

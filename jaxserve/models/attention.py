@@ -9,11 +9,12 @@ import logging
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import target
 from jaxserve.models.step_batch import SeqChunk, StepBatch, pack_chunks
-from pallas_kernels.ragged_paged_attention import common, reference, xla_blocked
+from pallas_kernels.ragged_paged_attention import common, cpu_ffi, reference, xla_blocked
 
 # reference: the dense pure-jnp oracle (cost follows max_model_len). xla: pure jnp blocked over
 # the real context (the CPU's production path). pallas: the platform's kernel (TPU or GPU), an
@@ -252,4 +253,20 @@ def write_kv(
         # heads are replicated (over model_rep too), then split the pool that way for the
         # scatter and gather it back for attention: a pool-sized all-gather in every layer.
         rows = jax.lax.with_sharding_constraint(rows, rows_sharding)
+    if (
+        kv_pool.dtype == jnp.float8_e4m3fn
+        and rows_sharding is None
+        and shards == 1
+        and cpu_ffi.available()
+    ):
+        # XLA:CPU has no float8 scatter: it widened the whole pool to float16 and back around
+        # every layer's write (50x a decode step). The CPU writes the rows in C++ instead;
+        # a step compiled for an accelerator keeps the scatter.
+        def scatter(kv_pool, rows):
+            return kv_pool.at[layer, page, offset].set(rows, mode="drop")
+
+        def native(kv_pool, rows):
+            return cpu_ffi.write_rows(kv_pool, layer, rows, slot_mapping)
+
+        return jax.lax.platform_dependent(kv_pool, rows, cpu=native, default=scatter)
     return kv_pool.at[layer, page, offset].set(rows, mode="drop")

@@ -45,6 +45,7 @@ _SOURCES = (_HERE / "cpu_decode.cc", _HERE / "cpu_matmul.cc", _HERE / "cpu_matmu
 _HEADERS = (_HERE / "cpu_pool.h",)
 _TARGET = "jaxserve_decode_attention"
 _Q8_TARGET = "jaxserve_decode_attention_q8"
+_WRITE_ROWS_TARGET = "jaxserve_write_rows"
 _RAGGED_TARGET = "jaxserve_ragged_attention"
 _FUSED_TARGET = "jaxserve_rope_write_attention"
 _MATMUL_TARGET = "jaxserve_packed_matmul"
@@ -122,6 +123,9 @@ def available() -> bool:
             _Q8_TARGET, jax.ffi.pycapsule(lib.JaxserveDecodeAttentionQ8), platform="cpu"
         )
         jax.ffi.register_ffi_target(
+            _WRITE_ROWS_TARGET, jax.ffi.pycapsule(lib.JaxserveWriteRows), platform="cpu"
+        )
+        jax.ffi.register_ffi_target(
             _RAGGED_TARGET, jax.ffi.pycapsule(lib.JaxserveRaggedAttention), platform="cpu"
         )
         jax.ffi.register_ffi_target(
@@ -173,6 +177,30 @@ def decode_attention(
         lowest.astype(jnp.int32),
         sm_scale=np.float32(sm_scale),
     )
+
+
+def write_rows(
+    kv_pool: jax.Array,  # i8 | f8e4m3[L, P, page_size, lanes], donated by the caller's step
+    layer: jax.Array,  # i32[]
+    rows: jax.Array,  # [T, lanes], the pool's dtype (common.fuse_kv's quantized rows)
+    slot_mapping: jax.Array,  # i32[T] page * page_size + offset; out of range: dropped
+) -> jax.Array:  # the pool with the rows written, in place
+    """`kv_pool.at[layer, page, offset].set(rows, mode="drop")` for an 8-bit pool, in C++ on the
+    pool's own buffer (aliased): XLA:CPU has no float8 scatter and widened the whole pool to
+    float16 and back around every layer's write."""
+    if not available():
+        raise RuntimeError("write_rows needs the CPU kernels' library, which did not load.")
+    if jnp.dtype(kv_pool.dtype).itemsize != 1 or rows.dtype != kv_pool.dtype:
+        raise ValueError(
+            f"write_rows takes an 8-bit pool and rows of its dtype; got a {kv_pool.dtype} pool "
+            f"and {rows.dtype} rows."
+        )
+    call = jax.ffi.ffi_call(
+        _WRITE_ROWS_TARGET,
+        jax.ShapeDtypeStruct(kv_pool.shape, kv_pool.dtype),
+        input_output_aliases={0: 0},
+    )
+    return call(kv_pool, jnp.asarray(layer, jnp.int32), rows, jnp.asarray(slot_mapping, jnp.int32))
 
 
 RAGGED_HEAD_DIMS = (32, 64, 128, 256)  # cpu_decode.cc's AttendSlot and PrefillRows

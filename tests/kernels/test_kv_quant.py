@@ -152,6 +152,35 @@ def test_write_kv_quantizes_each_row_and_drops_padding(name):
     assert not np.asarray(out[0]).view(np.uint8).any()  # the other layer untouched
 
 
+@pytest.mark.skipif(not cpu_ffi.available(), reason="the CPU kernels' library did not build")
+def test_an_e4m3_pool_is_written_in_place_on_the_cpu_never_widened():
+    """XLA:CPU has no float8 scatter: it widened the whole e4m3 pool to float16 and back around
+    each write (50x a decode step). The CPU's step writes the rows in C++ on the pool's own
+    buffer; the bytes are those of the scatter, padding dropped, a slot past the end too."""
+    dtype = jnp.float8_e4m3fn
+    hkv, d, page_size = 2, 32, 4
+    lanes = common.kv_lanes(hkv, d, quantized=True)
+    rng = np.random.default_rng(3)
+    raw = rng.integers(-120, 120, size=(2, 3, page_size, lanes)).astype(np.int8)
+    pool = jax.lax.bitcast_convert_type(jnp.asarray(raw), dtype)
+    k = jnp.asarray(rng.normal(size=(4, hkv, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(4, hkv, d)), jnp.float32)
+    slots = jnp.asarray([5, 0, 11, 3 * page_size + 7], jnp.int32)
+    write = jax.jit(write_kv, donate_argnums=0)
+    text = write.lower(pool, jnp.int32(1), k, v, slots).compile().as_text()
+    assert "jaxserve_write_rows" in text
+    assert f"f16[2,3,{page_size},{lanes}]" not in text, "the pool was widened to float16"
+    rows = common.fuse_kv(k, v, lanes, 1, dtype)
+    want = pool.at[1, slots // page_size, slots % page_size].set(rows, mode="drop")
+    got = write(jnp.array(pool), jnp.int32(1), k, v, slots)
+    np.testing.assert_array_equal(
+        np.asarray(jax.lax.bitcast_convert_type(got, jnp.int8)),
+        np.asarray(jax.lax.bitcast_convert_type(want, jnp.int8)),
+    )
+    with pytest.raises(ValueError, match=r"8-bit pool and rows of its dtype; got a float32 pool"):
+        cpu_ffi.write_rows(jnp.zeros((1, 1, 1, 4)), jnp.int32(0), jnp.zeros((1, 4)), slots[:1])
+
+
 CPU_CASES = ["decode", "mixed", "mixed_window", "padded_lanes"]
 
 
