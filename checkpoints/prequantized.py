@@ -2,7 +2,7 @@
 8-bit tensors -> the quantized tree's kernels and scales, never widened to float.
 
     ckpt = checkpoint_quantization(json.load(open(folder / "config.json")), folder)
-    pairs = prequantized_tensors(tensors, ckpt, folder)   # (HF name, array), scales renamed
+    pairs = prequantized_tensors(tensors, ckpt, folder, map_name)  # scales renamed
 
 Two formats:
 - `quant_method: "fp8"` (transformers' FineGrainedFP8: Qwen3-*-FP8, DeepSeek): `weight`
@@ -27,8 +27,9 @@ Linear layers compressed-tensors quantizes, so nothing here is tested against it
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -174,7 +175,10 @@ def _ct_group(name: str, group: dict, default_format, where) -> tuple[str, str |
 
 
 def prequantized_tensors(
-    tensors: Iterable[tuple[str, np.ndarray]], ckpt: CheckpointQuant, where: object
+    tensors: Iterable[tuple[str, np.ndarray]],
+    ckpt: CheckpointQuant,
+    where: object,
+    map_name: Callable[[str], Any],  # checkpoints.weights.map_name: an HF name -> its param
 ) -> Iterator[tuple[str, np.ndarray]]:
     """The (HF name, array) pairs of a pre-quantized checkpoint as the name table reads them:
     each decoder matmul's 8-bit `weight` [out, in] as it is, and its scales as
@@ -184,7 +188,7 @@ def prequantized_tensors(
     Raises ValueError naming the tensor for a missing or misshapen scale, a decoder matmul
     stored in another dtype than the scheme's, and a param kept float stored in 8 bits. (A
     mixture of experts is refused before, by checkpoints/loader.py, naming an expert.)"""
-    from checkpoints.weights import map_name  # weights.py calls this module
+    # `map_name` is handed in by weights.py, which calls this module (no import cycle).
     from jaxserve.models.quant import contracting_axis
 
     named = dict(tensors)  # memory-mapped views: nothing is read yet

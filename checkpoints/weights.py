@@ -238,7 +238,7 @@ def index_hf_weights(
     if prequant is not None:
         from checkpoints.prequantized import prequantized_tensors
 
-        tensors = prequantized_tensors(tensors, prequant, model_dir)
+        tensors = prequantized_tensors(tensors, prequant, model_dir, map_name)
     return index_hf_tensors(
         tensors, abstract_params, tied_embeddings=tied_embeddings, where=model_dir
     )
