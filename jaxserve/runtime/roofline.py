@@ -135,10 +135,13 @@ def layer_floor(
     dense_experts: bool = False,
     weight_itemsize: float | None = None,
     kv_itemsize: float | None = None,
+    window: int | None = None,
 ) -> StepWork:
     """One decoder layer's share of `step_floor`: its weights (of `weight_itemsize` bytes,
     None: `itemsize`), its KV written and read (`kv_itemsize` bytes an element, 1 for an 8-bit
-    pool; None: `itemsize`), its matmuls and its attention, on one device."""
+    pool; None: `itemsize`), its matmuls and its attention, on one device. A sliding-`window`
+    layer reads at most the last window - 1 earlier keys and attends each query to at most
+    `window` keys (Mistral, Gemma's local layers)."""
     c, tp = model, tensor_parallel
     if num_tokens < num_seqs or num_seqs < 1 or context < 0:
         raise ValueError(
@@ -148,10 +151,13 @@ def layer_floor(
     weights = layer_weights(c, tp, num_tokens, dense_experts)
     kv_size = itemsize if kv_itemsize is None else kv_itemsize
     kv_per_token = 2 * c.num_kv_heads * c.head_dim * kv_size / kv_split(tp, c.num_kv_heads)
-    # Written: the step's tokens; read back by attention: each sequence's context and its own.
-    kv_bytes = kv_per_token * (num_tokens + num_tokens + num_seqs * context)
     q = num_tokens / num_seqs  # each sequence's new tokens (even: the fewest causal pairs)
     pairs = num_seqs * (q * context + q * (q + 1) / 2)
+    if window is not None:  # keys older than the window are neither read nor attended
+        context = min(context, window - 1)
+        pairs = min(num_seqs * (q * context + q * (q + 1) / 2), num_tokens * window)
+    # Written: the step's tokens; read back by attention: each sequence's context and its own.
+    kv_bytes = kv_per_token * (num_tokens + num_tokens + num_seqs * context)
     attention = 4 * _query_heads(c, tp) * c.head_dim * pairs  # Q K^T and P V, 2 FLOPs a MAC
     return StepWork(
         flops=layer_matmul_flops(c, num_tokens, tp, dense_experts) + attention,
@@ -176,25 +182,34 @@ def step_floor(
     matmul weights of `weight_itemsize` where quantized): see the module docstring for what
     is counted."""
     c, tp = model, tensor_parallel
-    layer = layer_floor(
-        c,
-        num_tokens,
-        num_seqs,
-        itemsize,
-        tensor_parallel=tp,
-        context=context,
-        dense_experts=dense_experts,
-        weight_itemsize=weight_itemsize,
-        kv_itemsize=kv_itemsize,
-    )
+    # Each layer with its own window (Gemma's local and global layers; Mistral's one window),
+    # computed once per distinct window.
+    windows = [c.layer_window(i) for i in range(c.num_layers)]
+    per_window = {
+        w: layer_floor(
+            c,
+            num_tokens,
+            num_seqs,
+            itemsize,
+            tensor_parallel=tp,
+            context=context,
+            dense_experts=dense_experts,
+            weight_itemsize=weight_itemsize,
+            kv_itemsize=kv_itemsize,
+            window=w,
+        )
+        for w in set(windows)
+    }
+    layer_flops = sum(per_window[w].flops for w in windows)
+    layer_bytes = sum(per_window[w].bytes for w in windows)
     table = c.vocab_size * c.hidden_size / tp  # split by vocabulary rows
     head_bytes = table * itemsize  # the LM head reads all of it, tied or not
     if not c.tie_word_embeddings:  # the input embedding: only the step's rows are gathered
         head_bytes += min(num_tokens, c.vocab_size) * c.hidden_size * itemsize / tp
     logits_bytes = num_seqs * c.vocab_size * 4 / tp  # f32, split by vocabulary
     return StepWork(
-        flops=c.num_layers * layer.flops + 2 * num_seqs * table,
-        bytes=c.num_layers * layer.bytes + head_bytes + logits_bytes,
+        flops=layer_flops + 2 * num_seqs * table,
+        bytes=layer_bytes + head_bytes + logits_bytes,
     )
 
 

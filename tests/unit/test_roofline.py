@@ -362,3 +362,30 @@ def test_xla_gpu_s_dense_experts_are_priced_as_they_run():
         for d in (False, True)
     )
     assert slow > 4 * fast  # 16x the experts' FLOPs, where the sparse step is bound by bytes
+
+
+def test_local_layers_read_only_their_window_of_the_context():
+    """gemma3-1b at 8,191 tokens of context, one decode token: each of its 22 sliding layers
+    reads 511 earlier keys, not 8,191 (its 4 global layers read them all); and a query attends
+    to at most the window's keys. The same model with every layer global costs the difference."""
+    from jaxserve.runtime.roofline import step_floor
+
+    gemma = NAMED_SHAPES["gemma3-1b"]
+    all_global = dataclasses.replace(
+        gemma, layer_types=tuple("full_attention" for _ in gemma.layer_types)
+    )
+    local = sum(gemma.layer_window(i) is not None for i in range(gemma.num_layers))
+    assert local == 22 and gemma.sliding_window == 512
+    ctx = 8191
+    windowed = step_floor(gemma, 1, 1, 2, context=ctx)
+    full = step_floor(all_global, 1, 1, 2, context=ctx)
+    kv_per_token = 2 * gemma.num_kv_heads * gemma.head_dim * 2  # bf16 keys and values
+    assert full.bytes - windowed.bytes == pytest.approx(local * kv_per_token * (ctx - 511))
+    pairs_saved = local * (ctx + 1 - 512)  # the one query's keys past the window
+    attention = 4 * gemma.num_heads * gemma.head_dim
+    assert full.flops - windowed.flops == pytest.approx(attention * pairs_saved)
+    # Within the window nothing changes.
+    assert (
+        step_floor(gemma, 1, 1, 2, context=100).bytes
+        == step_floor(all_global, 1, 1, 2, context=100).bytes
+    )
