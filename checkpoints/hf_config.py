@@ -153,21 +153,12 @@ def model_config_from_hf(hf: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelC
         return _gemma_config(hf, family, eos_token_ids)
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act={hf.hidden_act!r} is not supported (only silu).")
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     attention_bias = bool(getattr(hf, "attention_bias", False))
     eos = set(eos_token_ids)
     hf_eos = getattr(hf, "eos_token_id", None)
     eos.update([hf_eos] if isinstance(hf_eos, int) else (hf_eos or []))
     return ModelConfig(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-        head_dim=head_dim,
-        max_position_embeddings=hf.max_position_embeddings,
-        rms_norm_eps=float(hf.rms_norm_eps),
+        **_shape_fields(hf),
         rope=_rope_config(hf),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or attention_bias,
@@ -179,6 +170,21 @@ def model_config_from_hf(hf: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelC
         eos_token_ids=tuple(sorted(eos)),
         architecture=family,
         moe=_moe_config(hf, family),
+    )
+
+
+def _shape_fields(hf: Any) -> dict[str, Any]:
+    """The decoder's shape in `ModelConfig`'s names, read alike from every family's config."""
+    return dict(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        max_position_embeddings=hf.max_position_embeddings,
+        rms_norm_eps=float(hf.rms_norm_eps),
     )
 
 
@@ -197,15 +203,7 @@ def _gemma_config(hf: Any, family: str, eos_token_ids: tuple[int, ...]) -> Model
         hf_eos = getattr(outer, "eos_token_id", None)
     eos.update([hf_eos] if isinstance(hf_eos, int) else (hf_eos or []))
     return ModelConfig(
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        max_position_embeddings=hf.max_position_embeddings,
-        rms_norm_eps=float(hf.rms_norm_eps),
+        **_shape_fields(hf),
         # Gemma always ties its head to the embedding (a multimodal config says so outside).
         tie_word_embeddings=bool(
             getattr(outer, "tie_word_embeddings", getattr(hf, "tie_word_embeddings", True))

@@ -553,7 +553,6 @@ class LlamaForCausalLM(nn.Module):
                 "weights need packed_weights=False."
             )
         layer_args = (c, self.attention_backend, self.dtype, self.plan, self.packed_weights)
-        quant = self.quant
         if resolve_layer_loop(self.layer_loop, c, self.dtype) == "scan":
             self.layers = nn.scan(
                 DecoderLayer,
