@@ -346,9 +346,9 @@ def test_triton_kernel_on_quantized_pages_lowers_for_cuda(name):
 
     case = Case(((9, 40), (1, 17), (1, 3)), 16, 8, 2, 128, jnp.bfloat16, 16, 4)
     fn = functools.partial(gpu_kernel.ragged_paged_attention, sm_scale=0.1)
+    args = quantized_inputs(case, KV_DTYPES[name])  # eager: before the abstract mesh (JAX 0.12)
     with gpu_target():
-        lowered = jax.jit(fn).trace(*quantized_inputs(case, KV_DTYPES[name]))
-        lowered = lowered.lower(lowering_platforms=("cuda",))
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert "xla.gpu.triton" in lowered.as_text()
 
 
