@@ -143,8 +143,8 @@ class Admission:
         """Whether a slot and the pages of `num_tokens` after the cached pages `hit`, the
         cached partial page `fork` kept, are free without preempting anyone."""
         kv = self.kv
-        reclaimed = sum(kv.ref_count(p) == 0 for p in [*hit, fork])
-        need = kv.pages_for(num_tokens) - len(hit)
+        reclaimed = sum(kv.ref_count(p) == 0 for p in [*kv.prefix_pages(hit), fork])
+        need = kv.fresh_pages(num_tokens, len(hit))
         return bool(self.free_slots) and need <= kv.num_free_pages - reclaimed
 
     def _make_room(
@@ -167,8 +167,9 @@ class Admission:
             assert allocated, "the free pages were counted by _room_now"
             return True
         need_slot = not self.free_slots
-        reclaimed = sum(self.kv.ref_count(p) == 0 for p in hit)  # cached: not free for others
-        need_pages = self.kv.pages_for(num_tokens) - len(hit) - (self.kv.num_free_pages - reclaimed)
+        kv = self.kv
+        reclaimed = sum(kv.ref_count(p) == 0 for p in kv.prefix_pages(hit))  # cached: not free
+        need_pages = kv.fresh_pages(num_tokens, len(hit)) - (kv.num_free_pages - reclaimed)
         if need_slot or need_pages > 0:
             if not self._may_preempt:
                 return False
@@ -198,7 +199,7 @@ def check_fits(req: Request, config: SchedulerConfig, kv: KVCacheManager) -> Non
             f"than max_model_len={config.max_model_len}."
         )
     # The last sampled token is never run through the model, so it needs no cache slot.
-    pages = kv.pages_for(req.max_num_tokens - 1)
+    pages = kv.max_pages_held(req.max_num_tokens - 1, config.max_num_batched_tokens)
     if pages > config.num_pages:
         raise RequestRejected(
             f"Request {rid!r} may need {pages} KV pages of {config.page_size} tokens, more than "

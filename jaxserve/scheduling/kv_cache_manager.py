@@ -29,6 +29,19 @@ its owner and every child write their own next tokens into it. It stays readable
 holds it (the slots a partial page publishes are never written again) and, once freed, is cached
 like a published full page, evicted least recently freed first.
 
+Groups (the hybrid pool of models whose layers differ, models/kv_pool.KVLayout): the layers may
+be split into `len(windows)` groups that share the page numbers, each page one group's layers, and
+each sequence has a table per group, all covering the same slots. Group 0 attends to every
+earlier token: its table is *the* table (`table_of`, `tables`, `match`). A group with a sliding
+window W reads only the keys of the last W positions, so once a sequence has computed c tokens
+its pages wholly before position c - W + 1 are dead to it: `slide` releases them (cached if
+published, so a later prompt with the same tokens still finds them). Their entries stay in the
+table (a live table only grows) but no longer count: the entries before `live_start` are stale
+and the attention never reads them. A prefix hit of k pages then needs group 0's first k pages
+and each windowed group's pages from its `live_start(k * page_size)` to k, found by group 0's
+page hashes; `match` returns the longest k for which every group has them. Partial pages are not
+forked with groups (`publish_partial` declines): a sibling computes its partial page itself.
+
 With KV events on (`events`, scheduling/kv_events.py) every change of the set of published full
 pages is recorded as it is made: a page published (`publish`), evicted (`_fresh_page`), or all of
 them dropped (`drop_published`). Nothing else changes that set.
@@ -106,11 +119,25 @@ class KVCacheManager:
     A "sequence" is anything with a page table: a request, or one sample or beam of it.
     """
 
-    def __init__(self, num_pages: int, page_size: int, max_pages_per_seq: int):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        max_pages_per_seq: int,
+        windows: Sequence[int | None] = (None,),
+    ):
         if num_pages < 1 or page_size < 1 or max_pages_per_seq < 1:
             raise ValueError(
                 f"The KV pool needs {num_pages=}, {page_size=} and {max_pages_per_seq=} all >= 1."
             )
+        windows = tuple(windows)
+        if not windows or windows[0] is not None or any(w is not None and w < 1 for w in windows):
+            raise ValueError(
+                f"The KV groups' windows {windows} must start with None (group 0 attends to "
+                "every earlier token) and the others be None or a window of at least 1 token."
+            )
+        self.windows = windows
+        self.num_groups = len(windows)
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_pages_per_seq = max_pages_per_seq
@@ -121,6 +148,12 @@ class KVCacheManager:
         self._hash_of: list[bytes | None] = [None] * num_pages  # published pages only
         self._page_of: dict[bytes, int] = {}  # hash -> the page published under it
         self._tables: dict[str, list[int]] = {}
+        # Groups 1..: each sequence's tables (same length as group 0's) and, per group, how many
+        # leading entries `slide` released; each group's hash index. Empty with one group.
+        self._group_tables: dict[str, tuple[list[int], ...]] = {}
+        self._dead: dict[str, list[int]] = {}
+        self._group_of = [0] * num_pages  # the group a published page is published in
+        self._group_index: list[dict[bytes, int]] = [{} for _ in windows[1:]]
         self._published: dict[str, int] = {}  # leading pages of each table already published
         # Partial pages (copy on write): page -> (key, tokens), and by key (the parent page's
         # hash and the first token) the pages published under it, oldest first.
@@ -172,6 +205,8 @@ class KVCacheManager:
         self._cached.clear()
         self._hash_of = [None] * self.num_pages
         self._page_of.clear()
+        for index in self._group_index:
+            index.clear()
         self._published.clear()
         return dropped
 
@@ -188,7 +223,16 @@ class KVCacheManager:
     def num_private_pages(self, seq_id: str, exclude: Sequence[int] = ()) -> int:
         """Pages only `seq_id` lists (freeing it releases exactly these), less `exclude`."""
         skip = set(exclude)
-        return sum(self._refs[p] == 1 and p not in skip for p in self._tables.get(seq_id, ()))
+        return sum(self._refs[p] == 1 and p not in skip for p in self._live_pages(seq_id))
+
+    def _live_pages(self, seq_id: str) -> list[int]:
+        """The pages the sequence's tables hold a reference to, every group's."""
+        pages = list(self._tables.get(seq_id, ()))
+        for table, dead in zip(
+            self._group_tables.get(seq_id, ()), self._dead.get(seq_id, ()), strict=True
+        ):
+            pages.extend(table[dead:])
+        return pages
 
     def page_table(self, seq_id: str) -> list[int]:
         """A copy of the sequence's pages in order (empty when it holds none)."""
@@ -203,6 +247,59 @@ class KVCacheManager:
         max_pages_per_seq ints per row.
         """
         return self._tables[seq_id]
+
+    @property
+    def group_tables(self) -> Mapping[str, tuple[list[int], ...]]:
+        """Every sequence's live tables of groups 1.. by id (empty with one group); entries
+        before a group's `live_start` are stale."""
+        return self._group_tables
+
+    def live_start(self, group: int, num_computed: int) -> int:
+        """The first page of `group`'s table a query at position `num_computed` or later may
+        read: 0 for a full group; for a window W, the page of position num_computed - W + 1."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, (num_computed - window + 1) // self.page_size)
+
+    def fresh_pages(self, num_tokens: int, held: int = 0) -> int:
+        """Pages `allocate` takes to grow a table of `held` pages to `num_tokens` slots: one
+        per new page in every group."""
+        return self.num_groups * max(0, self.pages_for(num_tokens) - held)
+
+    def max_pages_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most pages a sequence of `num_tokens` slots holds at once when each step runs
+        at most `max_chunk` of its tokens (a windowed group keeps its window and the chunk)."""
+        n = self.pages_for(num_tokens)
+        total = 0
+        for window in self.windows:
+            live = n if window is None else -(-(window - 1 + max_chunk) // self.page_size) + 1
+            total += min(n, live)
+        return total
+
+    def prefix_pages(self, prefix: Sequence[int]) -> list[int]:
+        """Every page a table started with group 0's cached `prefix` (from `match`) takes: the
+        prefix, then each windowed group's pages for the window before its end."""
+        pages = list(prefix)
+        if self.num_groups > 1 and prefix:
+            for group in range(1, self.num_groups):
+                pages.extend(self._group_prefix(group, prefix)[1])
+        return pages
+
+    def _group_prefix(self, group: int, prefix: Sequence[int]) -> tuple[int, list[int]]:
+        """(live_start, the pages from it) of `group` for group 0's cached `prefix`."""
+        index = self._group_index[group - 1]
+        lo = self.live_start(group, len(prefix) * self.page_size)
+        pages = []
+        for page in prefix[lo:]:
+            got = index.get(self._hash_of[page])
+            if got is None:
+                raise ValueError(
+                    f"Group {group} holds no page published as group 0's page {page}: "
+                    "the prefix did not come from match()."
+                )
+            pages.append(got)
+        return lo, pages
 
     @property
     def tables(self) -> Mapping[str, list[int]]:
@@ -239,8 +336,16 @@ class KVCacheManager:
             )
         held = len(table) if table else len(prefix)
         need = max(0, want - held)
-        reclaimed = sum(self._refs[p] == 0 for p in prefix)  # cached now, ours once shared
+        groups = self.num_groups
+        group_prefixes = [self._group_prefix(g, prefix) for g in range(1, groups)] if prefix else []
+        taken = self.prefix_pages(prefix) if group_prefixes else prefix
+        reclaimed = sum(self._refs[p] == 0 for p in taken)  # cached now, ours once shared
         if fork is not None:
+            if groups > 1:
+                raise ValueError(
+                    f"Sequence {seq_id!r} cannot fork page {fork}: with KV groups "
+                    "partial pages are not published."
+                )
             if fork in prefix or fork not in self._partial_of or len(table or ()) or not need:
                 raise ValueError(
                     f"Sequence {seq_id!r} cannot fork page {fork}: it must be a published "
@@ -248,22 +353,55 @@ class KVCacheManager:
                     f"of a new table."
                 )
             reclaimed += self._refs[fork] == 0  # cached: must not be evicted for the copy
-        if need > self.num_free_pages - reclaimed:
+        if groups * need > self.num_free_pages - reclaimed:
             return False
         if table is None:
             table = self._tables[seq_id] = []
             self._published[seq_id] = 0
+            if groups > 1:
+                self._group_tables[seq_id] = tuple([] for _ in range(1, groups))
+                self._dead[seq_id] = [0] * (groups - 1)
         for page in prefix:
             self._ref(page)
             table.append(page)
+        for g, (lo, pages) in enumerate(group_prefixes):
+            # The entries before the window are stale from the start: page 0, never read.
+            group_table = self._group_tables[seq_id][g]
+            group_table.extend([0] * lo)
+            for page in pages:
+                self._ref(page)
+                group_table.append(page)
+            self._dead[seq_id][g] = lo
         self._published[seq_id] += len(prefix)  # a matched page is published already
         if fork is not None:
             self._ref(fork)  # held while the fresh pages are taken, then back where it was
         for _ in range(need):
             table.append(self._fresh_page())
+        for group_table in self._group_tables.get(seq_id, ()):
+            for _ in range(need):
+                group_table.append(self._fresh_page())
         if fork is not None:
             self._unref(fork)
         return True
+
+    def slide(self, seq_id: str, num_computed: int) -> int:
+        """Releases the pages of the sequence's windowed groups that no query at position
+        `num_computed` or later reads; returns how many. Published ones become cached.
+
+        Safe while earlier steps still run: a released page is handed out only to a later
+        plan, whose writes the device makes after every earlier step's reads.
+        """
+        dead = self._dead.get(seq_id)
+        if dead is None:
+            return 0
+        released = 0
+        for g, table in enumerate(self._group_tables[seq_id]):
+            lo = min(self.live_start(g + 1, num_computed), len(table))
+            for i in range(dead[g], lo):
+                self._unref(table[i])
+                released += 1
+            dead[g] = max(dead[g], lo)
+        return released
 
     def _unref(self, page: int) -> None:
         """Drops one reference; an unlisted page becomes cached if it holds anything worth
@@ -291,7 +429,11 @@ class KVCacheManager:
             self.stats.evictions += 1
             self._drop_partial(page)
             page_hash = self._hash_of[page]
-            if page_hash is not None:
+            if page_hash is not None and self._group_of[page]:
+                del self._group_index[self._group_of[page] - 1][page_hash]
+                self._hash_of[page] = None
+                self._group_of[page] = 0
+            elif page_hash is not None:
                 del self._page_of[page_hash]
                 self._hash_of[page] = None
                 if self.on_evict is not None:
@@ -320,6 +462,10 @@ class KVCacheManager:
         """
         table = self._tables.pop(seq_id, [])
         self._published.pop(seq_id, None)
+        group_tables = self._group_tables.pop(seq_id, ())
+        for group_table, dead in zip(group_tables, self._dead.pop(seq_id, ()), strict=True):
+            for page in reversed(group_table[dead:]):
+                self._unref(page)
         unhashed = []
         for page in reversed(table):
             self._refs[page] -= 1
@@ -351,6 +497,22 @@ class KVCacheManager:
         self._tables[seq_id], dropped = table[:keep], table[keep:]
         for page in reversed(dropped):
             self._unref(page)
+        if seq_id in self._group_tables:
+            trimmed, n = [], len(dropped)
+            for group_table, dead in zip(
+                self._group_tables[seq_id], self._dead[seq_id], strict=True
+            ):
+                if dead > keep:
+                    raise AssertionError(
+                        f"{seq_id!r} cannot keep {keep} pages: {dead} are released."
+                    )
+                cut = keep
+                for page in reversed(group_table[cut:]):
+                    self._unref(page)
+                n += len(group_table) - cut
+                trimmed.append(group_table[:cut])
+            self._group_tables[seq_id] = tuple(trimmed)
+            return n
         return len(dropped)
 
     # ---- the prefix cache -----------------------------------------------------------------
@@ -368,7 +530,18 @@ class KVCacheManager:
             if page is None:
                 break
             pages.append(page)
+        if self.num_groups > 1:
+            while pages and not self._groups_hold(hashes, len(pages)):
+                pages.pop()
         return pages
+
+    def _groups_hold(self, hashes: Sequence[bytes], k: int) -> bool:
+        """Whether every windowed group holds its pages for a prefix of k pages."""
+        for g, index in enumerate(self._group_index, start=1):
+            lo = self.live_start(g, k * self.page_size)
+            if any(h not in index for h in hashes[lo:k]):
+                return False
+        return True
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Counts one admission's lookup: `num_tokens` queried, `num_hit_tokens` served."""
@@ -405,6 +578,17 @@ class KVCacheManager:
                 self._hash_of[page] = h
                 self._page_of[h] = page
                 stored.append(i)
+        if seq_id in self._group_tables:
+            groups = zip(
+                self._group_tables[seq_id], self._dead[seq_id], self._group_index, strict=True
+            )
+            for g, (group_table, dead, index) in enumerate(groups, start=1):
+                for i in range(max(done, dead), full):  # a released page holds nothing now
+                    page, h = group_table[i], hashes[i]
+                    if self._hash_of[page] is None and h not in index:
+                        self._hash_of[page] = h
+                        self._group_of[page] = g
+                        index[h] = page
         self._published[seq_id] = full
         if self.events is not None and stored:
             self._record_stored(hashes, stored, tokens, lora_name)
@@ -440,6 +624,8 @@ class KVCacheManager:
         """
         table = self._tables.get(seq_id)
         if not tokens or len(tokens) >= self.page_size or not table or index >= len(table):
+            return False
+        if self.num_groups > 1:  # a fork would copy group 0's page alone
             return False
         page = table[index]
         if self._hash_of[page] is not None or page in self._partial_of:
@@ -485,8 +671,15 @@ class KVCacheManager:
         for seq_id, table in self._tables.items():
             if len(table) > self.max_pages_per_seq:
                 raise AssertionError(f"Sequence {seq_id!r} holds {len(table)} pages.")
-            for page in table:
+            for group_table in self._group_tables.get(seq_id, ()):
+                if len(group_table) != len(table):
+                    raise AssertionError(f"Sequence {seq_id!r}'s group tables differ in length.")
+            for page in self._live_pages(seq_id):
                 refs[page] += 1
+        if set(self._group_tables) - set(self._tables) or set(self._dead) != set(
+            self._group_tables
+        ):
+            raise AssertionError("A sequence has group tables but no table.")
         used = [p for p in range(self.num_pages) if refs[p]]
         every = used + self._free + list(self._cached)
         if (
@@ -508,6 +701,12 @@ class KVCacheManager:
         indexed = {(key, p): e for key, pages in self._partials.items() for p, e in pages.items()}
         if by_key != indexed or any(not pages for pages in self._partials.values()):
             raise AssertionError("The partial-page index disagrees with the partial pages.")
-        published = {h: p for p, h in enumerate(self._hash_of) if h is not None}
-        if published != self._page_of:
-            raise AssertionError("The hash index disagrees with the published pages.")
+        for g in range(self.num_groups):
+            index = self._group_index[g - 1] if g else self._page_of
+            published = {
+                h: p
+                for p, h in enumerate(self._hash_of)
+                if h is not None and self._group_of[p] == g
+            }
+            if published != index:
+                raise AssertionError(f"Group {g}'s hash index disagrees with its published pages.")

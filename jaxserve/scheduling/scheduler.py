@@ -81,7 +81,9 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.kv = KVCacheManager(config.num_pages, config.page_size, config.max_pages_per_seq)
+        self.kv = KVCacheManager(
+            config.num_pages, config.page_size, config.max_pages_per_seq, config.kv_windows
+        )
         # None: the prefix cache is off.
         self.prefix = (
             PrefixSharing(
@@ -282,6 +284,9 @@ class Scheduler:
             waiting = self.batching.waiting.in_order()  # the order admission starts them in
             budget = min(budget, self.budget_policy(self._running, waiting, now))
         aborted = self._apply_aborts(now)
+        if self.kv.num_groups > 1:  # windowed groups let go of what no later query reads
+            for req in self._running:
+                self.kv.slide(req.request_id, req.num_computed_tokens)
         self.batching.form_group(now, self._keys)
         plan = StepPlan(budget=budget, tables=self.kv.tables, chunked=cfg.enable_chunked_prefill)
         plan_running(plan, self._running, self._keys, cfg, self._preemption.allocate_or_preempt)

@@ -63,6 +63,10 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
     # Multi-LoRA: adapter slots on the device (lora_slots.py); 0: no request may name an adapter.
     max_loras: int = 0
+    # The hybrid KV pool's groups (models/kv_pool.KVLayout.windows): None for a group that
+    # attends to every earlier token, else its sliding window, whose older pages are released
+    # as it slides (kv_cache_manager). (None,): one group, every page kept.
+    kv_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self):
         if self.batch_size is None:
@@ -120,6 +124,12 @@ class SchedulerConfig:
             raise ValueError(
                 f"preemption={self.preemption!r} saves pages to the host KV pool, which has "
                 f"num_host_pages={hosts}: give it pages, or use preemption='recompute'."
+            )
+        if len(self.kv_windows) > 1 and hosts:
+            raise ValueError(
+                f"A KV pool of {len(self.kv_windows)} groups (windows {self.kv_windows}) has no "
+                f"host tier or swap yet, but num_host_pages={hosts}: use one group (a uniform "
+                "pool) or no host pages."
             )
         if not isinstance(self.max_loras, int) or self.max_loras < 0:
             raise ValueError(f"SchedulerConfig.max_loras={self.max_loras!r} must be an int >= 0.")
