@@ -24,7 +24,7 @@ import textwrap
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from jaxserve.engine_config import EngineConfig
+from jaxserve.engine_config import KV_LAYOUTS, EngineConfig
 from jaxserve.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
 from jaxserve.scheduling.kv_events import KV_EVENTS_FORMATS
 from jaxserve.scheduling.types import BATCHING_MODES, POLICIES, PREEMPTION_MODES
@@ -82,6 +82,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("page_size", metavar="N"),
     Flag("num_pages", metavar="N"),
     Flag("kv_cache_dtype", choices=KV_CACHE_DTYPES),
+    Flag("kv_layout", choices=KV_LAYOUTS),
     Flag("kv_cache_memory_gb", metavar="GB"),
     Flag("kv_cache_memory_fraction", metavar="F"),
     Flag("tensor_parallel", metavar="N"),

@@ -60,6 +60,9 @@ def _check_kv_events(config) -> None:
         )
 
 
+KV_LAYOUTS = ("auto", "hybrid", "uniform")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How one engine serves one model. Defaults suit the CPU and the embedded model.
@@ -99,6 +102,13 @@ class EngineConfig:
     token's keys and values of each KV head with a power-of-two scale kept in the page beside
     them, so a page takes about half the bytes of bfloat16 (a quarter of float32) and the pool
     sized from memory holds about twice as many (docs/architecture.md, "Quantized KV cache")."""
+    kv_layout: str = "auto"
+    """How the KV pool holds the layers of a model whose layers differ (Gemma's local and
+    global ones): 'hybrid' gives each group of layers its own page tables over one pool of
+    pages, and a local layer's pages go back to the pool once they leave its window (about 79%
+    fewer pages for gemma3-1b at 8k context); 'uniform' keeps every page for every layer.
+    'auto': hybrid where the layers differ and no host KV pool was asked for (host_kv_gb, swap
+    preemption: the host tier does not carry groups yet), uniform otherwise."""
     kv_cache_memory_fraction: float = 0.9
     """Share of each device's memory, free once params are placed, that the KV cache takes."""
     tensor_parallel: int = 1
@@ -242,6 +252,17 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}: 'auto' "
                 "keeps the KV cache in the model's dtype, 'int8' and 'fp8' (e4m3) store it in "
                 "8 bits with scales."
+            )
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(
+                f"kv_layout={self.kv_layout!r} is not one of {KV_LAYOUTS}: 'hybrid' frees a "
+                "local layer's pages past its window, 'uniform' keeps every page for every layer."
+            )
+        if self.kv_layout == "hybrid" and (self.host_kv_gb or self.preemption in ("swap", "auto")):
+            raise ValueError(
+                f"kv_layout='hybrid' has no host KV pool yet, but host_kv_gb={self.host_kv_gb} and "
+                f"preemption={self.preemption!r} ask for one: use kv_layout='uniform' for the "
+                "host tier, or leave host_kv_gb and preemption unset."
             )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} must be one of {QUANTIZATIONS}.")

@@ -47,6 +47,7 @@ SAMPLE = dict(
     page_size=32,
     num_pages=100,
     kv_cache_dtype="fp8",
+    kv_layout="uniform",
     kv_cache_memory_gb=2.5,
     kv_cache_memory_fraction=0.5,
     tensor_parallel=2,
