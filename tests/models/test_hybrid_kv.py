@@ -257,8 +257,9 @@ def test_a_uniform_step_compiles_as_before():
 
 
 def _runner_tokens(loaded, layout: KVLayout | None) -> tuple[tuple, list[list[int]]]:
-    """Greedy tokens of two prompts through a ModelRunner of `layout` packed by an InputBatch
-    (prefill, then decode steps that feed the sampled tokens back): the pool's shape too."""
+    """Greedy tokens of two prompts through a precompiled ModelRunner of `layout` packed by an
+    InputBatch (prefill, then decode steps that feed the sampled tokens back), and its pool's
+    shape."""
     rc = RunnerConfig(
         num_pages=NUM_PAGES,
         page_size=PAGE,
@@ -269,6 +270,7 @@ def _runner_tokens(loaded, layout: KVLayout | None) -> tuple[tuple, list[list[in
         kv_layout=layout,
     )
     runner = ModelRunner(loaded, rc)
+    runner.precompile(progress=False)  # its own batches (padding, warm-ups) carry the groups
     inputs = InputBatch(
         max_seqs=2,
         pages_per_seq=rc.pages_per_seq,
@@ -308,6 +310,7 @@ def _runner_tokens(loaded, layout: KVLayout | None) -> tuple[tuple, list[list[in
         for s in range(2):
             out[s].append(int(tokens[s]))
             seqs[s].append(int(tokens[s]))
+    assert runner.num_compiles == len(rc.buckets())  # serving met precompile's shapes
     return runner.kv.kv.shape, out
 
 
