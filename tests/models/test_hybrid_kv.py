@@ -8,8 +8,9 @@ shuffle) and a local group's entries for pages wholly outside its window point a
 other sequences, their contents overwritten with large finite garbage before every step (as the
 host allocator frees and reuses them). Logits must agree within 1e-5 on every path the CPU
 has: the jnp loops, the fused C++ call (Gemma 3; checked in the lowered step), the reference
-backend and the Pallas TPU kernel in interpret mode. Also: kv_layout on the named shapes, and a
-uniform step compiled exactly as before.
+backend and the Pallas TPU and Triton kernels in interpret mode (the prefill), and a precompiled
+ModelRunner fed by an InputBatch. Also: kv_layout on the named shapes, and a uniform step
+compiled exactly as before.
 """
 
 from __future__ import annotations
@@ -188,10 +189,12 @@ def test_reference_backend(pair):  # noqa: F811
     _compare(loaded, "reference")
 
 
-def test_pallas_tpu_interpret(pair):  # noqa: F811
-    """The TPU kernel in interpret mode takes one table a call: each layer's group's."""
+@pytest.mark.parametrize("backend", ["pallas_tpu_interpret", "pallas_gpu_interpret"])
+def test_pallas_kernels_interpreted(pair, backend):  # noqa: F811
+    """The TPU and Triton kernels in interpret mode take one table a call: each layer's group's
+    (the chunked prefill only: interpreting is slow)."""
     _, loaded = pair
-    _compare(loaded, "pallas_tpu_interpret", prefill_only=True)
+    _compare(loaded, backend, prefill_only=True)
 
 
 def test_the_scan_refuses_a_hybrid_layout(pair):  # noqa: F811
