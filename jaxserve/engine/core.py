@@ -180,6 +180,7 @@ class Engine:
             num_pages=rc.num_pages,
             token_buckets=rc.token_buckets,
             seq_bucket_for=rc.seq_bucket_for,
+            num_groups=rc.num_groups,  # a hybrid pool's page tables per sequence
         )
         # LoRA adapters in host memory (adapters.py); the device holds up to max_loras of them.
         self.adapters = Adapters(self.model.config, rc.max_loras, rc.max_lora_rank)

@@ -97,7 +97,13 @@ def with_attention_plan(backend: str, batch: StepBatch) -> StepBatch:
 
 
 def warm_up_batches(
-    num_tokens: int, num_seqs: int, *, page_size: int, pages_per_seq: int, num_pages: int
+    num_tokens: int,
+    num_seqs: int,
+    *,
+    page_size: int,
+    pages_per_seq: int,
+    num_pages: int,
+    num_groups: int = 1,
 ) -> list[StepBatch]:
     """Batches of bucket shape (num_tokens, num_seqs) that run the step's decode loop and prefill
     tiles once each while writing nothing to the KV pool: what `precompile` should run per bucket.
@@ -112,6 +118,7 @@ def warm_up_batches(
     A decode row (1 token, context 1) and a prefill row (the rest, from position 0) read page 0,
     and every slot points past the pool, so the step's scatter drops all writes; sampling outputs
     are meant to be discarded. One batch when the bucket fits both rows, else one per row.
+    `num_groups` > 1 (a hybrid pool): every group reads the same pages, and writes nowhere.
     """
     decode = SeqChunk([0], 0, [0])
     room = min(num_tokens, pages_per_seq * page_size)  # a prefill row's longest chunk
@@ -124,10 +131,13 @@ def warm_up_batches(
     shape = dict(num_tokens=num_tokens, num_seqs=num_seqs, page_size=page_size)
     batches = []
     for chunks in groups:
-        batch = pack_chunks(chunks, **shape, pages_per_seq=pages_per_seq, num_pages=num_pages)
+        batch = pack_chunks(
+            chunks, **shape, pages_per_seq=pages_per_seq, num_pages=num_pages, num_groups=num_groups
+        )
         # Past the pool's last slot, like padding tokens: the write of every row is dropped.
         dropped = np.full_like(batch.slot_mapping, num_pages * page_size)
-        batches.append(dataclasses.replace(batch, slot_mapping=dropped))
+        group_dropped = np.full_like(batch.group_slots, num_pages * page_size)
+        batches.append(dataclasses.replace(batch, slot_mapping=dropped, group_slots=group_dropped))
     return batches
 
 

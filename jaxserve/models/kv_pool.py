@@ -19,6 +19,14 @@ one contiguous DMA of its keys and values, and one scatter writes both.
 Layers are stacked on the leading axis so the model scans over them (one compiled layer body,
 whatever the depth) and the step donates the pool, updating it in place.
 
+Hybrid pools (`KVLayout`, vLLM's hybrid allocator): a model with full-attention and
+sliding-window layers (Gemma) splits its layers into groups of k; the pool's leading axis is k
+(`group_size`), layer i lives at index `layer_slot[i]` and reads and writes through its group's
+page table (`layer_group[i]`), and every group shares one page-ID space. A local group's pages
+that fall out of its window can then go back to the allocator while the full group keeps its
+own, so one page ID holds k layers' tokens of one group. A uniform layout (one group of all
+layers, slot = layer) is the pool as it always was.
+
 Quantized pools (`--kv-cache-dtype int8 | fp8`; docs/architecture.md, "Quantized KV cache"): the
 same array in int8 or float8_e4m3fn, each token's keys (and, apart, its values) of each KV head
 scaled by its own power of two 2^e. The exponents are integers in [-16, 16], stored in the
@@ -48,10 +56,90 @@ from pallas_kernels.ragged_paged_attention import common
 
 
 @dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """Which pool index and which page table each decoder layer uses (the module docstring).
+
+    Static: it shapes the pool and the model's indexing, so the step compiles once per layout.
+    Group 0 is a full-attention group (its table is StepBatch.page_tables, and it covers every
+    page of a sequence); the other groups' tables are StepBatch.group_tables.
+    """
+
+    group_size: int  # k: layers per page ID, the pool's leading axis
+    windows: tuple[int | None, ...]  # per group: None (full attention) or its sliding window
+    layer_group: tuple[int, ...]  # per layer: its group
+    layer_slot: tuple[int, ...]  # per layer: its index on the pool's leading axis, < group_size
+
+    def __post_init__(self):
+        n, g = len(self.layer_group), len(self.windows)
+        if len(self.layer_slot) != n or self.group_size < 1 or not self.windows:
+            raise ValueError(
+                f"A KVLayout needs group_size >= 1, at least one group and a slot per layer; got "
+                f"group_size={self.group_size}, {g} groups, {n} layer groups and "
+                f"{len(self.layer_slot)} layer slots."
+            )
+        if self.windows[0] is not None:
+            raise ValueError(
+                f"Group 0 must be a full-attention group (window None), not window "
+                f"{self.windows[0]}: its table is the one that covers every page."
+            )
+        seen = set()
+        for i, (group, slot) in enumerate(zip(self.layer_group, self.layer_slot, strict=True)):
+            if not (0 <= group < g and 0 <= slot < self.group_size) or (group, slot) in seen:
+                raise ValueError(
+                    f"Layer {i} has group {group} and slot {slot}: each layer needs its own "
+                    f"(group < {g}, slot < {self.group_size}) pair."
+                )
+            seen.add((group, slot))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def is_uniform(self) -> bool:
+        """One group whose slots are the layers: the pool and the step of a plain model."""
+        return self.num_groups == 1 and self.layer_slot == tuple(range(len(self.layer_slot)))
+
+    @classmethod
+    def uniform(cls, num_layers: int) -> KVLayout:
+        """Every layer in group 0 at its own index: today's pool of num_layers per page."""
+        return cls(num_layers, (None,), (0,) * num_layers, tuple(range(num_layers)))
+
+
+def kv_layout(config: ModelConfig, hybrid: bool) -> KVLayout:
+    """The pool layout of `config`: uniform unless `hybrid` and its layers mix full-attention
+    and windowed ones (Gemma).
+
+    k = min(#full, #windowed) layers per group, so the smaller kind fills whole groups and no
+    group mixes kinds (a page of a group is freed for all its layers at once, which only works
+    when they share a window). Full groups first (group 0 must be full), then one run of groups
+    per distinct window, each taking its layers in layer order, k at a time; the last group of
+    a run may hold fewer (its free slots are padding no layer touches). gemma3-1b (4 global of
+    26): k = 4, 1 full + 6 local groups (the last with 2 layers); gemma2-2b: k = 13, 2 groups.
+    """
+    windows = [config.layer_window(i) for i in range(config.num_layers)]
+    full = [i for i, w in enumerate(windows) if w is None]
+    if not hybrid or not full or len(full) == len(windows):
+        return KVLayout.uniform(config.num_layers)
+    k = min(len(full), len(windows) - len(full))
+    group_windows, layer_group, layer_slot = [], [0] * len(windows), [0] * len(windows)
+    runs = [full] + [
+        [i for i, w in enumerate(windows) if w == window]
+        for window in sorted({w for w in windows if w is not None})
+    ]
+    for layers in runs:
+        for start in range(0, len(layers), k):
+            for slot, layer in enumerate(layers[start : start + k]):
+                layer_group[layer], layer_slot[layer] = len(group_windows), slot
+            group_windows.append(windows[layers[0]])
+    return KVLayout(k, tuple(group_windows), tuple(layer_group), tuple(layer_slot))
+
+
+@dataclasses.dataclass(frozen=True)
 class KVPages:
     """Keys and values of every cached token, addressed by (layer, page, offset)."""
 
-    kv: jax.Array  # [num_layers, num_pages, page_size, lanes] (see the module docstring)
+    kv: jax.Array  # [group_size, num_pages, page_size, lanes] (see the module docstring)
 
     @property
     def num_pages(self) -> int:
@@ -95,8 +183,10 @@ def init_kv_pages(
     dtype: jnp.dtype = jnp.float32,
     sharding: jax.sharding.Sharding | None = None,
     lanes: int | None = None,
+    layout: KVLayout | None = None,
 ) -> KVPages:
-    """Allocates a zeroed pool of `num_pages` pages of `page_size` tokens for every layer.
+    """Allocates a zeroed pool of `num_pages` pages of `page_size` tokens for every layer slot
+    of `layout` (None: uniform, one slot per layer).
 
     With `sharding` (split by KV head over a mesh) each device allocates only its own heads.
     `lanes` defaults to the unpadded lanes of `dtype`'s pool (ShardingPlan.pool_lanes pads it for
@@ -105,17 +195,27 @@ def init_kv_pages(
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"The KV pool needs {num_pages=} >= 1 and {page_size=} >= 1.")
     lanes = lanes or kv_lanes(config, kv_dtype=dtype)
-    shape = (config.num_layers, num_pages, page_size, lanes)
+    shape = (_slots(config, layout), num_pages, page_size, lanes)
     return KVPages(kv=jnp.zeros(shape, dtype, device=sharding))
 
 
+def _slots(config: ModelConfig, layout: KVLayout | None) -> int:
+    """The pool's leading axis: `layout`'s group size, else every layer."""
+    return config.num_layers if layout is None else layout.group_size
+
+
 def kv_bytes_per_page(
-    config: ModelConfig, page_size: int, dtype: jnp.dtype, lanes: int | None = None
+    config: ModelConfig,
+    page_size: int,
+    dtype: jnp.dtype,
+    lanes: int | None = None,
+    layout: KVLayout | None = None,
 ) -> int:
-    """Bytes one page takes over all layers, keys and values (with the lanes' padding, when
-    `lanes` is given): to size the pool from a budget."""
+    """Bytes one page ID takes over its layer slots (`layout`'s group size, else all layers),
+    keys and values (with the lanes' padding, when `lanes` is given): to size the pool."""
     itemsize = jnp.dtype(dtype).itemsize
-    return config.num_layers * page_size * (lanes or kv_lanes(config, kv_dtype=dtype)) * itemsize
+    lanes = lanes or kv_lanes(config, kv_dtype=dtype)
+    return _slots(config, layout) * page_size * lanes * itemsize
 
 
 def padded_bytes(shape: Sequence[int], dtype: jnp.dtype, platform: str = "tpu") -> int:

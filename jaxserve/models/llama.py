@@ -10,6 +10,11 @@ windows and RoPE (the unrolled loop), soft caps on attention logits and on the f
 q/k/v are one matmul (`qkv_proj`, kernel [hidden, num_kv_heads, group + 2, head_dim]) and gate/up
 another (`gate_up_proj`, [hidden, 2, intermediate]); checkpoints/weights.py fuses them on load.
 
+A hybrid KV pool (`kv_layout`, kv_pool.KVLayout) gives each layer of the unrolled loop a static
+pool slot and its group's page tables and write slots (StepBatch.group_tables / group_slots) in
+every attention path; a uniform one keeps the carried layer index and `page_tables`, so its step
+is unchanged. LoRA and the experts' load keep the true layer index.
+
 The layer loop (`layer_loop`, or $JAXSERVE_LAYER_LOOP) is a switch. "scan" (`nn.scan`, params
 stacked [num_layers, ...] under "layers") compiles one layer body whatever the depth. XLA:CPU
 copies each layer's weight slices out of the stacked params before every dot (a dynamic-slice
@@ -59,7 +64,7 @@ from jaxserve.models.attention import (
     write_kv,
 )
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.kv_pool import KVPages
+from jaxserve.models.kv_pool import KVLayout, KVPages
 from jaxserve.models.lora import lora_delta
 from jaxserve.models.moe import SparseMoe
 from jaxserve.models.quant import SCALE_SUFFIX, QuantDense
@@ -193,11 +198,30 @@ class Attention(nn.Module):
     packed: bool = False  # the kernels in cpu_matmul.cc's panels (`_dense`)
     quant: QuantScheme | None = None  # 8-bit q/k/v and o kernels (models/quant.py)
     layer_index: int | None = None  # the unrolled loop's layer (its window); None: any layer
+    kv_layout: KVLayout | None = None  # a hybrid pool's groups (kv_pool.py); None: uniform
+
+    def _pool_view(self, layer, batch: StepBatch):
+        """Where this layer's keys and values live: (pool index i32[], page tables i32[S, P],
+        write slots i32[T]). The carried layer index with group 0's table and slots for a
+        uniform pool (so its step is what it always was); else the layer's static slot and its
+        group's table and slots (`kv_layout`)."""
+        layout = self.kv_layout
+        if layout is None or layout.is_uniform:
+            return layer, batch.page_tables, batch.slot_mapping
+        i = self.layer_index  # static: LlamaForCausalLM refuses a hybrid layout to the scan
+        group = layout.layer_group[i]
+        if not group:
+            return jnp.int32(layout.layer_slot[i]), batch.page_tables, batch.slot_mapping
+        tables, slots = batch.group_tables[group - 1], batch.group_slots[group - 1]
+        return jnp.int32(layout.layer_slot[i]), tables, slots
 
     @nn.compact
     def __call__(self, x, kv_pool, layer, batch: StepBatch, cos, sin):
         c = self.config
         window = c.layer_window(self.layer_index)
+        # The pool index, page tables and write slots of this layer; `layer` (its true index)
+        # stays what LoRA reads its per-layer weights by.
+        pool_layer, page_tables, slot_mapping = self._pool_view(layer, batch)
         t = x.shape[0]
         # One matmul for q, k and v: per KV head, its group of q heads, then its k, then its v.
         g = c.q_per_kv
@@ -225,6 +249,7 @@ class Attention(nn.Module):
             q = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms, name="q_norm")(q)
             k = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms, name="k_norm")(k)
         backend = resolve_backend(self.attention_backend)
+        view = (pool_layer, page_tables, slot_mapping)
         # RoPE, the pool write and the attention as one C++ call (float32 on this CPU). The
         # call has no soft cap: a soft-capped layer (Gemma 2) takes the jnp path below.
         fusable = c.attn_logit_softcap is None
@@ -242,12 +267,12 @@ class Attention(nn.Module):
                     v,
                     cos,
                     sin,
-                    batch.slot_mapping,
+                    slot_mapping,
                     kv_pool,
-                    layer,
+                    pool_layer,
                     batch.query_start,
                     batch.kv_lens,
-                    batch.page_tables,
+                    page_tables,
                     batch.num_seqs,
                     c.sm_scale,
                     window,
@@ -255,9 +280,7 @@ class Attention(nn.Module):
                 return out.reshape(t, -1).astype(q.dtype), kv_pool
 
             def unfused(q, k, v, kv_pool):
-                return self._attend(
-                    q, k, v, kv_pool, layer, batch, cos, sin, backend, split, window
-                )
+                return self._attend(q, k, v, kv_pool, view, batch, cos, sin, backend, split, window)
 
             # Chosen when the step is lowered: a step compiled for an accelerator is unfused.
             heads, kv_pool = jax.lax.platform_dependent(
@@ -265,7 +288,7 @@ class Attention(nn.Module):
             )
         else:
             heads, kv_pool = self._attend(
-                q, k, v, kv_pool, layer, batch, cos, sin, backend, split, window
+                q, k, v, kv_pool, view, batch, cos, sin, backend, split, window
             )
         out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj", self.packed, batch, self.quant)(
             heads
@@ -274,9 +297,11 @@ class Attention(nn.Module):
             out = out + _lora(self, batch, "o_proj", layer, heads)
         return out, kv_pool
 
-    def _attend(self, q, k, v, kv_pool, layer, batch: StepBatch, cos, sin, backend, split, window):
-        """RoPE, this step's keys and values into the pool, attention: heads [T, H * d]."""
+    def _attend(self, q, k, v, kv_pool, view, batch: StepBatch, cos, sin, backend, split, window):
+        """RoPE, this step's keys and values into the pool, attention: heads [T, H * d].
+        `view`: the layer's (pool index, page tables, write slots) from `_pool_view`."""
         c, t = self.config, q.shape[0]
+        layer, page_tables, slot_mapping = view
         # Only a soft-capped model (Gemma 2) passes the keyword; every attention path takes it.
         cap = {} if c.attn_logit_softcap is None else {"soft_cap": c.attn_logit_softcap}
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
@@ -285,7 +310,7 @@ class Attention(nn.Module):
             layer,
             k,
             v,
-            batch.slot_mapping,
+            slot_mapping,
             1 if self.plan is None else self.plan.kv_shards,
             rows_sharding=self.plan.kv_rows if split else None,
         )
@@ -297,7 +322,7 @@ class Attention(nn.Module):
             layer,
             batch.query_start,
             batch.kv_lens,
-            batch.page_tables,
+            page_tables,
             batch.num_seqs,
             # The xla backend's tile list, made once per step before the layer loop.
             *(() if batch.attention_plan is None else (batch.attention_plan,)),
@@ -372,6 +397,7 @@ class DecoderLayer(nn.Module):
     sparse: bool = False  # the experts (models/moe.py) in place of the dense MLP
     quant: QuantScheme | None = None  # 8-bit matmul kernels (models/quant.py)
     layer_index: int | None = None  # the unrolled loop's layer (its window); None: scanned
+    kv_layout: KVLayout | None = None  # a hybrid pool's groups (kv_pool.py); None: uniform
 
     @nn.compact
     def __call__(self, carry, batch: StepBatch, cos, sin):
@@ -390,6 +416,7 @@ class DecoderLayer(nn.Module):
             self.packed,
             self.quant,
             self.layer_index,
+            self.kv_layout,
             name="self_attn",
         )
         attn_out, kv_pool = attention(norm("input_layernorm")(h), kv_pool, layer, batch, cos, sin)
@@ -523,6 +550,26 @@ def resolve_layer_loop(
     return layer_loop
 
 
+def _checked_layout(layout: KVLayout | None, config: ModelConfig, loop: str) -> KVLayout | None:
+    """`layout` if it fits `config` and `loop`; None for a uniform one (the plain step)."""
+    if layout is None or (layout.is_uniform and layout.group_size == config.num_layers):
+        return None
+    windows = tuple(layout.windows[g] for g in layout.layer_group)
+    wanted = tuple(config.layer_window(i) for i in range(config.num_layers))
+    if windows != wanted:
+        raise ValueError(
+            f"The KV layout's per-layer windows {windows} are not the model's {wanted}: it was "
+            "made for another model (kv_pool.kv_layout)."
+        )
+    if loop == "scan":
+        raise ValueError(
+            f"A hybrid KV layout ({layout.num_groups} groups of {layout.group_size} layers) "
+            "needs the unrolled layer loop: each layer's pool slot and page table are static, "
+            "and the scanned body is one layer for all."
+        )
+    return layout
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder-only Llama-family model over a ragged, paged batch."""
 
@@ -539,6 +586,9 @@ class LlamaForCausalLM(nn.Module):
     # 8-bit decoder matmuls (models/quant.py): the params are `quantize_params` of the float
     # tree. The embedding, the head, the norms and a router stay in `dtype`.
     quant: QuantScheme | None = None
+    # The pool's layer groups (kv_pool.KVLayout): a hybrid layout indexes the pool by each
+    # layer's slot and reads its group's tables (unrolled loop only). None: uniform.
+    kv_layout: KVLayout | None = None
 
     def setup(self):
         c = self.config
@@ -553,7 +603,9 @@ class LlamaForCausalLM(nn.Module):
                 "weights need packed_weights=False."
             )
         layer_args = (c, self.attention_backend, self.dtype, self.plan, self.packed_weights)
-        if resolve_layer_loop(self.layer_loop, c, self.dtype) == "scan":
+        loop = resolve_layer_loop(self.layer_loop, c, self.dtype)
+        layout = _checked_layout(self.kv_layout, c, loop)
+        if loop == "scan":
             self.layers = nn.scan(
                 DecoderLayer,
                 variable_axes={"params": 0},
@@ -564,7 +616,9 @@ class LlamaForCausalLM(nn.Module):
         else:  # params "layers_0" ... "layers_{n-1}", each its own array (see the docstring)
             sparse = c.moe is not None
             self.layers = [
-                DecoderLayer(*layer_args, sparse=sparse, quant=quant, layer_index=i)
+                DecoderLayer(
+                    *layer_args, sparse=sparse, quant=quant, layer_index=i, kv_layout=layout
+                )
                 for i in range(c.num_layers)
             ]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype, c.gemma_norms)

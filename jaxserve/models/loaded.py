@@ -45,10 +45,12 @@ def model_for(
     layer_loop: str = "auto",
     packed_weights: bool = False,
     quant: QuantScheme | None = None,
+    kv_layout=None,
 ):
     """The flax module of `config`; `plan` (a jaxserve.models.sharding.ShardingPlan) splits it;
     `packed_weights`: its matmuls read `pack_params` trees (the runner's choice on the CPU);
-    `quant`: its decoder matmuls read `quantize_params` trees (models/quant.py).
+    `quant`: its decoder matmuls read `quantize_params` trees (models/quant.py); `kv_layout`
+    (kv_pool.KVLayout, None: uniform): the pool's layer groups, for a hybrid pool.
 
     `layer_loop` decides the param tree's layout (see `unstack_layers`); loaders use the same
     "auto" default, so a loaded model and the runner's module agree on each platform.
@@ -61,6 +63,7 @@ def model_for(
         layer_loop=layer_loop,
         packed_weights=packed_weights,
         quant=quant,
+        kv_layout=kv_layout,
     )
 
 

@@ -54,6 +54,15 @@ class StepBatch:
     num_proposals: jax.Array = None  # i32[S] proposals of sequence s (0: none)
     extra_start: jax.Array = None  # i32[S] first extra row of sequence s's proposals
     num_rows: jax.Array = None  # i32[] rows that sample: the sequences, then the extra rows
+    # Hybrid KV pools (kv_pool.KVLayout): the page tables and write slots of groups 1..G-1
+    # (group 0's are page_tables and slot_mapping), [0, ...] for a uniform pool, whose step
+    # then slices nothing out and runs as before. The write slots travel from the host rather
+    # than being derived on the device from the tables: a token's row is not in the batch (only
+    # query_start), so the device would need a search per token per group per step, while the
+    # host already computes slot_mapping the same way and the extra words are few (gemma3-1b:
+    # 6 per token). None: a batch built without them (uniform only).
+    group_tables: jax.Array = None  # i32[G-1, S, P] like page_tables, per extra group
+    group_slots: jax.Array = None  # i32[G-1, T] like slot_mapping, per extra group
     # Per-step work list of the attention backend (xla_blocked.StepPlan), derived on the device
     # from the fields above once per step, before the layer loop; None on the host.
     attention_plan: Any = None
@@ -83,6 +92,9 @@ class SeqChunk:
     start_pos: int  # position of token_ids[0]; equals the tokens already in the cache
     page_table: Sequence[int]  # pages holding this sequence's cache, covering start_pos + len
     lora_slot: int = 0  # the device slot of its adapter (models/lora.py); 0: none
+    # Hybrid KV pools: the page tables of groups 1..G-1 (kv_pool.KVLayout), each covering
+    # start_pos + len like page_table; (): every group reads page_table (warm-ups, tests).
+    group_tables: Sequence[Sequence[int]] = ()
 
 
 def pack_chunks(
@@ -93,8 +105,10 @@ def pack_chunks(
     num_seqs: int,
     pages_per_seq: int,
     num_pages: int,
+    num_groups: int = 1,
 ) -> StepBatch:
-    """Pads `chunks` into a numpy `StepBatch` of bucket shape (num_tokens, num_seqs)."""
+    """Pads `chunks` into a numpy `StepBatch` of bucket shape (num_tokens, num_seqs), with the
+    tables and write slots of `num_groups` - 1 extra KV groups (kv_pool.KVLayout)."""
     total = sum(len(c.token_ids) for c in chunks)
     if total > num_tokens or len(chunks) > num_seqs:
         raise ValueError(
@@ -110,6 +124,9 @@ def pack_chunks(
     page_tables = np.zeros((num_seqs, pages_per_seq), np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)
     lora_slots = np.zeros(num_tokens, np.int32)
+    extra = num_groups - 1
+    group_tables = np.zeros((extra, num_seqs, pages_per_seq), np.int32)
+    group_slots = np.full((extra, num_tokens), num_pages * page_size, np.int32)
     offset = 0
     for s, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
@@ -131,6 +148,20 @@ def pack_chunks(
         page_tables[s, : len(table)] = table
         logits_indices[s] = offset + n - 1
         lora_slots[offset : offset + n] = getattr(chunk, "lora_slot", 0)
+        groups = getattr(chunk, "group_tables", ())
+        if extra and groups and len(groups) != extra:
+            raise ValueError(
+                f"Sequence {s} has {len(groups)} extra group tables; the pool has {extra}."
+            )
+        for g in range(extra):
+            t = np.asarray(groups[g] if groups else chunk.page_table, np.int32)
+            if len(t) * page_size < end_pos or len(t) > pages_per_seq:
+                raise ValueError(
+                    f"Sequence {s} needs {end_pos} cache slots but group {g + 1}'s table has "
+                    f"{len(t)} pages of {page_size} (at most {pages_per_seq})."
+                )
+            group_tables[g, s, : len(t)] = t
+            group_slots[g, offset : offset + n] = t[pos // page_size] * page_size + pos % page_size
         offset += n
     return StepBatch(
         token_ids=token_ids,
@@ -148,6 +179,8 @@ def pack_chunks(
         extra_start=np.zeros(num_seqs, np.int32),
         num_rows=np.int32(len(chunks)),
         lora_slots=lora_slots,
+        group_tables=group_tables,
+        group_slots=group_slots,
     )
 
 

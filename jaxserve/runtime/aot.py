@@ -225,13 +225,17 @@ def size_pool(
     return max(1, min(cap, int(budget // page_bytes)))
 
 
-def pool_page_bytes(model: ModelConfig, page_size: int, dtype, sharding: ShardingPlan) -> int:
-    """Bytes of one page on each device: its KV shard's lanes over all layers, padded as the
+def pool_page_bytes(
+    model: ModelConfig, page_size: int, dtype, sharding: ShardingPlan, layout=None
+) -> int:
+    """Bytes of one page ID on each device: its KV shard's lanes over its layer slots (all
+    layers; a hybrid `layout`'s group size, kv_pool.KVLayout), padded as the
     platform lays them out (kv_pool.padded_bytes: whole 128-lane tiles on TPU, whose lanes are
     already a multiple of 128, so only the sublane rows of a short page pad there). `dtype` is
     the pool's: a quantized one has 1-byte lanes and its scale lanes (ShardingPlan.pool_lanes)."""
     shard_lanes = sharding.pool_lanes(dtype) // sharding.kv_shards
-    return model.num_layers * padded_bytes((page_size, shard_lanes), dtype, sharding.platform)
+    slots = model.num_layers if layout is None else layout.group_size
+    return slots * padded_bytes((page_size, shard_lanes), dtype, sharding.platform)
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -430,7 +434,8 @@ def step_program(
     params = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, param_shardings
     )
-    pool_shape = (mc.num_layers, runner.num_pages, runner.page_size, sharding.pool_lanes(kv_dtype))
+    slots = mc.num_layers if runner.kv_layout is None else runner.kv_layout.group_size
+    pool_shape = (slots, runner.num_pages, runner.page_size, sharding.pool_lanes(kv_dtype))
     kv_sharding = sharding.kv_pages
     rep = sharding.replicated
     max_seqs = runner.seq_buckets[-1]
@@ -486,6 +491,7 @@ def _compile_bucket(p: _StepProgram, num_tokens: int, num_seqs: int) -> BucketRe
         num_seqs=num_seqs,
         pages_per_seq=p.runner.pages_per_seq,
         num_pages=p.runner.num_pages,
+        num_groups=p.runner.num_groups,
     )
     words = to_words((batch, SamplingBatch.empty(num_seqs)))
     words_in = jax.ShapeDtypeStruct(np.shape(words.words), jnp.int32, sharding=p.replicated)

@@ -105,6 +105,7 @@ def build_runner(
     *,
     devices: Sequence[jax.Device] | None = None,
     mesh: Mesh | None = None,
+    kv_layout=None,
 ) -> ModelRunner:
     """Loads the model (unless given) onto the config's mesh (or `devices` / `mesh`:
     `engine_mesh`) and sizes the KV pool: the config's `num_pages`, else what fits
@@ -112,7 +113,9 @@ def build_runner(
     where JAX reports none, the CPU), never more than `max_num_seqs` full-length sequences need.
     Every host of a multi-host mesh gets the same pool shape (the smallest fit among them).
     `runner_class` builds the runner from (model, RunnerConfig, ShardingPlan): the host
-    benchmark's runner whose device call costs nothing."""
+    benchmark's runner whose device call costs nothing. `kv_layout` (kv_pool.KVLayout, None:
+    uniform) is the pool's layer groups, passed through to the RunnerConfig: the engine picks
+    it (kv_pool.kv_layout)."""
     if config.compilation_cache_dir:
         enable_compilation_cache(config.compilation_cache_dir)
     if model is None:
@@ -144,6 +147,7 @@ def build_runner(
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
         kv_cache_dtype=config.kv_cache_dtype,
+        kv_layout=kv_layout,
     )
     if not config.num_pages:
         devices = list(mesh.devices.flat)
@@ -151,7 +155,9 @@ def build_runner(
         # The pool's own dtype: 8-bit pages (with their scale lanes) fit about twice as many.
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         fit = pages_that_fit(
-            aot.pool_page_bytes(model.config, config.page_size, kv_dtype, sharding),
+            aot.pool_page_bytes(
+                model.config, config.page_size, kv_dtype, sharding, runner_config.kv_layout
+            ),
             devices,
             fraction=config.kv_cache_memory_fraction,
             fallback_gb=config.kv_cache_memory_gb,
@@ -215,6 +221,7 @@ def step_reserved_bytes(model: LoadedModel, runner_config, sharding, cap: int) -
         sharding,
         layer_loop=layer_loop_of(model.params),
         quant=model.quant,
+        kv_layout=runner_config.kv_layout,
     )
     probe = dataclasses.replace(runner_config, num_pages=cap)
     report = aot.step_memory(module, model.params, probe, sharding)

@@ -12,6 +12,10 @@ place through views into it: no arrays are allocated per step.
 
 Pending tokens (asynchronous scheduling, see scheduler.py) are PENDING_TOKEN in the plan: the
 step takes each from `feed_slots` (the slot whose last sampled token it is) on the device.
+
+A hybrid KV pool (kv_pool.KVLayout, `num_groups` > 1) has a page table per group: group 0's is
+`tables`, the others' are `group_tables[1:]`, each copied by the same deltas from the
+ScheduledSeq's `group_tables`.
 """
 
 from __future__ import annotations
@@ -48,13 +52,22 @@ class InputBatch:
         num_pages: int,
         token_buckets: Sequence[int],
         seq_bucket_for: Callable[[int], int],
+        num_groups: int = 1,
     ):
+        if num_groups < 1:
+            raise ValueError(f"An input batch needs num_groups >= 1 KV groups, not {num_groups}.")
         self.max_seqs = max_seqs
+        self.num_groups = num_groups
         self.page_size = page_size
         self.num_pages = num_pages
         self.token_buckets = tuple(token_buckets)
         self.seq_bucket_for = seq_bucket_for
-        self.tables = np.zeros((max_seqs, pages_per_seq), np.int32)  # i32[slots, P]
+        # i32[G, slots, P] each KV group's page tables; `tables` is group 0's (a view).
+        self.group_tables = np.zeros((num_groups, max_seqs, pages_per_seq), np.int32)
+        self.tables = self.group_tables[0]  # i32[slots, P]
+        # Per extra group (1..G-1), the lists copied and their filled lengths, as for group 0.
+        self._group_of: list[list] = [[None] * max_seqs for _ in range(num_groups - 1)]
+        self._group_len: list[list[int]] = [[0] * max_seqs for _ in range(num_groups - 1)]
         self._table_len = [0] * max_seqs  # pages of tables[slot] that are filled
         # The KV manager's list each row copies (KVCacheManager.table_of): a request that was
         # preempted and admitted again, even to the same slot, has a new one.
@@ -124,6 +137,30 @@ class InputBatch:
             )
         self.tables[slot, have : len(table)] = table[have:]
         self._table_len[slot] = len(table)
+        if self.num_groups > 1:
+            self._refresh_groups(seq)
+
+    def _refresh_groups(self, seq: ScheduledSeq) -> None:
+        """Copies the new entries of `seq`'s extra group tables (groups 1..G-1) into its slot."""
+        slot, groups = seq.slot, seq.group_tables
+        if len(groups) != self.num_groups - 1:
+            raise ValueError(
+                f"Request {seq.request_id!r} brings {len(groups)} extra group tables; the KV "
+                f"pool has {self.num_groups} groups, so it needs {self.num_groups - 1}."
+            )
+        for g, table in enumerate(groups):
+            if self._group_of[g][slot] is not table:  # a new table: nothing of the old one stays
+                self._group_of[g][slot] = table
+                self.group_tables[g + 1, slot] = 0
+                self._group_len[g][slot] = 0
+            have = self._group_len[g][slot]
+            if len(table) < have:
+                raise ValueError(
+                    f"Request {seq.request_id!r}'s group {g + 1} page table shrank from {have} "
+                    f"to {len(table)} pages while it held slot {slot}."
+                )
+            self.group_tables[g + 1, slot, have : len(table)] = table[have:]
+            self._group_len[g][slot] = len(table)
 
     def pack(self, seqs: Sequence[ScheduledSeq]) -> PackedStep:
         """The step batch and sampling rows of a plan's `seqs`, padded to their bucket.
@@ -134,8 +171,8 @@ class InputBatch:
         n = len(seqs)
         # Field by field at C speed (ScheduledSeq is a named tuple): a Python loop that appends
         # four numbers per row cost ~1.3 us a row, a third of a 256-row step's packing.
-        requests, _, slot_list, token_lists, start_list, tables, sample_list, proposals = (
-            zip(*seqs, strict=True) if n else ((),) * 8
+        requests, _, slot_list, token_lists, start_list, tables, sample_list, proposals, groups = (
+            zip(*seqs, strict=True) if n else ((),) * 9
         )
         owner, table_of, table_len = self._owner, self._table_of, self._table_len
         # The deltas: slots with a new owner, or whose page table is new or grew.
@@ -146,6 +183,19 @@ class InputBatch:
             or table_of[slot] is not table
             or len(table) != table_len[slot]
         ]
+        if self.num_groups > 1:  # the extra groups' tables grow on their own (local windows)
+            known = tuple(zip(self._group_of, self._group_len, strict=True))
+            stale = sorted(
+                set(stale).union(
+                    row
+                    for row, slot, seq_groups in zip(range(n), slot_list, groups, strict=True)
+                    if len(seq_groups) != len(known)
+                    or any(
+                        t is not of[slot] or len(t) != lens[slot]
+                        for t, (of, lens) in zip(seq_groups, known, strict=True)
+                    )
+                )
+            )
         for row in stale:
             self._refresh_slot(seqs[row])
         tokens_list = list(itertools.chain.from_iterable(token_lists))
@@ -186,6 +236,10 @@ class InputBatch:
         b.query_start[n + 1 :] = total
         b.kv_lens[:n] = kv_lens
         b.page_tables[:n] = self.tables[slots]
+        if self.num_groups > 1:  # i32[G-1, slots, P]: the extra groups' tables and write slots
+            extra = self.group_tables[1:]
+            b.group_tables[:, :n] = extra[:, slots]
+            b.group_slots[:, :total] = extra[:, token_slots, positions // ps] * ps + positions % ps
         b.logits_indices[:n] = ends - 1
         b.num_seqs[...] = n
         b.num_rows[...] = n
@@ -272,6 +326,7 @@ class _Buffer:
             num_seqs=num_seqs,
             pages_per_seq=inputs.tables.shape[1],
             num_pages=inputs.num_pages,
+            num_groups=inputs.num_groups,
         )
         packed = to_words((padding, SamplingBatch.empty(num_seqs)))
         self.template, self.layout = packed.words, packed.layout  # i32[N] an all-padding step

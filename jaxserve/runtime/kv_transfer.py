@@ -269,6 +269,7 @@ def timed_prefill_seconds(runner, repeats: int = 2) -> Callable[[int], float]:
         num_seqs=seqs,
         pages_per_seq=runner.config.pages_per_seq,
         num_pages=runner.config.num_pages,
+        num_groups=getattr(runner.config, "num_groups", 1),  # the step's shape: a hybrid pool's
     )
     best = math.inf
     for _ in range(repeats):

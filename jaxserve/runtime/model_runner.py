@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.attention import import_kernels, warm_up_batches
-from jaxserve.models.kv_pool import KVPages, init_kv_pages, resolve_kv_cache_dtype
+from jaxserve.models.kv_pool import KVLayout, KVPages, init_kv_pages, resolve_kv_cache_dtype
 from jaxserve.models.llama import logits_of_rows
 from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for, pack_params
 from jaxserve.models.lora import LoraAdapter, empty_slots, set_slot, slot_weights
@@ -70,6 +70,14 @@ class RunnerConfig:
     max_lora_rank: int = 16
     # The pool's dtype (kv_pool.resolve_kv_cache_dtype): "auto" (the model's), "int8" or "fp8".
     kv_cache_dtype: str = "auto"
+    # The pool's layer groups (kv_pool.KVLayout: a hybrid pool of local and global layers, set
+    # by the engine from kv_pool.kv_layout); None: uniform, one group of every layer.
+    kv_layout: KVLayout | None = None
+
+    @property
+    def num_groups(self) -> int:
+        """Page tables per sequence: the layout's groups (1 for a uniform pool)."""
+        return 1 if self.kv_layout is None else self.kv_layout.num_groups
 
     def __post_init__(self):
         if self.num_pages < 1 or self.page_size < 1:
@@ -222,6 +230,7 @@ class ModelRunner:
             layer_loop=layer_loop_of(model.params),  # the loop the params were laid out for
             packed_weights=packed,
             quant=model.quant,
+            kv_layout=config.kv_layout,
         )
         if packed:
             logger.info(
@@ -298,6 +307,7 @@ class ModelRunner:
                 num_pages=config.num_pages,
                 max_tokens=config.token_buckets[-1],
                 max_seqs=config.seq_buckets[-1],
+                num_groups=config.num_groups,
             )
 
     @property
@@ -321,6 +331,7 @@ class ModelRunner:
             dtype=self.kv_dtype,
             sharding=self.sharding.kv_pages,
             lanes=self.sharding.pool_lanes(self.kv_dtype),  # whole 128-lane tiles on TPU
+            layout=self.config.kv_layout,
         )
 
     def _step_words(self, params, kv: KVPages, words: jax.Array, pen, last, mask, layout, lora):
@@ -450,6 +461,7 @@ class ModelRunner:
                 num_seqs=num_seqs,
                 pages_per_seq=self.config.pages_per_seq,
                 num_pages=self.config.num_pages,
+                num_groups=self.config.num_groups,
             )
             # Every process compiles the same buckets in the same order: nothing to send.
             out = self._dispatch(batch, SamplingBatch.empty(num_seqs))
@@ -458,7 +470,11 @@ class ModelRunner:
             # then costs what later ones do.
             shape = dict(page_size=self.config.page_size, num_pages=self.config.num_pages)
             for warm in warm_up_batches(
-                num_tokens, num_seqs, pages_per_seq=self.config.pages_per_seq, **shape
+                num_tokens,
+                num_seqs,
+                pages_per_seq=self.config.pages_per_seq,
+                num_groups=self.config.num_groups,
+                **shape,
             ):
                 out = self._dispatch(warm, SamplingBatch.empty(num_seqs))
             # And through the grammar mask's branch (a step with a constrained row), with a
@@ -510,6 +526,7 @@ class ModelRunner:
                 num_seqs=cfg.seq_bucket_for(num_tokens),
                 pages_per_seq=cfg.pages_per_seq,
                 num_pages=cfg.num_pages,
+                num_groups=cfg.num_groups,
             )
 
         def seconds(batch) -> float:

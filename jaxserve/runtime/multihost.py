@@ -77,6 +77,7 @@ class _Bucket:
     page_size: int
     pages_per_seq: int
     num_pages: int
+    num_groups: int = 1  # a hybrid KV pool's groups (kv_pool.KVLayout): their tables travel
 
     def template(self, num_tokens: int, num_seqs: int) -> tuple[StepBatch, SamplingBatch]:
         """An all-padding batch of this shape: the shapes and dtypes a message decodes into."""
@@ -87,6 +88,7 @@ class _Bucket:
             num_seqs=num_seqs,
             pages_per_seq=self.pages_per_seq,
             num_pages=self.num_pages,
+            num_groups=self.num_groups,
         )
         return batch, SamplingBatch.empty(num_seqs)
 
@@ -126,8 +128,9 @@ class StepLink:
         num_pages: int,
         max_tokens: int,
         max_seqs: int,
+        num_groups: int = 1,
     ):
-        self._bucket = _Bucket(page_size, pages_per_seq, num_pages)
+        self._bucket = _Bucket(page_size, pages_per_seq, num_pages, num_groups)
         self._max = (max_tokens, max_seqs)
         self._prefix = f"jaxserve/steps/{StepLink._made}"
         StepLink._made += 1

@@ -163,6 +163,9 @@ class ScheduledSeq(NamedTuple):
     # Speculative verification: token_ids are the last token and this many proposals after it;
     # the step keeps the longest prefix of them its own samples agree with (0: no proposals).
     num_proposals: int = 0
+    # Hybrid KV pools (kv_pool.KVLayout): the live page lists of groups 1..G-1, each covering
+    # end_pos like page_table and, like it, only growing; (): a uniform pool (one group).
+    group_tables: tuple = ()
 
     @property
     def end_pos(self) -> int:

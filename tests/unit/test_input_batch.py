@@ -208,3 +208,68 @@ def test_a_request_readmitted_to_its_row_with_a_new_table_of_the_same_length_get
     step = inputs.pack(prefill(readmitted, 3).seqs)
     assert step.batch.page_tables[0, :2].tolist() == readmitted
     assert step.batch.slot_mapping[:8].tolist() == [36, 37, 38, 39, 8, 9, 10, 11]
+
+
+def test_extra_group_tables_pack_as_pack_chunks():
+    """A hybrid pool's groups 1..G-1 (kv_pool.KVLayout): each row's extra tables, copied by
+    deltas as they grow and replaced when new, pack as `pack_chunks(num_groups=3)` packs the same
+    rows, write slots included; a uniform batch ships them with zero rows."""
+    inputs = InputBatch(
+        max_seqs=4,
+        pages_per_seq=4,
+        page_size=4,
+        num_pages=32,
+        token_buckets=(8, 16),
+        seq_bucket_for=lambda t: 4,
+        num_groups=3,
+    )
+    reqs = [
+        Request(
+            request_id=f"r{i}",
+            prompt_token_ids=list(range(1, 7)),
+            sampling_params=SamplingParams(max_tokens=4, seed=i),
+            arrival_time=0.0,
+        )
+        for i in range(2)
+    ]
+    tables = [[1, 2], [3, 4]]
+    groups = [([5, 6], [7, 8]), ([9, 10], [11, 12])]
+
+    def check(seqs):
+        step = inputs.pack(seqs)
+        chunks = [
+            SeqChunk(s.token_ids, s.start_pos, s.page_table, group_tables=s.group_tables)
+            for s in seqs
+        ]
+        ref = pack_chunks(
+            chunks, page_size=4, num_tokens=len(step.batch.token_ids), num_seqs=4,
+            pages_per_seq=4, num_pages=32,
+            num_groups=3,
+        )  # fmt: skip
+        for name in ("page_tables", "slot_mapping", "group_tables", "group_slots"):
+            np.testing.assert_array_equal(getattr(step.batch, name), getattr(ref, name), name)
+        return step
+
+    seqs = [
+        ScheduledSeq(r, r.request_id, i, r.prompt_token_ids, 0, tables[i], True, 0, groups[i])
+        for i, r in enumerate(reqs)
+    ]
+    step = check(seqs)
+    assert step.batch.group_tables.shape == (2, 4, 4) and step.batch.group_slots.shape == (2, 16)
+    assert step.batch.group_slots[1, :2].tolist() == [7 * 4, 7 * 4 + 1]
+    for i in range(2):  # the tables grow: row 0's group 1 by a page, row 1's group 2 anew
+        tables[i].append(20 + i)
+        groups[i][0].append(24 + i)
+    groups[1] = (groups[1][0], [13, 14, 15])
+    seqs = [
+        ScheduledSeq(r, r.request_id, i, [9, 9], 6, tables[i], True, 0, groups[i])
+        for i, r in enumerate(reqs)
+    ]
+    check(seqs)
+    uniform = pack_chunks([], page_size=4, num_tokens=8, num_seqs=2, pages_per_seq=4, num_pages=8)
+    assert uniform.group_tables.shape == (0, 2, 4) and uniform.group_slots.shape == (0, 8)
+    words = to_words(uniform)
+    assert (
+        words.words.size
+        == to_words(dataclasses.replace(uniform, group_tables=None, group_slots=None)).words.size
+    )
