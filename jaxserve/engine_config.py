@@ -385,6 +385,7 @@ class EngineConfig:
         num_pages: int,
         prefix_cache_key: str = "",
         num_host_pages: int = 0,
+        kv_windows: tuple[int | None, ...] = (None,),
     ) -> SchedulerConfig:
         """The scheduler's limits and mode for an engine of this config: the one mapping the
         engine and the simulator share (the pool sizes and context are the engine's to decide)."""
@@ -409,4 +410,5 @@ class EngineConfig:
             # Steps then land on the buckets the runner pads them to (less padding).
             token_buckets=self.token_buckets,
             speculative=self.speculative_config,
+            kv_windows=kv_windows,
         )

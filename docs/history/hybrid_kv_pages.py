@@ -52,7 +52,7 @@ def main() -> None:
         engine.add_request(prompt, SamplingParams(max_tokens=OUT, temperature=0, ignore_eos=True))
         peak, start = 0, time.perf_counter()
         out = []
-        while engine.has_unfinished_requests():
+        while engine.has_unfinished():
             for o in engine.step():
                 out.extend(o.new_token_ids)
             peak = max(peak, engine.scheduler.kv.num_used_pages)

@@ -130,12 +130,14 @@ class Engine:
         pool = getattr(self.runner, "kv", None)
         num_host_pages = 0
         self.kv_bytes = 0  # the device pool's bytes, as EngineInfo reports them
+        layout = self.runner.config.kv_layout  # None: uniform
         if pool is not None:
             bytes_per_page = kv_transfer.pool_bytes_per_page(pool)
             self.kv_bytes = bytes_per_page * num_pages
-            num_host_pages = kv_transfer.host_pages_for(
-                config.host_kv_gb, bytes_per_page, num_pages
-            )
+            if layout is None:  # the host tier copies pages without their groups
+                num_host_pages = kv_transfer.host_pages_for(
+                    config.host_kv_gb, bytes_per_page, num_pages
+                )
         self.kv_transfer = None
         self._restores_ahead = []  # staged by the last plan, written before the next step
         if num_host_pages:
@@ -154,6 +156,7 @@ class Engine:
             # Caches of different weights must never match (one engine, one model; the key
             # matters where pages could outlive a model swap).
             prefix_cache_key=self._prefix_cache_key(),
+            kv_windows=(None,) if layout is None else layout.windows,
         )
         self.scheduler = Scheduler(
             dataclasses.replace(scheduler_config, fork_partial_pages=self.page_copies is not None)

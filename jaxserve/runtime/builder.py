@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -23,7 +22,13 @@ from checkpoints.weights import hf_arrays_to_params
 from jaxserve import target
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.kv_pool import free_device_bytes, pages_that_fit, resolve_kv_cache_dtype
+from jaxserve.models.kv_pool import (
+    KVLayout,
+    free_device_bytes,
+    kv_layout,
+    pages_that_fit,
+    resolve_kv_cache_dtype,
+)
 from jaxserve.models.loaded import abstract_params, layer_loop_of, model_for
 from jaxserve.models.quant import quantize_params
 from jaxserve.models.sharding import MESH_AXES, ShardingPlan, make_mesh
@@ -32,6 +37,7 @@ from jaxserve.runtime import aot
 from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.runtime.model_runner import ModelRunner, RunnerConfig, enable_compilation_cache
 from jaxserve.runtime.multihost import agree_min
+from jaxserve.scheduling.kv_cache_manager import pages_held_at_most
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +142,8 @@ def build_runner(
     model = dataclasses.replace(model, params=sharding.place(model.params))
     model = quantize_model(config.quantization, model, sharding, donate=owned)
     max_model_len = max_model_len_for(config, model.config)
-    pages_per_seq = math.ceil(max_model_len / config.page_size)
+    if kv_layout is None:
+        kv_layout = resolve_kv_layout(config, model.config)
     runner_config = RunnerConfig(
         num_pages=config.num_pages or 1,  # sized below unless given
         page_size=config.page_size,
@@ -151,7 +158,11 @@ def build_runner(
     )
     if not config.num_pages:
         devices = list(mesh.devices.flat)
-        cap = config.max_num_seqs * pages_per_seq
+        # Page IDs: with a hybrid pool, full groups' pages and the local groups' windows.
+        windows = (None,) if kv_layout is None else kv_layout.windows
+        cap = config.max_num_seqs * pages_held_at_most(
+            windows, config.page_size, max_model_len, config.max_num_batched_tokens
+        )
         # The pool's own dtype: 8-bit pages (with their scale lanes) fit about twice as many.
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         fit = pages_that_fit(
@@ -165,6 +176,36 @@ def build_runner(
         )
         runner_config = dataclasses.replace(runner_config, num_pages=min(cap, agree_min(fit)))
     return runner_class(model, runner_config, sharding)
+
+
+def resolve_kv_layout(config: EngineConfig, model: ModelConfig) -> KVLayout | None:
+    """The pool's layer groups for EngineConfig.kv_layout: a hybrid KVLayout for a model whose
+    layers mix full and windowed attention (Gemma) under "hybrid", and under "auto" unless a
+    host KV pool is asked for (the host tier copies pages without groups) or the mesh spans
+    hosts (multihost.py ships no group tables); None (uniform) otherwise. ValueError for
+    "hybrid" on a model whose layers are all alike."""
+    layout = kv_layout(model, hybrid=True)
+    if config.kv_layout == "uniform":
+        return None
+    if config.kv_layout == "hybrid":
+        if layout.is_uniform:
+            raise ValueError(
+                f"kv_layout='hybrid' needs layers of both full and windowed attention, but "
+                f"every one of this model's {model.num_layers} layers has window "
+                f"{model.layer_window(0)}: use kv_layout='uniform' or 'auto'."
+            )
+        return layout
+    host_pool = bool(config.host_kv_gb) or config.preemption in ("swap", "auto")
+    if layout.is_uniform or host_pool or jax.process_count() > 1:
+        return None
+    logger.info(
+        "KV pool: hybrid, %d groups of %d layers (windows %s); local pages are freed past the "
+        "window.",
+        layout.num_groups,
+        layout.group_size,
+        layout.windows,
+    )
+    return layout
 
 
 def quantize_model(

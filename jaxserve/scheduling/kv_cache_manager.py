@@ -61,6 +61,19 @@ from jaxserve.scheduling.kv_events import MEDIUM_DEVICE, KVEventLog
 PARTIAL_CANDIDATES = 16
 
 
+def pages_held_at_most(
+    windows: Sequence[int | None], page_size: int, num_tokens: int, max_chunk: int
+) -> int:
+    """The most pages one sequence of `num_tokens` slots holds at once over groups of these
+    `windows` (KVCacheManager.max_pages_held), to size a pool before any manager exists."""
+    n = -(-num_tokens // page_size)
+    total = 0
+    for window in windows:
+        live = n if window is None else -(-(window - 1 + max_chunk) // page_size) + 1
+        total += min(n, live)
+    return total
+
+
 class PageHasher:
     """Identifies full pages by a hash chained over their tokens and their parent's hash.
 
@@ -270,12 +283,7 @@ class KVCacheManager:
     def max_pages_held(self, num_tokens: int, max_chunk: int) -> int:
         """The most pages a sequence of `num_tokens` slots holds at once when each step runs
         at most `max_chunk` of its tokens (a windowed group keeps its window and the chunk)."""
-        n = self.pages_for(num_tokens)
-        total = 0
-        for window in self.windows:
-            live = n if window is None else -(-(window - 1 + max_chunk) // self.page_size) + 1
-            total += min(n, live)
-        return total
+        return pages_held_at_most(self.windows, self.page_size, num_tokens, max_chunk)
 
     def prefix_pages(self, prefix: Sequence[int]) -> list[int]:
         """Every page a table started with group 0's cached `prefix` (from `match`) takes: the

@@ -35,6 +35,7 @@ def plan_running(
     max_len = config.max_model_len
     ps = config.page_size
     tables = plan.tables
+    group_tables = plan.group_tables
     running_status = RequestStatus.RUNNING
     # Decodes go into the plan's dict directly and pay their budget (a token each) after
     # the loop: `StepPlan.add` per row was a fifth of this loop. Nothing here reads the
@@ -78,7 +79,11 @@ def plan_running(
             token = req.prompt_token_ids[-1]
         # Positional: the fields in order (request, request_id, slot, token_ids, start_pos,
         # page_table, sample).
-        seqs[rid] = ScheduledSeq(req, rid, req.slot, [token], start, table, True)
+        seqs[rid] = (
+            ScheduledSeq(req, rid, req.slot, [token], start, table, True, 0, group_tables[rid])
+            if group_tables
+            else ScheduledSeq(req, rid, req.slot, [token], start, table, True)
+        )
         num_decodes += 1
     plan.budget -= num_decodes
     prefilling.sort(key=lambda r: keys[r.request_id])

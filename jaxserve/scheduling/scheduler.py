@@ -288,7 +288,12 @@ class Scheduler:
             for req in self._running:
                 self.kv.slide(req.request_id, req.num_computed_tokens)
         self.batching.form_group(now, self._keys)
-        plan = StepPlan(budget=budget, tables=self.kv.tables, chunked=cfg.enable_chunked_prefill)
+        plan = StepPlan(
+            budget=budget,
+            tables=self.kv.tables,
+            chunked=cfg.enable_chunked_prefill,
+            group_tables=self.kv.group_tables,
+        )
         plan_running(plan, self._running, self._keys, cfg, self._preemption.allocate_or_preempt)
         if self._verify is not None and plan.seqs:
             self._verify.propose(plan)

@@ -24,6 +24,9 @@ class StepPlan:
     # its table to the step instead of copying it.
     tables: Mapping[str, list[int]]
     chunked: bool  # SchedulerConfig.enable_chunked_prefill: a prompt may run in pieces
+    # A hybrid pool's tables of groups 1.. by request id (KVCacheManager.group_tables); empty
+    # for a uniform pool.
+    group_tables: Mapping[str, tuple[list[int], ...]] = dataclasses.field(default_factory=dict)
     seqs: dict[str, ScheduledSeq] = dataclasses.field(default_factory=dict)
     preempted: list[str] = dataclasses.field(default_factory=list)
     # (device slot, adapter) newly loaded for requests admitted in this step (lora_slots.py).
@@ -72,5 +75,6 @@ class StepPlan:
                 start_pos=start,
                 page_table=self.tables[req.request_id],
                 sample=end == req.num_tokens,
+                group_tables=self.group_tables.get(req.request_id, ()),
             )
         )

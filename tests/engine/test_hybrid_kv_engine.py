@@ -22,10 +22,10 @@ from tests.models.gemma_helpers import GEMMA_FAMILIES, build_gemma
 from tests.models.helpers import save_hf
 
 LONG = [
-    "Once upon a time, " * 12,
-    "The little dog ran to the park and saw a big red ball. " * 5,
-    "Lily liked to play. " * 20,
-    "Tom had a boat. It was blue. " * 9,
+    "Once upon a time, " * 24,
+    "The little dog ran to the park and saw a big red ball. " * 8,
+    "Lily liked to play. " * 40,
+    "Tom had a boat. It was blue. " * 18,
 ]
 
 
@@ -67,19 +67,27 @@ def test_long_prompts_batched_match_transformers(hybrid):
         assert out.token_ids == _hf_greedy(hf, out.prompt_token_ids, 20), prompt
 
 
+def _run(engine, prompt: list[int], n: int) -> tuple[list[int], int]:
+    """(greedy tokens, prompt tokens served from the cache) of one request run alone."""
+    engine.add_request(prompt, _greedy(n))
+    outs = drain(engine)
+    return [t for o in outs for t in o.new_token_ids], outs[-1].num_cached_tokens
+
+
 def test_prefix_hits_are_exact(hybrid):
     """The same long prompt again hits the cache (its window's local pages were kept as the
     window slid), and a prompt sharing its start hits the shared pages; both decode as
     transformers does."""
     hf, engine = hybrid
-    llm = LLM(engine=engine)
-    first = llm.generate([LONG[2]], _greedy(12))[0]
-    again = llm.generate([LONG[2]], _greedy(12))[0]
-    assert again.num_cached_tokens >= 16 * ((len(again.prompt_token_ids) - 1) // 16) - 16
-    assert again.token_ids == first.token_ids
-    fork = llm.generate([LONG[2] + "Then she went home."], _greedy(12))[0]
-    assert fork.num_cached_tokens > 32
-    assert fork.token_ids == _hf_greedy(hf, fork.prompt_token_ids, 12)
+    prompt = engine.tokenizer(LONG[2])["input_ids"]
+    first, _ = _run(engine, prompt, 12)  # cached by the test before, or not
+    again, cached_again = _run(engine, prompt, 12)
+    assert cached_again == 16 * ((len(prompt) - 1) // 16)  # every full page
+    assert again == first == _hf_greedy(hf, prompt, 12)
+    forked = prompt[:100] + engine.tokenizer("Then she went home.")["input_ids"][1:]
+    tokens, cached_fork = _run(engine, forked, 12)
+    assert cached_fork == 96
+    assert tokens == _hf_greedy(hf, forked, 12)
     engine.scheduler.kv.check_invariants()
 
 
@@ -93,7 +101,7 @@ def test_fewer_pool_bytes_than_uniform(folder):
         prompt = engine.tokenizer(LONG[2] * 3)["input_ids"][:200]
         engine.add_request(prompt, _greedy(30))
         peak = 0
-        while engine.has_unfinished_requests():
+        while engine.has_unfinished():
             engine.step()
             peak = max(peak, engine.scheduler.kv.num_used_pages)
         held[layout] = peak * engine.runner.kv.kv.shape[0]  # layer-pages: layers a page holds
@@ -102,10 +110,11 @@ def test_fewer_pool_bytes_than_uniform(folder):
 
 
 def test_page_pressure_preempts_and_stays_exact(folder):
-    """A pool of 24 pages for four long prompts: requests are preempted and recomputed, their
-    local pages released and taken again, and every output is still transformers'."""
+    """A pool of 44 pages (one long prompt holds up to 38) for four of them: requests are
+    preempted and recomputed, their local pages released and taken again, and every output is
+    still transformers'."""
     hf, path = folder
-    engine = Engine(EngineConfig(model=str(path), kv_layout="hybrid", num_pages=24, **SMALL))
+    engine = Engine(EngineConfig(model=str(path), kv_layout="hybrid", num_pages=44, **SMALL))
     outs = LLM(engine=engine).generate(LONG, _greedy(16))
     assert engine.scheduler.num_preemptions > 0
     for out in outs:
