@@ -130,3 +130,46 @@ def test_never_compiles_after_warmup(hybrid):
     drain(engine)
     assert engine.runner.num_compiles == before
     assert compiles.serving() == serving, f"compiled after warm-up: {compiles.recent()}"
+
+
+def test_a_hit_whose_local_pages_were_evicted_is_cut_and_exact(folder):
+    """A prompt, then others that evict the cache's oldest pages (the local ones, released
+    first), then the prompt again: its hit stops where a local window is missing, and the
+    tokens are still transformers' (a hit that read evicted local pages would not be)."""
+    hf, path = folder
+    engine = Engine(EngineConfig(model=str(path), kv_layout="hybrid", num_pages=56, **SMALL))
+    prompt = engine.tokenizer(LONG[2])["input_ids"]
+    _run(engine, prompt, 4)
+    for text in (LONG[0], LONG[3]):
+        _run(engine, engine.tokenizer(text)["input_ids"], 4)
+    tokens, cached = _run(engine, prompt, 8)
+    assert cached < 16 * ((len(prompt) - 1) // 16)  # cut: not every full page's window is left
+    assert tokens == _hf_greedy(hf, prompt, 8)
+    engine.scheduler.kv.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("shape", "asked", "host_kv_gb", "groups"),
+    [
+        ("gemma3-1b", "auto", None, 7),
+        ("gemma2-2b", "auto", None, 2),
+        ("gemma3-1b", "auto", 1.0, 1),  # a host pool asked for: uniform
+        ("gemma3-1b", "uniform", None, 1),
+        ("llama-tiny", "auto", None, 1),
+    ],
+)
+def test_the_engine_picks_the_layout(shape, asked, host_kv_gb, groups):
+    from checkpoints import NAMED_SHAPES
+    from jaxserve.runtime.builder import resolve_kv_layout
+
+    config = EngineConfig(model=shape, kv_layout=asked, host_kv_gb=host_kv_gb)
+    layout = resolve_kv_layout(config, NAMED_SHAPES[shape])
+    assert (1 if layout is None else layout.num_groups) == groups
+
+
+def test_hybrid_on_a_uniform_model_is_refused():
+    from checkpoints import NAMED_SHAPES
+    from jaxserve.runtime.builder import resolve_kv_layout
+
+    with pytest.raises(ValueError, match="needs layers of both full and windowed attention"):
+        resolve_kv_layout(EngineConfig(kv_layout="hybrid"), NAMED_SHAPES["llama-tiny"])
