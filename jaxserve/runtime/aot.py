@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import re
 import time
@@ -28,7 +29,14 @@ import numpy as np
 from jaxserve import target as targets
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.kv_pool import KVPages, padded_bytes, pool_padding, resolve_kv_cache_dtype
+from jaxserve.models.kv_pool import (
+    KVLayout,
+    KVPages,
+    kv_layout,
+    padded_bytes,
+    pool_padding,
+    resolve_kv_cache_dtype,
+)
 from jaxserve.models.llama import resolve_layer_loop
 from jaxserve.models.loaded import abstract_params, layer_loop_of, model_for, unstack_layers
 from jaxserve.models.quant import contracting_axis, weight_bytes_by_dtype
@@ -39,7 +47,10 @@ from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.runtime.model_runner import RunnerConfig, step_words
 from jaxserve.runtime.roofline import StepWork, layer_floor, predict, step_floor
 from jaxserve.runtime.sampling import PenaltyState, SamplingBatch, mask_words
+from jaxserve.scheduling.kv_cache_manager import pages_held_at_most
 from pallas_kernels import gpu_targets
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +209,36 @@ def chip_peaks(chip, dtype) -> tuple[float, float]:
     return flops / devices_per_chip, chip.hbm_bandwidth / devices_per_chip
 
 
+def resolve_kv_layout(config: EngineConfig, model: ModelConfig) -> KVLayout | None:
+    """The pool's layer groups for EngineConfig.kv_layout: a hybrid KVLayout for a model whose
+    layers mix full and windowed attention (Gemma) under "hybrid", and under "auto" unless a
+    host KV pool is asked for (the host tier copies pages without groups) or the mesh spans
+    hosts (multihost.py ships no group tables); None (uniform) otherwise. ValueError for
+    "hybrid" on a model whose layers are all alike."""
+    layout = kv_layout(model, hybrid=True)
+    if config.kv_layout == "uniform":
+        return None
+    if config.kv_layout == "hybrid":
+        if layout.is_uniform:
+            raise ValueError(
+                f"kv_layout='hybrid' needs layers of both full and windowed attention, but "
+                f"every one of this model's {model.num_layers} layers has window "
+                f"{model.layer_window(0)}: use kv_layout='uniform' or 'auto'."
+            )
+        return layout
+    host_pool = bool(config.host_kv_gb) or config.preemption in ("swap", "auto")
+    if layout.is_uniform or host_pool or jax.process_count() > 1:
+        return None
+    logger.info(
+        "KV pool: hybrid, %d groups of %d layers (windows %s); local pages are freed past the "
+        "window.",
+        layout.num_groups,
+        layout.group_size,
+        layout.windows,
+    )
+    return layout
+
+
 def size_pool(
     config: EngineConfig,
     model: ModelConfig,
@@ -207,14 +248,18 @@ def size_pool(
     page_bytes: int,
     max_model_len: int,
     reserved_bytes: int = 0,
+    layout: KVLayout | None = None,
 ) -> int:
     """Pages of the KV pool for a target: the config's `num_pages`, else what fits
     `kv_cache_memory_fraction` of the device's HBM after its params and `reserved_bytes` (the
     step's temporaries, once a first compile has measured them), never more than max_num_seqs
     full-length sequences need; on a target with no HBM figure, `kv_cache_memory_gb`.
-    `page_bytes` is one page's bytes on one device as laid out (`pool_page_bytes`)."""
-    pages_per_seq = math.ceil(max_model_len / config.page_size)
-    cap = config.max_num_seqs * pages_per_seq
+    `page_bytes` is one page's bytes on one device as laid out (`pool_page_bytes`); a hybrid
+    `layout` caps the page IDs at what its groups hold for max_num_seqs such sequences."""
+    windows = (None,) if layout is None else layout.windows
+    cap = config.max_num_seqs * pages_held_at_most(
+        windows, config.page_size, max_model_len, config.max_num_batched_tokens
+    )
     if config.num_pages:
         return config.num_pages
     page_bytes = max(1, page_bytes)
@@ -345,9 +390,16 @@ def compile_for_target(
         )
         hbm = _hbm_per_device(where)
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-        page_bytes = pool_page_bytes(model, config.page_size, kv_dtype, sharding)
+        layout = resolve_kv_layout(config, model)
+        page_bytes = pool_page_bytes(model, config.page_size, kv_dtype, sharding, layout)
         module = model_for(
-            model, dtype, config.attention_backend, sharding, layer_loop=layer_loop, quant=scheme
+            model,
+            dtype,
+            config.attention_backend,
+            sharding,
+            layer_loop=layer_loop,
+            quant=scheme,
+            kv_layout=layout,
         )
 
         def program_of(num_pages: int) -> _StepProgram:
@@ -359,12 +411,13 @@ def compile_for_target(
                 seq_buckets=bucket_ladder(1, config.max_num_seqs, config.seq_bucket_factor),
                 attention_backend=config.attention_backend,
                 kv_cache_dtype=config.kv_cache_dtype,
+                kv_layout=layout,
             )
             return step_program(module, params, param_shardings, runner, sharding, where)
 
         def size(reserved: int) -> int:
             return size_pool(
-                config, model, dtype, hbm, param_bytes, page_bytes, max_model_len, reserved
+                config, model, dtype, hbm, param_bytes, page_bytes, max_model_len, reserved, layout
             )
 
         # The pool is sized from HBM, then again once the largest bucket's compile has measured

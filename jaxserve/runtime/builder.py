@@ -22,13 +22,7 @@ from checkpoints.weights import hf_arrays_to_params
 from jaxserve import target
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.kv_pool import (
-    KVLayout,
-    free_device_bytes,
-    kv_layout,
-    pages_that_fit,
-    resolve_kv_cache_dtype,
-)
+from jaxserve.models.kv_pool import free_device_bytes, pages_that_fit, resolve_kv_cache_dtype
 from jaxserve.models.loaded import abstract_params, layer_loop_of, model_for
 from jaxserve.models.quant import quantize_params
 from jaxserve.models.sharding import MESH_AXES, ShardingPlan, make_mesh
@@ -143,7 +137,7 @@ def build_runner(
     model = quantize_model(config.quantization, model, sharding, donate=owned)
     max_model_len = max_model_len_for(config, model.config)
     if kv_layout is None:
-        kv_layout = resolve_kv_layout(config, model.config)
+        kv_layout = aot.resolve_kv_layout(config, model.config)
     runner_config = RunnerConfig(
         num_pages=config.num_pages or 1,  # sized below unless given
         page_size=config.page_size,
@@ -176,36 +170,6 @@ def build_runner(
         )
         runner_config = dataclasses.replace(runner_config, num_pages=min(cap, agree_min(fit)))
     return runner_class(model, runner_config, sharding)
-
-
-def resolve_kv_layout(config: EngineConfig, model: ModelConfig) -> KVLayout | None:
-    """The pool's layer groups for EngineConfig.kv_layout: a hybrid KVLayout for a model whose
-    layers mix full and windowed attention (Gemma) under "hybrid", and under "auto" unless a
-    host KV pool is asked for (the host tier copies pages without groups) or the mesh spans
-    hosts (multihost.py ships no group tables); None (uniform) otherwise. ValueError for
-    "hybrid" on a model whose layers are all alike."""
-    layout = kv_layout(model, hybrid=True)
-    if config.kv_layout == "uniform":
-        return None
-    if config.kv_layout == "hybrid":
-        if layout.is_uniform:
-            raise ValueError(
-                f"kv_layout='hybrid' needs layers of both full and windowed attention, but "
-                f"every one of this model's {model.num_layers} layers has window "
-                f"{model.layer_window(0)}: use kv_layout='uniform' or 'auto'."
-            )
-        return layout
-    host_pool = bool(config.host_kv_gb) or config.preemption in ("swap", "auto")
-    if layout.is_uniform or host_pool or jax.process_count() > 1:
-        return None
-    logger.info(
-        "KV pool: hybrid, %d groups of %d layers (windows %s); local pages are freed past the "
-        "window.",
-        layout.num_groups,
-        layout.group_size,
-        layout.windows,
-    )
-    return layout
 
 
 def quantize_model(

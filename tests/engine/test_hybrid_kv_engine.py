@@ -160,7 +160,7 @@ def test_a_hit_whose_local_pages_were_evicted_is_cut_and_exact(folder):
 )
 def test_the_engine_picks_the_layout(shape, asked, host_kv_gb, groups):
     from checkpoints import NAMED_SHAPES
-    from jaxserve.runtime.builder import resolve_kv_layout
+    from jaxserve.runtime.aot import resolve_kv_layout
 
     config = EngineConfig(model=shape, kv_layout=asked, host_kv_gb=host_kv_gb)
     layout = resolve_kv_layout(config, NAMED_SHAPES[shape])
@@ -169,7 +169,7 @@ def test_the_engine_picks_the_layout(shape, asked, host_kv_gb, groups):
 
 def test_hybrid_on_a_uniform_model_is_refused():
     from checkpoints import NAMED_SHAPES
-    from jaxserve.runtime.builder import resolve_kv_layout
+    from jaxserve.runtime.aot import resolve_kv_layout
 
     with pytest.raises(ValueError, match="needs layers of both full and windowed attention"):
         resolve_kv_layout(EngineConfig(kv_layout="hybrid"), NAMED_SHAPES["llama-tiny"])
