@@ -100,7 +100,9 @@ def format_report(report) -> str:
         f"{report.num_devices} x {report.device_kind}",
         f"params {_mib(report.param_bytes_per_device)} MiB a device ({by_dtype} MiB); KV pool "
         f"({report.kv_cache_dtype or report.dtype}) {report.num_pages} "
-        f"pages of {report.page_size} tokens, {_mib(report.pool_bytes_per_device)} MiB a device "
+        f"pages of {report.page_size} tokens"
+        + (f" (hybrid: {report.kv_layout})" if report.kv_layout else "")
+        + f", {_mib(report.pool_bytes_per_device)} MiB a device "
         f"(sized from {_mib(report.hbm_bytes_per_device)} MiB of HBM, after the largest "
         f"bucket's temporaries); layout padding {report.pool_padding:.2f}x",
     ]

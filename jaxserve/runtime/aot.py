@@ -136,6 +136,9 @@ class CompileReport:
     # The params' bytes on one device by dtype ({"bfloat16": ..., "int8": ..., "float32": ...})
     param_bytes_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)
     kv_cache_dtype: str = ""  # the pool's dtype ("bfloat16", "int8", "float8_e4m3fn")
+    # The hybrid pool's groups ("7 groups of 4 layers, windows 512"); "": uniform, a page holds
+    # every layer.
+    kv_layout: str = ""
 
     @property
     def ok(self) -> bool:
@@ -465,6 +468,10 @@ def compile_for_target(
             sharding.kv_shards,
         ),
         kv_cache_dtype=kv_dtype.name,
+        kv_layout=""
+        if layout is None
+        else f"{layout.num_groups} groups of {layout.group_size} layers, windows "
+        + ", ".join(str(w) for w in sorted({w for w in layout.windows if w is not None})),
         param_bytes_per_device=param_bytes,
         hbm_bytes_per_device=hbm,
         buckets=reports,

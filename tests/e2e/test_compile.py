@@ -102,6 +102,22 @@ def test_size_pool_leaves_the_step_s_reserved_bytes_out_of_the_pool():
     assert pages(None, 200 * MiB) == pages(None, 0) == 1024
 
 
+def test_a_hybrid_pool_is_capped_by_the_pages_its_groups_hold():
+    """gemma3-1b's hybrid layout: a 4096-token sequence holds 256 global pages and, in each of
+    its 6 local groups, the window and a 256-token chunk (49 pages): 550 page IDs, not 256."""
+    from checkpoints import NAMED_SHAPES
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.runtime import aot
+
+    model = NAMED_SHAPES["gemma3-1b"]
+    config = EngineConfig(max_num_seqs=4, page_size=16, max_num_batched_tokens=256)
+    layout = aot.resolve_kv_layout(config, model)
+    assert layout.num_groups == 7
+    hbm = 2**40  # the cap binds
+    assert aot.size_pool(config, model, "bfloat16", hbm, 0, 1, 4096, 0, layout) == 4 * 550
+    assert aot.size_pool(config, model, "bfloat16", hbm, 0, 1, 4096, 0) == 4 * 256
+
+
 def test_compile_sizes_the_pool_again_from_the_measured_reserved_bytes(monkeypatch):
     """`compile_for_target` on this CPU with an HBM figure given to it (the CPU has none): the
     largest bucket compiles with the pool the HBM allows, its memory analysis says what the
