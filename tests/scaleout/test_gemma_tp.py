@@ -65,3 +65,36 @@ def test_prompts_batched_alone_decode_and_greedy(case):
     ours = paged_greedy(loaded, list(PROMPTS), GREEDY_TOKENS, plan=plan, **BUCKET)
     for i, prompt in enumerate(PROMPTS):
         assert ours[i] == hf_greedy(hf, prompt, GREEDY_TOKENS), f"prompt {i} greedy, tp {TP}"
+
+
+def test_the_hybrid_pool_split_over_two_devices_serves_transformers_tokens(case):
+    """The engine at tensor parallel 2 on the hybrid pool (each device's lanes one KV head of
+    every group's pages): prompts of 70-110 tokens, chunked by 32 across window 6 and pages of
+    16, batched, greedy as transformers' `generate`."""
+    from jaxserve.engine.core import Engine
+    from jaxserve.engine_config import EngineConfig
+    from jaxserve.sampling_params import SamplingParams
+    from tests.engine.conftest import drain
+    from tests.engine.test_moe_engine import _hf_greedy
+
+    hf, loaded, _ = case
+    config = EngineConfig(
+        model=loaded.source,
+        tensor_parallel=TP,
+        kv_layout="hybrid",
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        min_token_bucket=16,
+        show_progress=False,
+    )
+    engine = Engine(config)
+    assert engine.runner.config.kv_layout.num_groups > 1
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (70, 90, 110)]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+           for p in prompts]  # fmt: skip
+    tokens = {i: [] for i in ids}
+    for out in drain(engine):
+        tokens[out.request_id] += out.new_token_ids
+    for i, prompt in zip(ids, prompts, strict=True):
+        assert tokens[i] == _hf_greedy(hf, prompt, 12), f"prompt of {len(prompt)}, tp {TP}"
