@@ -195,11 +195,11 @@ def init_kv_pages(
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"The KV pool needs {num_pages=} >= 1 and {page_size=} >= 1.")
     lanes = lanes or kv_lanes(config, kv_dtype=dtype)
-    shape = (_slots(config, layout), num_pages, page_size, lanes)
+    shape = (pool_slots(config, layout), num_pages, page_size, lanes)
     return KVPages(kv=jnp.zeros(shape, dtype, device=sharding))
 
 
-def _slots(config: ModelConfig, layout: KVLayout | None) -> int:
+def pool_slots(config: ModelConfig, layout: KVLayout | None) -> int:
     """The pool's leading axis: `layout`'s group size, else every layer."""
     return config.num_layers if layout is None else layout.group_size
 
@@ -215,7 +215,7 @@ def kv_bytes_per_page(
     keys and values (with the lanes' padding, when `lanes` is given): to size the pool."""
     itemsize = jnp.dtype(dtype).itemsize
     lanes = lanes or kv_lanes(config, kv_dtype=dtype)
-    return _slots(config, layout) * page_size * lanes * itemsize
+    return pool_slots(config, layout) * page_size * lanes * itemsize
 
 
 def padded_bytes(shape: Sequence[int], dtype: jnp.dtype, platform: str = "tpu") -> int:

@@ -35,6 +35,7 @@ from jaxserve.models.kv_pool import (
     kv_layout,
     padded_bytes,
     pool_padding,
+    pool_slots,
     resolve_kv_cache_dtype,
 )
 from jaxserve.models.llama import resolve_layer_loop
@@ -216,7 +217,7 @@ def resolve_kv_layout(config: EngineConfig, model: ModelConfig) -> KVLayout | No
     """The pool's layer groups for EngineConfig.kv_layout: a hybrid KVLayout for a model whose
     layers mix full and windowed attention (Gemma) under "hybrid", and under "auto" unless a
     host KV pool is asked for (the host tier copies pages without groups) or the mesh spans
-    hosts (multihost.py ships no group tables); None (uniform) otherwise. ValueError for
+    hosts (untested there); None (uniform) otherwise. ValueError for
     "hybrid" on a model whose layers are all alike."""
     layout = kv_layout(model, hybrid=True)
     if config.kv_layout == "uniform":
@@ -259,10 +260,7 @@ def size_pool(
     full-length sequences need; on a target with no HBM figure, `kv_cache_memory_gb`.
     `page_bytes` is one page's bytes on one device as laid out (`pool_page_bytes`); a hybrid
     `layout` caps the page IDs at what its groups hold for max_num_seqs such sequences."""
-    windows = (None,) if layout is None else layout.windows
-    cap = config.max_num_seqs * pages_held_at_most(
-        windows, config.page_size, max_model_len, config.max_num_batched_tokens
-    )
+    cap = pool_cap(config, max_model_len, layout)
     if config.num_pages:
         return config.num_pages
     page_bytes = max(1, page_bytes)
@@ -273,8 +271,21 @@ def size_pool(
     return max(1, min(cap, int(budget // page_bytes)))
 
 
+def pool_cap(config: EngineConfig, max_model_len: int, layout: KVLayout | None) -> int:
+    """The most page IDs the pool needs: max_num_seqs sequences of max_model_len tokens, each
+    holding every page of its full groups and the window (and a chunk) of its windowed ones."""
+    windows = (None,) if layout is None else layout.windows
+    return config.max_num_seqs * pages_held_at_most(
+        windows, config.page_size, max_model_len, config.max_num_batched_tokens
+    )
+
+
 def pool_page_bytes(
-    model: ModelConfig, page_size: int, dtype, sharding: ShardingPlan, layout=None
+    model: ModelConfig,
+    page_size: int,
+    dtype,
+    sharding: ShardingPlan,
+    layout: KVLayout | None = None,
 ) -> int:
     """Bytes of one page ID on each device: its KV shard's lanes over its layer slots (all
     layers; a hybrid `layout`'s group size, kv_pool.KVLayout), padded as the
@@ -282,8 +293,9 @@ def pool_page_bytes(
     already a multiple of 128, so only the sublane rows of a short page pad there). `dtype` is
     the pool's: a quantized one has 1-byte lanes and its scale lanes (ShardingPlan.pool_lanes)."""
     shard_lanes = sharding.pool_lanes(dtype) // sharding.kv_shards
-    slots = model.num_layers if layout is None else layout.group_size
-    return slots * padded_bytes((page_size, shard_lanes), dtype, sharding.platform)
+    return pool_slots(model, layout) * padded_bytes(
+        (page_size, shard_lanes), dtype, sharding.platform
+    )
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -494,8 +506,12 @@ def step_program(
     params = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, param_shardings
     )
-    slots = mc.num_layers if runner.kv_layout is None else runner.kv_layout.group_size
-    pool_shape = (slots, runner.num_pages, runner.page_size, sharding.pool_lanes(kv_dtype))
+    pool_shape = (
+        pool_slots(mc, runner.kv_layout),
+        runner.num_pages,
+        runner.page_size,
+        sharding.pool_lanes(kv_dtype),
+    )
     kv_sharding = sharding.kv_pages
     rep = sharding.replicated
     max_seqs = runner.seq_buckets[-1]

@@ -31,7 +31,6 @@ from jaxserve.runtime import aot
 from jaxserve.runtime.buckets import bucket_ladder
 from jaxserve.runtime.model_runner import ModelRunner, RunnerConfig, enable_compilation_cache
 from jaxserve.runtime.multihost import agree_min
-from jaxserve.scheduling.kv_cache_manager import pages_held_at_most
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +151,7 @@ def build_runner(
     )
     if not config.num_pages:
         devices = list(mesh.devices.flat)
-        # Page IDs: with a hybrid pool, full groups' pages and the local groups' windows.
-        windows = (None,) if kv_layout is None else kv_layout.windows
-        cap = config.max_num_seqs * pages_held_at_most(
-            windows, config.page_size, max_model_len, config.max_num_batched_tokens
-        )
+        cap = aot.pool_cap(config, max_model_len, kv_layout)
         # The pool's own dtype: 8-bit pages (with their scale lanes) fit about twice as many.
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         fit = pages_that_fit(
