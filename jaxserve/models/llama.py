@@ -64,6 +64,7 @@ from jaxserve.models.attention import (
     write_kv,
 )
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.kv_keys import KeyTransform
 from jaxserve.models.kv_pool import KVLayout, KVPages
 from jaxserve.models.lora import lora_delta
 from jaxserve.models.moe import SparseMoe
@@ -199,6 +200,7 @@ class Attention(nn.Module):
     quant: QuantScheme | None = None  # 8-bit q/k/v and o kernels (models/quant.py)
     layer_index: int | None = None  # the unrolled loop's layer (its window); None: any layer
     kv_layout: KVLayout | None = None  # a hybrid pool's groups (kv_pool.py); None: uniform
+    kv_keys: KeyTransform | None = None  # an 8-bit pool's key conditioning (models/kv_keys.py)
 
     def _pool_view(self, layer, batch: StepBatch):
         """Where this layer's keys and values live: (pool index i32[], page tables i32[S, P],
@@ -280,7 +282,9 @@ class Attention(nn.Module):
                 return out.reshape(t, -1).astype(q.dtype), kv_pool
 
             def unfused(q, k, v, kv_pool):
-                return self._attend(q, k, v, kv_pool, view, batch, cos, sin, backend, split, window)
+                return self._attend(
+                    q, k, v, kv_pool, view, batch, cos, sin, backend, split, window, layer
+                )
 
             # Chosen when the step is lowered: a step compiled for an accelerator is unfused.
             heads, kv_pool = jax.lax.platform_dependent(
@@ -288,7 +292,7 @@ class Attention(nn.Module):
             )
         else:
             heads, kv_pool = self._attend(
-                q, k, v, kv_pool, view, batch, cos, sin, backend, split, window
+                q, k, v, kv_pool, view, batch, cos, sin, backend, split, window, layer
             )
         out = _dense(c.hidden_size, c.o_bias, self.dtype, "o_proj", self.packed, batch, self.quant)(
             heads
@@ -297,14 +301,22 @@ class Attention(nn.Module):
             out = out + _lora(self, batch, "o_proj", layer, heads)
         return out, kv_pool
 
-    def _attend(self, q, k, v, kv_pool, view, batch: StepBatch, cos, sin, backend, split, window):
+    def _attend(
+        self, q, k, v, kv_pool, view, batch: StepBatch, cos, sin, backend, split, window, true_layer
+    ):
         """RoPE, this step's keys and values into the pool, attention: heads [T, H * d].
-        `view`: the layer's (pool index, page tables, write slots) from `_pool_view`."""
+        `view`: the layer's (pool index, page tables, write slots) from `_pool_view`;
+        `true_layer` (i32[]): the decoder layer, which an 8-bit pool's key transform is of."""
         c, t = self.config, q.shape[0]
         layer, page_tables, slot_mapping = view
         # Only a soft-capped model (Gemma 2) passes the keyword; every attention path takes it.
         cap = {} if c.attn_logit_softcap is None else {"soft_cap": c.attn_logit_softcap}
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if common.is_quantized(kv_pool.dtype) and self.kv_keys is not None:
+            # Keys centred, smoothed and rotated before they are quantized, queries to match:
+            # each query's attention weights are unchanged (models/kv_keys.py).
+            index = true_layer if self.layer_index is None else self.layer_index
+            q, k = self.kv_keys.apply(q, k, index)
         kv_pool = write_kv(
             kv_pool,
             layer,
@@ -398,6 +410,7 @@ class DecoderLayer(nn.Module):
     quant: QuantScheme | None = None  # 8-bit matmul kernels (models/quant.py)
     layer_index: int | None = None  # the unrolled loop's layer (its window); None: scanned
     kv_layout: KVLayout | None = None  # a hybrid pool's groups (kv_pool.py); None: uniform
+    kv_keys: KeyTransform | None = None  # an 8-bit pool's key conditioning (models/kv_keys.py)
 
     @nn.compact
     def __call__(self, carry, batch: StepBatch, cos, sin):
@@ -417,6 +430,7 @@ class DecoderLayer(nn.Module):
             self.quant,
             self.layer_index,
             self.kv_layout,
+            self.kv_keys,
             name="self_attn",
         )
         attn_out, kv_pool = attention(norm("input_layernorm")(h), kv_pool, layer, batch, cos, sin)
@@ -589,6 +603,9 @@ class LlamaForCausalLM(nn.Module):
     # The pool's layer groups (kv_pool.KVLayout): a hybrid layout indexes the pool by each
     # layer's slot and reads its group's tables (unrolled loop only). None: uniform.
     kv_layout: KVLayout | None = None
+    # An 8-bit pool's keys centred, smoothed and rotated, queries to match (models/kv_keys.py;
+    # calibrated at start-up by runtime/key_calibration.py). None: keys stored as computed.
+    kv_keys: KeyTransform | None = None
 
     def setup(self):
         c = self.config
@@ -612,12 +629,17 @@ class LlamaForCausalLM(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=c.num_layers,
-            )(*layer_args, sparse=c.moe is not None, quant=quant)
+            )(*layer_args, sparse=c.moe is not None, quant=quant, kv_keys=self.kv_keys)
         else:  # params "layers_0" ... "layers_{n-1}", each its own array (see the docstring)
             sparse = c.moe is not None
             self.layers = [
                 DecoderLayer(
-                    *layer_args, sparse=sparse, quant=quant, layer_index=i, kv_layout=layout
+                    *layer_args,
+                    sparse=sparse,
+                    quant=quant,
+                    layer_index=i,
+                    kv_layout=layout,
+                    kv_keys=self.kv_keys,
                 )
                 for i in range(c.num_layers)
             ]

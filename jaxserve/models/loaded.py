@@ -46,11 +46,13 @@ def model_for(
     packed_weights: bool = False,
     quant: QuantScheme | None = None,
     kv_layout=None,
+    kv_keys=None,
 ):
     """The flax module of `config`; `plan` (a jaxserve.models.sharding.ShardingPlan) splits it;
     `packed_weights`: its matmuls read `pack_params` trees (the runner's choice on the CPU);
     `quant`: its decoder matmuls read `quantize_params` trees (models/quant.py); `kv_layout`
-    (kv_pool.KVLayout, None: uniform): the pool's layer groups, for a hybrid pool.
+    (kv_pool.KVLayout, None: uniform): the pool's layer groups, for a hybrid pool; `kv_keys`
+    (kv_keys.KeyTransform, None: none): how an 8-bit pool's keys are conditioned.
 
     `layer_loop` decides the param tree's layout (see `unstack_layers`); loaders use the same
     "auto" default, so a loaded model and the runner's module agree on each platform.
@@ -64,6 +66,7 @@ def model_for(
         packed_weights=packed_weights,
         quant=quant,
         kv_layout=kv_layout,
+        kv_keys=kv_keys,
     )
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from jaxserve import target as targets
 from jaxserve.engine_config import EngineConfig
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.kv_keys import KeyTransform
 from jaxserve.models.kv_pool import (
     KVLayout,
     KVPages,
@@ -50,6 +51,7 @@ from jaxserve.runtime.roofline import StepWork, layer_floor, predict, step_floor
 from jaxserve.runtime.sampling import PenaltyState, SamplingBatch, mask_words
 from jaxserve.scheduling.kv_cache_manager import pages_held_at_most
 from pallas_kernels import gpu_targets
+from pallas_kernels.ragged_paged_attention import common
 
 logger = logging.getLogger(__name__)
 
@@ -407,6 +409,13 @@ def compile_for_target(
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         layout = resolve_kv_layout(config, model)
         page_bytes = pool_page_bytes(model, config.page_size, kv_dtype, sharding, layout)
+        # No weights to calibrate an 8-bit pool's keys on: the transform's shape, so the step
+        # compiled is the served one (models/kv_keys.py).
+        kv_keys = None
+        if common.is_quantized(kv_dtype):
+            kv_keys = KeyTransform.identity(
+                model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype
+            )
         module = model_for(
             model,
             dtype,
@@ -415,6 +424,7 @@ def compile_for_target(
             layer_loop=layer_loop,
             quant=scheme,
             kv_layout=layout,
+            kv_keys=kv_keys,
         )
 
         def program_of(num_pages: int) -> _StepProgram:

@@ -29,8 +29,10 @@ from jaxserve.models.sharding import MESH_AXES, ShardingPlan, make_mesh
 from jaxserve.quantization import resolve_checkpoint_quantization
 from jaxserve.runtime import aot
 from jaxserve.runtime.buckets import bucket_ladder
+from jaxserve.runtime.key_calibration import calibrate_key_transform
 from jaxserve.runtime.model_runner import ModelRunner, RunnerConfig, enable_compilation_cache
 from jaxserve.runtime.multihost import agree_min
+from pallas_kernels.ragged_paged_attention import common
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +139,12 @@ def build_runner(
     max_model_len = max_model_len_for(config, model.config)
     if kv_layout is None:
         kv_layout = aot.resolve_kv_layout(config, model.config)
+    # The pool's own dtype: 8-bit pages (with their scale lanes) fit about twice as many, and
+    # their keys are conditioned by a transform calibrated on this model (models/kv_keys.py).
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
+    kv_keys = None
+    if common.is_quantized(kv_dtype):
+        kv_keys = calibrate_key_transform(model, kv_dtype, max_model_len, sharding.replicated)
     runner_config = RunnerConfig(
         num_pages=config.num_pages or 1,  # sized below unless given
         page_size=config.page_size,
@@ -148,12 +156,11 @@ def build_runner(
         max_lora_rank=config.max_lora_rank,
         kv_cache_dtype=config.kv_cache_dtype,
         kv_layout=kv_layout,
+        kv_keys=kv_keys,
     )
     if not config.num_pages:
         devices = list(mesh.devices.flat)
         cap = aot.pool_cap(config, max_model_len, kv_layout)
-        # The pool's own dtype: 8-bit pages (with their scale lanes) fit about twice as many.
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         fit = pages_that_fit(
             aot.pool_page_bytes(
                 model.config, config.page_size, kv_dtype, sharding, runner_config.kv_layout
@@ -222,6 +229,7 @@ def step_reserved_bytes(model: LoadedModel, runner_config, sharding, cap: int) -
         layer_loop=layer_loop_of(model.params),
         quant=model.quant,
         kv_layout=runner_config.kv_layout,
+        kv_keys=runner_config.kv_keys,
     )
     probe = dataclasses.replace(runner_config, num_pages=cap)
     report = aot.step_memory(module, model.params, probe, sharding)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.models.attention import import_kernels, warm_up_batches
+from jaxserve.models.kv_keys import KeyTransform
 from jaxserve.models.kv_pool import KVLayout, KVPages, init_kv_pages, resolve_kv_cache_dtype
 from jaxserve.models.llama import logits_of_rows
 from jaxserve.models.loaded import LoadedModel, layer_loop_of, model_for, pack_params
@@ -73,6 +74,9 @@ class RunnerConfig:
     # The pool's layer groups (kv_pool.KVLayout: a hybrid pool of local and global layers, set
     # by the engine from kv_pool.kv_layout); None: uniform, one group of every layer.
     kv_layout: KVLayout | None = None
+    # An 8-bit pool's key conditioning (models/kv_keys.py), calibrated on the model at start-up
+    # (runtime/key_calibration.py); None: keys stored as computed (a float pool, or a test).
+    kv_keys: KeyTransform | None = None
 
     @property
     def num_groups(self) -> int:
@@ -231,6 +235,7 @@ class ModelRunner:
             packed_weights=packed,
             quant=model.quant,
             kv_layout=config.kv_layout,
+            kv_keys=config.kv_keys,
         )
         if packed:
             logger.info(

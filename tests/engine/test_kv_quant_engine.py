@@ -27,10 +27,12 @@ TEXT = (
     "park with her friends. One day, she saw a big red ball under a tree."
 )
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-# Mean |log p_q - log p_f| per token of TEXT. Over docs/history/quant_accuracy.py's 240-token
-# story it measured 0.043 (int8) and 0.097 (fp8); the bounds leave about twice that, while a
-# lost or misplaced scale costs whole nats (the keys of this model reach |k| ~ 28).
-NLL_BOUNDS = {"int8": 0.09, "fp8": 0.2}
+# Mean |log p_q - log p_f| per token of TEXT: measured 0.0034 (int8) and 0.0195 (fp8) with the
+# keys' calibrated transform (models/kv_keys.py), 0.0153 and 0.0297 without it; the bounds
+# fail the latter (int8 with 2.6x room, fp8 with 1.3x: e4m3's error is mostly its own), while a
+# lost or misplaced scale costs whole nats (the keys of this model reach |k| ~ 28). Over
+# docs/history/quant_accuracy.py's 240-token story: 0.0131 and 0.0668 (0.043 and 0.097 without).
+NLL_BOUNDS = {"int8": 0.009, "fp8": 0.026}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +113,7 @@ def test_each_kv_dtype_serves_near_the_float_cache_without_a_compile(reference, 
     engine.step()  # nothing to run: the gauges refresh
     assert engine.metrics.stats.compiles_after_warmup == 0
     # The first prompt's greedy text is the float cache's for 16 tokens in both formats
-    # (measured identical for 114 (int8) and 16 (fp8) of 256).
+    # (over 256 tokens measured identical for 256 (int8) and 69 (fp8); 114 and 16 untransformed).
     assert outs[0][:16] == want_outs[0][:16]
     assert 0 < np.mean(np.abs(got_lp - want_lp)) < NLL_BOUNDS[name]
 

@@ -37,8 +37,12 @@ def test_a_split_8_bit_pool_gives_the_unsplit_tokens(unsplit, name, tp):
     want = LLM(engine=one).generate(PROMPTS, GREEDY)
     got = LLM(engine=engine).generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    # The split step's keys differ from the unsplit one's in their last bits (the unsplit CPU
+    # step's matmuls are packed kernels, the split one's XLA dots), and an 8-bit rounding on its
+    # boundary then lands one step apart: measured up to 0.005 nats. A misplaced scale or key
+    # transform costs whole nats.
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(
-            [lp.logprob for lp in g.logprobs], [lp.logprob for lp in w.logprobs], atol=1e-4
+            [lp.logprob for lp in g.logprobs], [lp.logprob for lp in w.logprobs], atol=2e-2
         )
     assert engine.metrics.stats.compiles_after_warmup == 0
