@@ -112,6 +112,8 @@ def test_transforms_hash_and_compare_by_value():
     assert a == b and hash(a) == hash(b)
     c = KeyTransform(a.center + 1e-3, a.scale, True)
     assert a != c and hash(a) != hash(c)
+    d = KeyTransform(a.center, a.scale * 2, True)
+    assert a != d and hash(a) != hash(d)
     assert a != KeyTransform(a.center, a.scale, False)
 
 
@@ -166,3 +168,20 @@ def test_apply_traces_with_a_traced_layer():
         c, d = t.apply(q, k, i)
         np.testing.assert_allclose(a, c, rtol=1e-6)
         np.testing.assert_allclose(b, d, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_a_soft_capped_model_is_smoothed_but_never_centred(family, tmp_path):
+    """Gemma 2 caps its attention logits with a tanh, which a common shift of a query's logits
+    does change: its calibrated centre is 0. Gemma 3 (no cap) is centred."""
+    from checkpoints import load_model
+    from jaxserve.runtime.key_calibration import calibrate_key_transform
+    from tests.models.gemma_helpers import build_gemma
+    from tests.models.helpers import save_hf
+
+    loaded = load_model(save_hf(build_gemma(family), tmp_path), dtype=jnp.float32)
+    assert (loaded.config.attn_logit_softcap is not None) == (family == "gemma2")
+    t = calibrate_key_transform(loaded, jnp.int8, 64)
+    assert t.center.shape == (4, 2, 32) and t.rotate
+    assert (np.abs(t.center).max() == 0) == (family == "gemma2")
+    assert np.ptp(t.scale) > 0  # smoothed either way

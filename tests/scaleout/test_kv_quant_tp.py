@@ -1,7 +1,7 @@
 """The 8-bit KV cache split over devices: stories260k's 4 KV heads over 2 devices (attention
 local) and over 4 (one head a device), each device's block of lanes ending with its own heads'
-scale exponents, give the tokens of the unsplit 8-bit engine, and nothing compiles after
-warm-up."""
+scale exponents and the same calibrated key transform, give the tokens of the unsplit 8-bit
+engine, and nothing compiles after warm-up."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def test_a_split_8_bit_pool_gives_the_unsplit_tokens(unsplit, name, tp):
     heads = c.num_kv_heads // tp
     assert kv.dtype == jnp.dtype(one.runner.kv.kv.dtype)
     assert {s.data.shape[3] for s in kv.addressable_shards} == {heads * (2 * c.head_dim + 2)}
+    # The keys' transform calibrated on the split mesh is the unsplit one (snapped to its grid).
+    assert engine.runner.config.kv_keys == one.runner.config.kv_keys is not None
     want = LLM(engine=one).generate(PROMPTS, GREEDY)
     got = LLM(engine=engine).generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
