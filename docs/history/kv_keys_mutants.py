@@ -18,7 +18,9 @@ PY = sys.executable
 KK = "jaxserve/models/kv_keys.py"
 KC = "jaxserve/runtime/key_calibration.py"
 M = "tests/models/test_kv_keys.py"
-E = ["tests/engine/test_kv_quant_engine.py", "-k", "near_the_float"]
+E = [
+    "tests/engine/test_kv_quant_engine.py::test_each_kv_dtype_serves_near_the_float_cache_without_a_compile"
+]
 S = "tests/scaleout/test_kv_quant_tp.py"
 MUTANTS = [
     (
@@ -28,7 +30,13 @@ MUTANTS = [
         "k32 = k.astype(jnp.float32) * inv",
         [M, *E],
     ),
-    ("query not multiplied by s", KK, "* s[:, None])", ")", [M]),
+    (
+        "query not multiplied by s",
+        KK,
+        "heads // kv_heads, d) * s[:, None]",
+        "heads // kv_heads, d)",
+        [M],
+    ),
     (
         "keys divided by s, not multiplied by 1 / s",
         KK,
@@ -71,7 +79,7 @@ MUTANTS = [
         "return h.astype(np.float32)",
         [M],
     ),
-    ("centre not snapped", KK, "        center = np.round(center / step) * step\n", "", [M, S]),
+    ("centre not snapped", KK, "        center = np.round(center / step) * step\n", "", [S]),
     (
         "hash of the centre only",
         KK,

@@ -4,13 +4,20 @@ stories260k's real keys it shrinks int8's quantization error of the attention we
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.models.kv_keys import SMOOTHING, KeyTransform, hadamard, rotates
-from jaxserve.runtime.key_calibration import CALIBRATION_TEXT, calibration_ids, calibration_keys
+from jaxserve.runtime.key_calibration import (
+    CALIBRATION_TEXT,
+    CALIBRATION_TOKENS,
+    calibration_ids,
+    calibration_keys,
+)
 from pallas_kernels.ragged_paged_attention import common
 
 
@@ -133,6 +140,14 @@ def test_on_stories260k_the_transform_shrinks_int8s_error_on_another_text(storie
     c = stories_model.config
     ids = calibration_ids(stories_model, 512)
     assert stories_model.tokenizer.decode(ids[1:12]) in CALIBRATION_TEXT
+    # CALIBRATION_TOKENS of the text repeated, or max_len where that is shorter; a model without
+    # a tokenizer gets seeded random ids in its vocabulary, the same each time.
+    assert len(ids) == CALIBRATION_TOKENS and len(calibration_ids(stories_model, 40)) == 40
+    bare = dataclasses.replace(stories_model, tokenizer=None)
+    random_ids = calibration_ids(bare, 512)
+    assert random_ids == calibration_ids(bare, 512) != calibration_ids(bare, 512, seed=1)
+    assert len(random_ids) == CALIBRATION_TOKENS
+    assert min(random_ids) >= 0 and max(random_ids) < c.vocab_size
     transform = KeyTransform.from_keys(calibration_keys(stories_model, ids), jnp.int8, False)
     assert transform.rotate  # head_dim 8
     story = "The little dog ran in the garden and found a stick. Sue threw it and he ran after it."
