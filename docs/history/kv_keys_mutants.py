@@ -3,18 +3,15 @@ and where the model and the builder apply it; issue 43) and the tests that must 
 
     PYTHONPATH=. python docs/history/kv_keys_mutants.py [INDEX ...]
 
-Run as kv_quant_mutants.py runs its own (one exact string replaced, the named tests with -x,
-the file put back). The scale-out tests run in a session of their own (4 host devices).
+Run by kv_quant_mutants.run (one exact string replaced, the named tests with -x, the file put
+back). The scale-out tests run in a session of their own (4 host devices).
 Results: docs/benchmarks.md, "Quantized KV cache", stop 66.
 """
 
-import pathlib
-import subprocess
 import sys
-import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-PY = sys.executable
+from kv_quant_mutants import run
+
 KK = "jaxserve/models/kv_keys.py"
 KC = "jaxserve/runtime/key_calibration.py"
 M = "tests/models/test_kv_keys.py"
@@ -124,34 +121,5 @@ MUTANTS = [
     ),
 ]
 
-only = {int(a) for a in sys.argv[1:]}
-killed = 0
-for i, (name, path, old, new, tests) in enumerate(MUTANTS):
-    if only and i not in only:
-        continue
-    f = ROOT / path
-    src = f.read_text()
-    assert src.count(old) == 1, (name, src.count(old))
-    f.write_text(src.replace(old, new))
-    t = time.time()
-    try:
-        r = subprocess.run(
-            [PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-            cwd=ROOT,
-            env={
-                "PYTHONPATH": str(ROOT),
-                "PATH": "/usr/bin:/bin",
-                "HOME": str(pathlib.Path.home()),
-            },
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
-        rc = r.returncode
-        tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:]
-    finally:
-        f.write_text(src)
-    status = "KILLED" if rc not in (0, 5) else "SURVIVED"
-    killed += status == "KILLED"
-    print(f"{i:2d} {status:8s} {time.time() - t:6.0f}s  {name}  [{tail}]", flush=True)
-print(f"killed {killed}")
+if __name__ == "__main__":
+    run(MUTANTS, {int(a) for a in sys.argv[1:]})

@@ -143,34 +143,44 @@ MUTANTS = [
         [K, "-k", "triton"],
     ),
 ]
-only = set(map(int, sys.argv[1:])) if len(sys.argv) > 1 else None
-killed = 0
-for i, (name, path, old, new, tests) in enumerate(MUTANTS):
-    if only and i not in only:
-        continue
-    f = ROOT / path
-    src = f.read_text()
-    assert src.count(old) == 1, (name, src.count(old))
-    f.write_text(src.replace(old, new))
-    t = time.time()
-    try:
-        r = subprocess.run(
-            [PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-            cwd=ROOT,
-            env={
-                "PYTHONPATH": str(ROOT),
-                "PATH": "/usr/bin:/bin",
-                "HOME": str(pathlib.Path.home()),
-            },
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
-        rc = r.returncode
-        tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:]
-    finally:
-        f.write_text(src)
-    status = "KILLED" if rc != 0 else "SURVIVED"
-    killed += rc != 0
-    print(f"{i:2d} {status:8s} {time.time() - t:6.0f}s  {name}  [{tail}]", flush=True)
-print(f"killed {killed}")
+
+
+def run(mutants, only=()) -> int:
+    """Applies each mutant of `mutants` (all, or the indices in `only`) in turn: its tests run
+    with -x against the changed file, which is then put back. Prints a line each; returns how
+    many were killed (their tests failed; a run that collected no test kills nothing)."""
+    killed = 0
+    for i, (name, path, old, new, tests) in enumerate(mutants):
+        if only and i not in only:
+            continue
+        f = ROOT / path
+        src = f.read_text()
+        assert src.count(old) == 1, (name, src.count(old))
+        f.write_text(src.replace(old, new))
+        t = time.time()
+        try:
+            r = subprocess.run(
+                [PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                cwd=ROOT,
+                env={
+                    "PYTHONPATH": str(ROOT),
+                    "PATH": "/usr/bin:/bin",
+                    "HOME": str(pathlib.Path.home()),
+                },
+                capture_output=True,
+                text=True,
+                timeout=1200,
+            )
+            rc = r.returncode
+            tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:]
+        finally:
+            f.write_text(src)
+        status = {0: "SURVIVED", 5: "NO TESTS"}.get(rc, "KILLED")
+        killed += status == "KILLED"
+        print(f"{i:2d} {status:8s} {time.time() - t:6.0f}s  {name}  [{tail}]", flush=True)
+    print(f"killed {killed}")
+    return killed
+
+
+if __name__ == "__main__":
+    run(MUTANTS, {int(a) for a in sys.argv[1:]})
