@@ -20,8 +20,8 @@ changes of the keys, each leaving every query's attention weights what they were
 b and s come from the model's own keys over a short calibration text at start-up
 (runtime/key_calibration.py). Since any b and s are exact, calibration decides only how small
 the quantization error is, never whether attention is right; a weight update keeps them.
-Measured on stories260k over a text it was not calibrated on: int8 0.043 -> 0.012 nats a
-token, e4m3 0.097 -> 0.063 (docs/benchmarks.md, "Quantized KV cache").
+Measured through the engine on stories260k over a text it was not calibrated on: int8 0.043
+-> 0.013 nats a token, e4m3 0.097 -> 0.067 (docs/benchmarks.md, "Quantized KV cache").
 
 The transform is part of the compiled step as constants (a `KeyTransform` is hashable and
 static), applied by `models/llama.Attention` after RoPE and before the pool write, so every
@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# How far s evens the channels' spreads: s = spread^alpha (normalised), per pool dtype; measured
-# on stories260k (int8: alpha 1 with the rotation, 0.012 nats; e4m3: 0.5 without, 0.063).
+# How far s evens the channels' spreads: s = spread^alpha (normalised), per pool dtype; chosen in
+# simulation on stories260k (docs/history/kv_keys_sim.py: int8 alpha 1 with the rotation, 0.012
+# nats; e4m3 0.5 without, 0.063).
 SMOOTHING = {"int8": 1.0, "float8_e4m3fn": 0.5}
 
 
